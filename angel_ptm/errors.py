@@ -1,0 +1,72 @@
+"""Typed errors for everything a user (or the machine) can get wrong.
+
+Each message is one line naming the key, path or numbers involved, so the CLI can print ``str(err)`` and exit
+non-zero without a traceback.
+"""
+
+from __future__ import annotations
+
+
+class AngelError(Exception):
+    """Base of every error angel-ptm raises on purpose."""
+
+
+# --- configuration -------------------------------------------------------------------------------------------
+class ConfigError(AngelError):
+    """A configuration problem; the message names the dotted key."""
+
+
+class UnknownKeyError(ConfigError):
+    """A config key that does not exist (the message suggests the closest valid key)."""
+
+
+class ConfigTypeError(ConfigError):
+    """A config value of the wrong type."""
+
+
+class ConfigValueError(ConfigError):
+    """A config value of the right type that is impossible (negative size, lr <= 0, ...)."""
+
+
+class DataError(AngelError):
+    """A data directory or token file that is missing, empty or malformed."""
+
+
+# --- memory ---------------------------------------------------------------------------------------------------
+class BudgetError(AngelError):
+    """A request that a tier cannot hold; raised before anything is allocated."""
+
+    def __init__(self, tier: str, requested: int, available: int, what: str = ""):
+        self.tier, self.requested, self.available = tier, int(requested), int(available)
+        extra = f" for {what}" if what else ""
+        super().__init__(
+            f"{tier} tier budget exceeded{extra}: requested {self.requested} bytes, "
+            f"{self.available} bytes available"
+        )
+
+
+class PageStateError(AngelError):
+    """An illegal page state transition (a bug in the caller, never silently ignored)."""
+
+
+# --- I/O ------------------------------------------------------------------------------------------------------
+class PageIOError(AngelError):
+    """A read or write that failed; the page stays on its source tier, unchanged."""
+
+    def __init__(self, message: str, errno: int = 0, path: str = ""):
+        self.errno, self.path = int(errno), path
+        super().__init__(message)
+
+
+class DiskFullError(PageIOError):
+    """ENOSPC / EFBIG: the disk (or the file size limit) has no room for the write."""
+
+
+class ChecksumError(AngelError):
+    """A page read from disk whose checksum does not match the one recorded when it was written."""
+
+    def __init__(self, page: str, path: str, expected: int, actual: int):
+        self.page, self.path, self.expected, self.actual = page, path, expected, actual
+        super().__init__(
+            f"checksum mismatch for page {page} in {path}: expected {expected:#010x}, got {actual:#010x}"
+        )
