@@ -1,0 +1,213 @@
+"""The configuration schema: one dataclass per section, every field with a default.
+
+Constructing a section checks and converts its fields (see coerce.py) and then validates values, so a Config
+that exists is a valid Config, whether it came from YAML, ``--set`` overrides or Python code. Choices are
+``Literal`` annotations, so the allowed values are visible right in the field declaration.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Literal, Optional, Tuple
+
+from angel_ptm.config.coerce import coerce
+from angel_ptm.config.sizes import Budget, ByteSize, show_value
+from angel_ptm.errors import ConfigTypeError, ConfigValueError
+
+PAGE_ALIGNMENT = 4096  # pages are read and written with O_DIRECT, which needs 4 KiB-aligned sizes
+
+
+@functools.cache
+def field_types(cls: type) -> dict[str, Any]:
+    """Field name -> resolved annotation (``Annotated`` kept: it carries the byte-size parsers); no ClassVars."""
+    hints = typing.get_type_hints(cls, include_extras=True)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+class _Section:
+    """Shared construction for config sections: convert every field, then run the section's checks."""
+
+    SECTION: ClassVar[str]  # the section's key in Config, used to name fields in error messages
+
+    def __post_init__(self) -> None:
+        types = field_types(type(self))
+        for f in dataclasses.fields(self):  # type: ignore[arg-type]
+            setattr(self, f.name, coerce(getattr(self, f.name), types[f.name], self._key(f.name)))
+        self.validate()
+
+    def validate(self) -> None:
+        """Value checks that the type alone cannot express (ranges, divisibility)."""
+
+    def _key(self, name: str) -> str:
+        return f"{self.SECTION}.{name}"
+
+    def _require(self, name: str, ok: bool, requirement: str) -> None:
+        if not ok:
+            raise ConfigValueError(f"{self._key(name)}: must be {requirement}, got {show_value(getattr(self, name))}")
+
+    def _require_positive(self, *names: str) -> None:
+        for name in names:
+            self._require(name, getattr(self, name) > 0, "> 0")
+
+
+@dataclass
+class ModelConfig(_Section):
+    SECTION: ClassVar[str] = "model"
+
+    name: Literal["gpt"] = "gpt"
+    vocab_size: int = 256
+    seq_len: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: Optional[int] = None  # None: same as n_head (plain multi-head attention)
+    dim: int = 256
+    ffn_hidden: Optional[int] = None  # None: the model picks its own width from dim
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def validate(self) -> None:
+        self._require_positive("vocab_size", "seq_len", "n_layer", "n_head", "dim")
+        self._require_positive("rope_theta", "norm_eps", "init_std")
+        self._require("dim", self.dim % self.n_head == 0, f"divisible by model.n_head ({self.n_head})")
+        if self.n_kv_head is not None:
+            self._require("n_kv_head", self.n_kv_head > 0, "> 0 or null")
+            # Grouped-query attention shares each key/value head among an equal number of query heads.
+            self._require("n_kv_head", self.n_head % self.n_kv_head == 0, f"a divisor of model.n_head ({self.n_head})")
+        if self.ffn_hidden is not None:
+            self._require("ffn_hidden", self.ffn_hidden > 0, "> 0 or null")
+
+
+@dataclass
+class DataConfig(_Section):
+    SECTION: ClassVar[str] = "data"
+
+    kind: Literal["text", "tokens"] = "text"
+    path: Optional[str] = None  # None: the Python standard library sources, always present offline
+    token_dtype: Literal["uint16", "uint32"] = "uint16"
+    batch_size: int = 8
+    val_fraction: float = 0.05
+    seed: int = 1234
+
+    def validate(self) -> None:
+        self._require_positive("batch_size")
+        self._require("val_fraction", 0 <= self.val_fraction < 1, ">= 0 and < 1")
+        self._require("seed", self.seed >= 0, ">= 0")  # numpy generators reject negative seeds
+
+
+@dataclass
+class OptimizerConfig(_Section):
+    SECTION: ClassVar[str] = "optimizer"
+
+    name: Literal["adamw"] = "adamw"
+    lr: float = 1e-3
+    betas: Tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    # 1: the optimizer step of one iteration may overlap the next forward (parameters one step stale).
+    staleness: Literal[0, 1] = 0
+
+    def validate(self) -> None:
+        self._require_positive("lr", "eps")
+        self._require("betas", all(0 <= beta < 1 for beta in self.betas), "two numbers each >= 0 and < 1")
+        self._require("weight_decay", self.weight_decay >= 0, ">= 0")
+
+
+@dataclass
+class LRScheduleConfig(_Section):
+    SECTION: ClassVar[str] = "lr_schedule"
+
+    warmup_steps: int = 20
+    decay: Literal["cosine", "constant", "linear"] = "cosine"
+    min_lr_ratio: float = 0.1  # the decay ends at lr * min_lr_ratio
+
+    def validate(self) -> None:
+        self._require("warmup_steps", self.warmup_steps >= 0, ">= 0")
+        self._require("min_lr_ratio", 0 <= self.min_lr_ratio <= 1, ">= 0 and <= 1")
+
+
+@dataclass
+class MemoryConfig(_Section):
+    SECTION: ClassVar[str] = "memory"
+
+    page_bytes: ByteSize = "64MiB"  # type: ignore[assignment]  # read from a size string into an int
+    # Budgets stay "auto" here; they are resolved against the real hardware when the run starts.
+    device_budget: Budget = "auto"
+    host_budget: Budget = "auto"
+    disk_dir: Optional[str] = None  # None: a temporary directory under the run directory
+    disk_budget: Budget = "auto"
+    io_threads: int = 4
+    queue_depth: int = 32
+    scheduler: Literal["on_demand", "planned"] = "on_demand"
+
+    def validate(self) -> None:
+        self._require(
+            "page_bytes",
+            self.page_bytes > 0 and self.page_bytes % PAGE_ALIGNMENT == 0,
+            f"a positive multiple of {PAGE_ALIGNMENT}",
+        )
+        self._require_positive("io_threads", "queue_depth")
+
+
+@dataclass
+class TrainerConfig(_Section):
+    SECTION: ClassVar[str] = "trainer"
+
+    steps: int = 200
+    grad_accum: int = 1
+    grad_clip: Optional[float] = 1.0  # 0 or None: no clipping
+    eval_every: int = 50  # 0: never evaluate
+    eval_steps: int = 4
+    log_every: int = 1
+    seed: int = 0
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+    def validate(self) -> None:
+        self._require_positive("steps", "grad_accum", "eval_steps", "log_every")
+        if self.grad_clip is not None:
+            self._require("grad_clip", self.grad_clip >= 0, ">= 0 or null")
+        self._require("eval_every", self.eval_every >= 0, ">= 0")
+        self._require("seed", self.seed >= 0, ">= 0")
+
+
+@dataclass
+class RunConfig(_Section):
+    SECTION: ClassVar[str] = "run"
+
+    dir: Optional[str] = None  # None: runs/<timestamp>
+    name: str = "default"
+
+    def validate(self) -> None:
+        self._require("name", self.name != "", "a non-empty string")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        # Sections validate themselves; here we only catch a section of the wrong class passed from code.
+        for name, section_class in section_classes().items():
+            section = getattr(self, name)
+            if not isinstance(section, section_class):
+                raise ConfigTypeError(
+                    f"{name}: expected {section_class.__name__}, got {show_value(section)} ({type(section).__name__})"
+                )
+
+
+@functools.cache
+def section_classes() -> dict[str, type]:
+    """Section name -> dataclass, in declaration order (``{"model": ModelConfig, ...}``)."""
+    types = field_types(Config)
+    return {f.name: types[f.name] for f in dataclasses.fields(Config)}

@@ -1,0 +1,245 @@
+"""A GPT / LLaMA-style decoder-only transformer as a plain ``nn.Module``.
+
+RMSNorm, rotary position embeddings, grouped-query attention and a SwiGLU feed-forward, in one file you can
+read top to bottom. There is deliberately no paging, sharding or memory code here: the runtime applies those
+from outside, the way torchtitan's ``parallelize_*`` functions do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from angel_ptm.errors import ConfigTypeError, ConfigValueError
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 256
+    seq_len: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_kv_head: Optional[int] = None  # None = n_head; fewer = grouped-query attention
+    dim: int = 256
+    ffn_hidden: Optional[int] = None  # None = LLaMA rule, see hidden_dim
+    tie_embeddings: bool = True
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        for key in ("vocab_size", "seq_len", "n_layer", "n_head", "dim", "n_kv_head", "ffn_hidden"):
+            value = getattr(self, key)
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise ConfigTypeError(f"model.{key} must be an integer, got {value!r}")
+            if value <= 0:
+                raise ConfigValueError(f"model.{key} must be > 0, got {value}")
+        if self.dim % self.n_head != 0:
+            raise ConfigValueError(f"model.dim ({self.dim}) must be divisible by model.n_head ({self.n_head})")
+        if self.n_head % self.kv_heads != 0:
+            raise ConfigValueError(
+                f"model.n_head ({self.n_head}) must be divisible by model.n_kv_head ({self.kv_heads})"
+            )
+        if self.head_dim % 2 != 0:
+            raise ConfigValueError(
+                f"head dim model.dim / model.n_head = {self.head_dim} must be even for rotary embeddings"
+            )
+        if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
+            raise ConfigValueError(
+                f"model.rope_theta ({self.rope_theta}), model.norm_eps ({self.norm_eps}) and "
+                f"model.init_std ({self.init_std}) must be > 0"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_head
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def hidden_dim(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        return -(-int(8 * self.dim / 3) // 64) * 64  # LLaMA: 8/3 * dim, rounded up to a multiple of 64
+
+    @classmethod
+    def from_mapping(cls, obj: Any) -> "GPTConfig":
+        """Build from a dict or any object with (a subset of) the field names; other keys such as ``name``
+        are ignored, missing ones take the defaults."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        if isinstance(obj, dict):
+            values = {k: obj[k] for k in names if k in obj}
+        else:
+            values = {k: getattr(obj, k) for k in names if hasattr(obj, k)}
+        return cls(**values)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in float32: the mean of squares under- or overflows in fp16/bf16.
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+
+class RotaryEmbedding(nn.Module):
+    """Precomputed cos/sin tables. Non-persistent buffers: derived from the config, so they stay out of
+    checkpoints and out of anything the runtime pages."""
+
+    def __init__(self, head_dim: int, seq_len: int, theta: float):
+        super().__init__()
+        self.head_dim, self.seq_len, self.theta = head_dim, seq_len, theta
+        cos, sin = self._tables()
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+
+    def _tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = 1.0 / (self.theta ** (torch.arange(0, self.head_dim, 2, dtype=torch.float32) / self.head_dim))
+        angles = torch.outer(torch.arange(self.seq_len, dtype=torch.float32), inv_freq)  # [seq, head_dim/2]
+        return angles.cos(), angles.sin()
+
+    def reset_buffers(self) -> None:
+        """Recompute the tables in place (after materialising a model built on the meta device)."""
+        cos, sin = self._tables()
+        self.cos, self.sin = cos.to(self.cos.device), sin.to(self.sin.device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` of shape [batch, heads, seq, head_dim] (rotate-half / GPT-NeoX pairing)."""
+        t = x.shape[-2]
+        cos, sin = self.cos[:t].to(x.dtype), self.sin[:t].to(x.dtype)
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.n_head, self.n_kv_head, self.head_dim = cfg.n_head, cfg.kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_head * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        b, t, _ = x.shape
+        q = self.wq(x).view(b, t, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, self.n_kv_head, self.head_dim).transpose(1, 2)
+        q, k = rope(q), rope(k)
+        if self.n_kv_head != self.n_head:  # grouped-query: each kv head serves n_head / n_kv_head query heads
+            repeats = self.n_head // self.n_kv_head
+            k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(b, t, -1))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
+
+    def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: GPTConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.rope = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """Deterministic given torch's global RNG: N(0, init_std) for every Linear / Embedding weight, with the
+        residual-branch output projections (wo, w2) scaled by 1/sqrt(2 * n_layer) as in GPT-2; norms = 1."""
+        std = self.cfg.init_std
+        seen: set[int] = set()
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                if id(module.weight) in seen:  # tied output weight: initialised once, as the embedding
+                    continue
+                seen.add(id(module.weight))
+                scale = 1 / math.sqrt(2 * self.cfg.n_layer) if name.endswith((".wo", ".w2")) else 1.0
+                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+        self.rope.reset_buffers()
+
+    def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for token ids ``idx`` [batch, seq]; with ``targets`` the mean
+        cross-entropy loss (a scalar) instead."""
+        t = idx.shape[1]
+        if t > self.cfg.seq_len:
+            raise ConfigValueError(f"input length {t} exceeds model.seq_len ({self.cfg.seq_len})")
+        h = self.tok_embeddings(idx)
+        for layer in self.layers:
+            h = layer(h, self.rope)
+        logits = self.output(self.norm(h))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+
+    def num_params(self) -> int:
+        """Distinct parameters (a tied embedding/output weight is counted once)."""
+        return sum(p.numel() for p in self.parameters())
+
+
+def estimate_activation_bytes(cfg: GPTConfig, batch_size: int, dtype_bytes: int = 4) -> int:
+    """Rough bytes of activations saved for backward in one training step (forward + loss).
+
+    Per token, per layer, in elements of ``dtype_bytes`` (d = dim, kv = n_kv_head * head_dim, h = hidden_dim):
+      attention:  2d (norm input and output) + 2(d + 2kv) (q, k, v before and after rope)
+                  + 2d (attention output, saved by SDPA and as the wo input)
+      SwiGLU:     2d (norm input and output) + 4h (w1 and w3 outputs, silu(w1 x), the product fed to w2)
+    i.e. 8d + 4kv + 4h. This assumes a fused (flash / memory-efficient) attention kernel; the math fallback
+    additionally keeps a [batch, n_head, seq, seq] probability matrix per layer.
+    Plus the embedding output and final norm (3d per token), and the logits:
+    batch * seq * vocab * (dtype_bytes + 4) -- the logits themselves and the float32 softmax kept for the
+    cross-entropy gradient.
+    """
+    tokens = batch_size * cfg.seq_len
+    kv = cfg.kv_heads * cfg.head_dim
+    per_layer = 8 * cfg.dim + 4 * kv + 4 * cfg.hidden_dim
+    hidden_bytes = tokens * (cfg.n_layer * per_layer + 3 * cfg.dim) * dtype_bytes
+    logits_bytes = tokens * cfg.vocab_size * (dtype_bytes + 4)
+    return int(hidden_bytes + logits_bytes)

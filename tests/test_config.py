@@ -1,0 +1,280 @@
+"""Specification of angel_ptm.config: defaults, YAML, overrides, sizes, validation and round trips."""
+
+from __future__ import annotations
+
+import os
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from angel_ptm.config import (
+    Config,
+    MemoryConfig,
+    ModelConfig,
+    config_to_dict,
+    format_bytes,
+    load_config,
+    parse_bytes,
+    save_config,
+)
+from angel_ptm.errors import ConfigError, ConfigTypeError, ConfigValueError, UnknownKeyError
+
+MiB = 1024**2
+
+
+# --- defaults ---------------------------------------------------------------------------------------------------
+def test_no_source_gives_the_documented_defaults():
+    cfg = load_config()
+    assert cfg == Config()
+    assert cfg.model.n_layer == 4 and cfg.model.n_kv_head is None
+    assert cfg.optimizer.betas == (0.9, 0.95)
+    assert cfg.memory.page_bytes == 64 * MiB
+    assert cfg.memory.device_budget == "auto"
+    assert cfg.memory.disk_dir is None
+    assert cfg.trainer.dtype == "float32"
+    assert cfg.run.name == "default"
+
+
+# --- YAML files -------------------------------------------------------------------------------------------------
+def test_yaml_file_sets_fields_and_leaves_the_rest_default(tmp_path):
+    path = tmp_path / "small.yaml"
+    path.write_text("model:\n  n_layer: 2\n  dim: 128\nmemory:\n  page_bytes: 4MiB\n  host_budget: 2GB\n")
+    cfg = load_config(path)
+    assert cfg.model.n_layer == 2
+    assert cfg.model.dim == 128
+    assert cfg.memory.page_bytes == 4194304
+    assert cfg.memory.host_budget == 2000000000
+    assert cfg.model.n_head == 4
+
+
+def test_yaml_path_may_be_a_string(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("trainer:\n  steps: 7\n")
+    assert load_config(str(path)).trainer.steps == 7
+
+
+def test_missing_yaml_file_raises_config_error_naming_the_path(tmp_path):
+    path = tmp_path / "nope.yaml"
+    with pytest.raises(ConfigError, match=re.escape(str(path))):
+        load_config(path)
+
+
+def test_yaml_that_is_not_a_mapping_is_rejected(tmp_path):
+    path = tmp_path / "list.yaml"
+    path.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="expected a mapping"):
+        load_config(path)
+
+
+# --- overrides --------------------------------------------------------------------------------------------------
+def test_overrides_are_read_as_yaml_into_the_field_types():
+    cfg = load_config(overrides=["trainer.steps=10", "memory.disk_dir=/tmp/x", "optimizer.betas=[0.9,0.99]"])
+    assert cfg.trainer.steps == 10
+    assert cfg.memory.disk_dir == "/tmp/x"
+    assert cfg.optimizer.betas == (0.9, 0.99)
+
+
+def test_override_in_exponent_notation_without_a_dot_becomes_a_float():
+    # PyYAML reads "3e-4" as a string; a float field must still get 0.0003.
+    lr = load_config(overrides=["optimizer.lr=3e-4"]).optimizer.lr
+    assert lr == 0.0003
+    assert type(lr) is float
+
+
+def test_override_of_a_size_parses_the_unit():
+    assert load_config(overrides=["memory.host_budget=8GiB"]).memory.host_budget == 8 * 1024**3
+
+
+def test_override_of_a_text_field_keeps_the_text_even_when_it_looks_numeric():
+    assert load_config(overrides=["run.name=2024"]).run.name == "2024"
+
+
+def test_overrides_apply_on_top_of_a_dict_source_without_changing_it():
+    source = {"optimizer": {"lr": 0.01}}
+    cfg = load_config(source, overrides=["optimizer.lr=0.5"])
+    assert cfg.optimizer.lr == 0.5
+    assert source == {"optimizer": {"lr": 0.01}}
+
+
+def test_overrides_apply_to_a_config_source():
+    cfg = load_config(Config(), overrides=["model.n_layer=8"])
+    assert cfg.model.n_layer == 8
+
+
+def test_override_without_equals_sign_is_a_config_error():
+    with pytest.raises(ConfigError, match="override 'optimizer.lr'"):
+        load_config(overrides=["optimizer.lr"])
+
+
+# --- sizes ------------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("4MiB", 4194304),
+        ("2GB", 2000000000),
+        ("512KiB", 524288),
+        ("1.5GiB", 1610612736),
+        ("4096", 4096),
+        ("64 MiB", 67108864),
+        ("2g", 2147483648),
+        ("3kb", 3000),
+        ("1tib", 1099511627776),
+    ],
+)
+def test_size_strings_parse_to_bytes(text, expected):
+    assert parse_bytes(text, "k") == expected
+
+
+def test_sizes_accept_ints_and_whole_floats():
+    assert parse_bytes(4096, "k") == 4096
+    assert parse_bytes(4096.0, "k") == 4096
+
+
+def test_negative_size_is_a_value_error_naming_the_key():
+    with pytest.raises(ConfigValueError, match=r"^memory\.page_bytes: must be a size >= 0, got -1$"):
+        parse_bytes(-1, "memory.page_bytes")
+
+
+@pytest.mark.parametrize("text", ["4XB", "MiB", "", "4 Mi B", "1.5B"])
+def test_malformed_size_string_is_a_value_error_naming_the_key(text):
+    with pytest.raises(ConfigValueError, match=r"^memory\.page_bytes: "):
+        parse_bytes(text, "memory.page_bytes")
+
+
+def test_size_of_wrong_type_is_a_type_error():
+    with pytest.raises(ConfigTypeError, match=r"^k: expected a byte size"):
+        parse_bytes(True, "k")
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.integers(min_value=0, max_value=2**50))
+def test_plain_and_kib_sizes_round_trip(n):
+    assert parse_bytes(str(n), "k") == n
+    assert parse_bytes(f"{n}KiB", "k") == n * 1024
+
+
+def test_format_bytes_uses_the_largest_binary_unit():
+    assert format_bytes(64 * MiB) == "64.0 MiB"
+    assert format_bytes(1536) == "1.5 KiB"
+    assert format_bytes(512) == "512 B"
+
+
+# --- unknown keys -----------------------------------------------------------------------------------------------
+def test_misspelled_key_suggests_the_right_one():
+    with pytest.raises(UnknownKeyError) as info:
+        load_config({"memory": {"host_budgt": "1GiB"}})
+    assert str(info.value) == "unknown config key 'memory.host_budgt' (did you mean memory.host_budget?)"
+
+
+def test_key_in_the_wrong_section_suggests_where_it_belongs():
+    with pytest.raises(UnknownKeyError) as info:
+        load_config({"host_budget": "1GiB"})
+    assert str(info.value) == "unknown config key 'host_budget' (did you mean memory.host_budget?)"
+
+
+def test_unknown_override_key_suggests_the_right_one():
+    with pytest.raises(UnknownKeyError, match=r"\(did you mean trainer\.steps\?\)$"):
+        load_config(overrides=["trainer.stpes=5"])
+
+
+def test_unknown_key_without_a_close_match_lists_the_section():
+    with pytest.raises(UnknownKeyError, match=r"valid keys in optimizer: name, lr, betas"):
+        load_config({"optimizer": {"learning_rate": 1}})
+
+
+# --- types ------------------------------------------------------------------------------------------------------
+def test_wrong_type_names_the_key_the_expected_type_and_the_value():
+    with pytest.raises(ConfigTypeError) as info:
+        load_config({"model": {"n_layer": "abc"}})
+    assert str(info.value) == "model.n_layer: expected int, got 'abc' (str)"
+
+
+def test_int_field_rejects_bools():
+    with pytest.raises(ConfigTypeError, match=r"^trainer\.steps: expected int, got True"):
+        load_config({"trainer": {"steps": True}})
+
+
+def test_int_field_accepts_a_whole_float_and_float_field_accepts_an_int():
+    cfg = load_config({"model": {"n_layer": 3.0}, "optimizer": {"lr": 1}})
+    assert cfg.model.n_layer == 3 and type(cfg.model.n_layer) is int
+    assert cfg.optimizer.lr == 1.0 and type(cfg.optimizer.lr) is float
+
+
+def test_tuple_field_needs_the_right_length():
+    with pytest.raises(ConfigTypeError, match=r"^optimizer\.betas: expected list of 2 floats, got \[0\.9\]"):
+        load_config({"optimizer": {"betas": [0.9]}})
+
+
+def test_optional_field_accepts_null():
+    assert load_config({"trainer": {"grad_clip": None}}).trainer.grad_clip is None
+
+
+def test_choice_outside_its_choices_is_a_value_error():
+    with pytest.raises(ConfigValueError) as info:
+        load_config({"trainer": {"dtype": "float64"}})
+    assert str(info.value) == "trainer.dtype: must be one of \"float32\", \"bfloat16\", \"float16\", got 'float64'"
+
+
+# --- values -----------------------------------------------------------------------------------------------------
+def test_negative_budget_is_a_value_error_naming_memory_device_budget():
+    with pytest.raises(ConfigValueError) as info:
+        load_config({"memory": {"device_budget": -5}})
+    assert str(info.value) == 'memory.device_budget: must be "auto" or a size >= 0, got -5'
+
+
+def test_page_bytes_not_a_multiple_of_4096_is_rejected():
+    with pytest.raises(ConfigValueError, match=r"^memory\.page_bytes: must be a positive multiple of 4096, got 5000$"):
+        load_config({"memory": {"page_bytes": 5000}})
+
+
+def test_dim_not_divisible_by_n_head_is_rejected():
+    with pytest.raises(ConfigValueError, match=r"^model\.dim: must be divisible by model\.n_head \(4\), got 250$"):
+        load_config({"model": {"dim": 250}})
+
+
+def test_n_head_not_divisible_by_n_kv_head_is_rejected():
+    with pytest.raises(ConfigValueError, match=r"^model\.n_kv_head: must be a divisor of model\.n_head \(4\), got 3$"):
+        load_config({"model": {"n_kv_head": 3}})
+
+
+@pytest.mark.parametrize(
+    ("section", "name", "value"),
+    [
+        ("model", "n_layer", 0),
+        ("data", "batch_size", -1),
+        ("data", "val_fraction", 1.0),
+        ("optimizer", "lr", 0),
+        ("optimizer", "betas", [0.9, 1.0]),
+        ("optimizer", "weight_decay", -0.1),
+        ("memory", "io_threads", 0),
+        ("trainer", "grad_accum", 0),
+    ],
+)
+def test_impossible_values_are_value_errors_naming_the_key(section, name, value):
+    with pytest.raises(ConfigValueError, match=rf"^{section}\.{name}: must be "):
+        load_config({section: {name: value}})
+
+
+def test_sections_built_in_python_are_validated_too():
+    with pytest.raises(ConfigValueError, match=r"^model\.dim: "):
+        ModelConfig(dim=250)
+    assert MemoryConfig(page_bytes="8MiB").page_bytes == 8 * MiB
+
+
+# --- round trips ------------------------------------------------------------------------------------------------
+def test_config_to_dict_is_plain_data_and_loads_back_equal():
+    cfg = load_config(overrides=["memory.host_budget=3GiB", "model.n_kv_head=2", "run.dir=/tmp/run"])
+    data = config_to_dict(cfg)
+    assert data["optimizer"]["betas"] == [0.9, 0.95]
+    assert data["memory"]["page_bytes"] == 67108864
+    assert load_config(data) == cfg
+
+
+def test_save_config_writes_a_file_that_loads_back_equal(tmp_path):
+    cfg = load_config(overrides=["optimizer.lr=3e-4", "memory.device_budget=1GiB", "trainer.grad_clip=null"])
+    path = tmp_path / "run" / "config.yaml"
+    save_config(cfg, path)
+    assert load_config(path) == cfg
+    assert os.listdir(path.parent) == ["config.yaml"]  # no temporary file left behind
