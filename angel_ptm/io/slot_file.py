@@ -1,0 +1,112 @@
+"""A preallocated file of page-sized slots, opened with O_DIRECT where the filesystem allows it.
+
+Space is reserved with posix_fallocate when slots are added, so a full disk is reported when the tier grows
+(before any page is written there), not halfway through a transfer.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import logging
+import os
+
+import torch
+
+from angel_ptm.errors import DiskFullError, PageIOError
+
+log = logging.getLogger("angel_ptm.io")
+
+ALIGNMENT = 4096
+_buffered_announced: set[str] = set()
+
+
+def open_direct(path: str) -> tuple[int, bool]:
+    """Open (creating) `path` for O_DIRECT I/O; where the filesystem refuses it, buffered I/O, said once."""
+    flags = os.O_RDWR | os.O_CREAT
+    direct = getattr(os, "O_DIRECT", 0)
+    if direct:
+        try:
+            fd = os.open(path, flags | direct, 0o600)
+            if _direct_io_works(fd):
+                return fd, True
+            os.close(fd)
+        except OSError as exc:
+            if exc.errno not in (errno_mod.EINVAL, errno_mod.EOPNOTSUPP):
+                raise PageIOError(f"cannot open {path}: {exc.strerror}", errno=exc.errno or 0, path=path) from exc
+    folder = os.path.dirname(os.path.abspath(path))
+    if folder not in _buffered_announced:
+        _buffered_announced.add(folder)
+        log.warning("angel-ptm I/O: %s does not support O_DIRECT; using buffered I/O there", folder)
+    try:
+        return os.open(path, flags, 0o600), False
+    except OSError as exc:
+        raise PageIOError(f"cannot open {path}: {exc.strerror}", errno=exc.errno or 0, path=path) from exc
+
+
+def _direct_io_works(fd: int) -> bool:
+    # Some filesystems accept O_DIRECT at open and refuse it at the first transfer: probe one aligned block.
+    probe = aligned_empty(ALIGNMENT)
+    view = memoryview(probe.numpy()).cast("B")
+    try:
+        os.preadv(fd, [view], 0)
+        return True
+    except OSError as exc:
+        if exc.errno == errno_mod.EINVAL:
+            return False
+        raise
+
+
+def aligned_empty(nbytes: int, device: str | torch.device = "cpu", pin: bool = False) -> torch.Tensor:
+    """An uninitialised uint8 tensor whose address is a multiple of 4096 (O_DIRECT needs it)."""
+    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device=device, pin_memory=pin)
+    shift = (-raw.data_ptr()) % ALIGNMENT
+    return raw[shift : shift + nbytes]
+
+
+class SlotFile:
+    """Slots of `slot_bytes` in one file; slot i lives at offset i * slot_bytes."""
+
+    def __init__(self, path: str, slot_bytes: int, engine):
+        if slot_bytes % ALIGNMENT:
+            raise ValueError(f"slot_bytes must be a multiple of {ALIGNMENT}, got {slot_bytes}")
+        self.path, self.slot_bytes, self.engine = path, slot_bytes, engine
+        self.fd, self.direct = open_direct(path)
+        self.n_slots = 0
+
+    def grow(self, n_slots: int) -> None:
+        """Reserve disk space for `n_slots` slots in total (never shrinks)."""
+        if n_slots <= self.n_slots:
+            return
+        start, length = self.n_slots * self.slot_bytes, (n_slots - self.n_slots) * self.slot_bytes
+        try:
+            os.posix_fallocate(self.fd, start, length)
+        except OSError as exc:
+            cls = DiskFullError if exc.errno in (errno_mod.ENOSPC, errno_mod.EFBIG, errno_mod.EDQUOT) else PageIOError
+            raise cls(
+                f"cannot reserve {length} bytes at offset {start} in {self.path}: {exc.strerror}",
+                errno=exc.errno or 0,
+                path=self.path,
+            ) from exc
+        self.n_slots = n_slots
+
+    def _check(self, slot: int, buffer: torch.Tensor) -> int:
+        if not 0 <= slot < self.n_slots:
+            raise IndexError(f"slot {slot} outside {self.path} ({self.n_slots} slots)")
+        if buffer.numel() * buffer.element_size() != self.slot_bytes:
+            raise ValueError(f"buffer of {buffer.numel() * buffer.element_size()} bytes for a {self.slot_bytes}-byte slot")
+        if self.direct and buffer.data_ptr() % ALIGNMENT:
+            raise ValueError(f"O_DIRECT buffer at {buffer.data_ptr():#x} is not {ALIGNMENT}-byte aligned")
+        return slot * self.slot_bytes
+
+    def write(self, slot: int, buffer: torch.Tensor):
+        return self.engine.submit_write(self.fd, buffer, self._check(slot, buffer), path=self.path)
+
+    def read(self, slot: int, buffer: torch.Tensor):
+        return self.engine.submit_read(self.fd, buffer, self._check(slot, buffer), path=self.path)
+
+    def close(self, remove: bool = False) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        if remove and os.path.exists(self.path):
+            os.remove(self.path)

@@ -1,0 +1,164 @@
+"""PageLayout: where every tensor of a module lives in pages.
+
+Tensors are packed in first-use order so one page serves a contiguous run of the step. Each page holds one dtype;
+a tensor that does not fit the rest of the open page starts a new one, and a tensor larger than a page spans
+consecutive whole pages. Pages form groups of `dp_world_size` (the page count is padded to a multiple of it) so
+that ZeRO sharding — rank r owns page r of every group — needs no new layout. The same layout describes every
+page kind (parameters, gradients, master weights, optimizer states): page i of each kind covers the same elements.
+The layout is a pure function of (tensor names, shapes, dtypes, order, page_bytes, dp_world_size).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterable, Sequence
+
+import torch
+from torch import nn
+
+ALIGN_BYTES = 64  # every tensor starts on a 64-byte boundary (vector loads, and views stay aligned)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """`numel` elements of a tensor, starting at element `start` of it, stored at element `offset` of `page`."""
+
+    page: int
+    offset: int
+    numel: int
+    start: int
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    segments: tuple[Segment, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(s.numel for s in self.segments)
+
+    @property
+    def pages(self) -> list[int]:
+        return [s.page for s in self.segments]
+
+    @property
+    def spans_pages(self) -> bool:
+        return len(self.segments) > 1
+
+
+@dataclass
+class PageLayout:
+    page_bytes: int
+    dp_world_size: int
+    slots: list[TensorSlot]
+    page_dtypes: list[torch.dtype]  # one per page, padding pages included
+    page_used_bytes: list[int] = field(default_factory=list)
+
+    @property
+    def n_pages(self) -> int:
+        return len(self.page_dtypes)
+
+    @property
+    def groups(self) -> list[list[int]]:
+        d = self.dp_world_size
+        return [list(range(g, g + d)) for g in range(0, self.n_pages, d)]
+
+    def owner(self, page: int) -> int:
+        """The data-parallel rank that owns `page` under ZeRO sharding."""
+        return page % self.dp_world_size
+
+    def slot(self, name: str) -> TensorSlot:
+        for slot in self.slots:
+            if slot.name == name:
+                return slot
+        raise KeyError(name)
+
+    def tensors_on(self, page: int) -> list[TensorSlot]:
+        return [s for s in self.slots if page in s.pages]
+
+    def fingerprint(self) -> str:
+        """A digest of the whole layout, to match checkpoints and page files on reload."""
+        h = hashlib.sha256(f"{self.page_bytes}/{self.dp_world_size}/{[str(d) for d in self.page_dtypes]}".encode())
+        for s in self.slots:
+            h.update(f"{s.name}{s.shape}{s.dtype}{s.segments}".encode())
+        return h.hexdigest()[:16]
+
+    @classmethod
+    def build(cls, tensors: Iterable[tuple[str, torch.Tensor]], page_bytes: int, dp_world_size: int = 1) -> "PageLayout":
+        if page_bytes <= 0 or page_bytes % ALIGN_BYTES:
+            raise ValueError(f"page_bytes must be a positive multiple of {ALIGN_BYTES}, got {page_bytes}")
+        if dp_world_size < 1:
+            raise ValueError(f"dp_world_size must be >= 1, got {dp_world_size}")
+        page_dtypes: list[torch.dtype] = []
+        used: list[int] = []  # bytes used per page
+        open_page: dict[torch.dtype, int] = {}  # dtype -> index of the page still being filled
+        slots: list[TensorSlot] = []
+
+        def new_page(dtype: torch.dtype) -> int:
+            page_dtypes.append(dtype)
+            used.append(0)
+            return len(page_dtypes) - 1
+
+        for name, tensor in tensors:
+            dtype, esize, numel = tensor.dtype, tensor.element_size(), tensor.numel()
+            nbytes = numel * esize
+            page = open_page.get(dtype)
+            if page is not None:
+                offset = -(-used[page] // ALIGN_BYTES) * ALIGN_BYTES
+                if offset + nbytes <= page_bytes:
+                    used[page] = offset + nbytes
+                    slots.append(TensorSlot(name, tuple(tensor.shape), dtype, (Segment(page, offset // esize, numel, 0),)))
+                    continue
+            # Start a fresh page; a tensor larger than a page spans consecutive whole pages.
+            per_page = page_bytes // esize
+            segments, start = [], 0
+            while start < numel or not segments:
+                page = new_page(dtype)
+                count = min(per_page, numel - start)
+                segments.append(Segment(page, 0, count, start))
+                used[page] = count * esize
+                start += count
+            open_page[dtype] = segments[-1].page
+            slots.append(TensorSlot(name, tuple(tensor.shape), dtype, tuple(segments)))
+
+        while len(page_dtypes) % dp_world_size:  # pad to whole page groups
+            new_page(page_dtypes[-1] if page_dtypes else torch.float32)
+        return cls(page_bytes, dp_world_size, slots, page_dtypes, used)
+
+
+def first_use_order(module: nn.Module, *example_inputs, **example_kwargs) -> list[str]:
+    """Parameter names in the order a forward pass first touches their modules (unused ones last)."""
+    names = {id(p): n for n, p in module.named_parameters()}
+    order: list[str] = []
+    seen: set[int] = set()
+
+    def record(mod: nn.Module, _args) -> None:
+        for p in mod.parameters(recurse=False):
+            if id(p) not in seen:
+                seen.add(id(p))
+                order.append(names[id(p)])
+
+    handles = [m.register_forward_pre_hook(record) for m in module.modules()]
+    try:
+        with torch.no_grad():
+            module(*example_inputs, **example_kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    order.extend(n for n, p in module.named_parameters() if id(p) not in seen)
+    return order
+
+
+def build_layout(module: nn.Module, page_bytes: int, dp_world_size: int = 1,
+                 order: Sequence[str] | None = None) -> PageLayout:
+    """The layout of `module`'s parameters (shared parameters once), in `order` or registration order."""
+    params = dict(module.named_parameters())
+    names = list(order) if order is not None else list(params)
+    missing = set(params) - set(names)
+    if missing:
+        raise ValueError(f"order leaves out parameters: {sorted(missing)[:5]}")
+    return PageLayout.build(((n, params[n]) for n in names), page_bytes, dp_world_size)

@@ -1,0 +1,308 @@
+"""PageManager: the only code that changes a page's state.
+
+It owns the three tiers, the policy that picks eviction victims and the moves in flight. Pages move one tier at a
+time (device <-> host <-> disk); a page whose clean copy is already on disk is dropped instead of written back.
+Moves are asynchronous (`prefetch` returns a handle); `acquire` pins pages on a tier and waits for them, and
+`release` unpins them. Every state change is an edge of `page.TRANSITIONS`; a failed move puts the page back where
+it was, with its data untouched, and raises the typed error.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Iterable, Sequence
+
+import torch
+
+from angel_ptm.errors import BudgetError, ChecksumError, PageIOError
+from angel_ptm.memory.device import Copier
+from angel_ptm.memory.page import Page, PageState, Tier
+from angel_ptm.memory.policy import LRUPolicy, Policy
+from angel_ptm.memory.tiers import BufferPool, DiskTier
+from angel_ptm.trace.recorder import TraceRecorder
+
+
+@dataclass
+class Move:
+    """One page crossing one tier boundary. `complete()` waits for the transfer and settles the page's state."""
+
+    page: Page
+    src: Tier
+    dst: Tier
+    handle: object  # IOHandle or CopyHandle
+    new_buffer: torch.Tensor | None
+    finish: Callable[["Move"], None]
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+
+class Prefetch:
+    """Handle for moves started by `PageManager.prefetch`; `wait()` settles them (and finishes staged moves)."""
+
+    def __init__(self, manager: "PageManager", pages: list[Page], tier: Tier):
+        self._manager, self.pages, self.tier = manager, pages, tier
+
+    def done(self) -> bool:
+        return all(not p.state.in_flight or self._manager._moves[p.id].done() for p in self.pages)
+
+    def wait(self) -> None:
+        self._manager._bring(self.pages, self.tier)
+
+
+class PageManager:
+    def __init__(self, device_pool: BufferPool, host_pool: BufferPool, disk: DiskTier | None = None,
+                 policy: Policy | None = None, trace: TraceRecorder | None = None):
+        if device_pool.page_bytes != host_pool.page_bytes or (disk and disk.page_bytes != host_pool.page_bytes):
+            raise ValueError("all tiers must use the same page_bytes")
+        self.page_bytes = host_pool.page_bytes
+        self.pools = {Tier.DEVICE: device_pool, Tier.HOST: host_pool}
+        self.disk = disk
+        self.policy = policy or LRUPolicy()
+        self.trace = trace or TraceRecorder(None)
+        self.copier = Copier(device_pool.device)
+        self.pages: list[Page] = []
+        self._moves: dict[int, Move] = {}
+        self.bytes_moved: Counter = Counter()  # "src->dst" -> bytes, cumulative
+
+    # ------------------------------------------------------------------ pages
+    def create_page(self, kind: str, dtype: torch.dtype, index: int | None = None, tier: Tier = Tier.HOST) -> Page:
+        """A new zero-filled page resting on `tier` (device or host), evicting others if the tier is full."""
+        if tier is Tier.DISK:
+            raise ValueError("pages are created on the device or host tier; move them to disk afterwards")
+        page = Page(id=len(self.pages), kind=kind, index=len(self.pages) if index is None else index,
+                    dtype=dtype, nbytes=self.page_bytes, state=PageState.HOST if tier is Tier.HOST else PageState.DEVICE)
+        page.pin_count = 1  # not an eviction candidate while its buffer is being found
+        self.pages.append(page)
+        try:
+            page.buffer = self._alloc(tier)
+        except Exception:
+            self.pages.pop()
+            raise
+        page.pin_count = 0
+        page.buffer.zero_()
+        self._emit("alloc", page, None, tier)
+        return page
+
+    # ------------------------------------------------------------------ public moves
+    def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE) -> None:
+        """Pin `pages` on `tier` and wait until they are all there. Pair every acquire with a release."""
+        self._check_fits(pages, tier)
+        for page in pages:
+            page.pin_count += 1
+            self.policy.on_access(page.id)
+        try:
+            self._bring(pages, tier)
+        except Exception:
+            for page in pages:
+                page.pin_count -= 1
+            raise
+
+    def release(self, pages: Iterable[Page], dirty: bool = False) -> None:
+        """Unpin `pages`; `dirty=True` says their data changed, so a disk copy is stale."""
+        for page in pages:
+            if page.pin_count <= 0:
+                raise ValueError(f"page {page.name} released more often than acquired")
+            page.pin_count -= 1
+            if dirty:
+                page.mark_dirty()
+
+    def prefetch(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE) -> Prefetch:
+        """Start moving `pages` toward `tier` without waiting (disk reads are issued now)."""
+        pages = list(pages)
+        for page in pages:
+            if page.state is PageState.DISK and tier is not Tier.DISK and self.pools[Tier.HOST].free_slots:
+                self._start_up(page)
+        return Prefetch(self, pages, tier)
+
+    def move(self, page: Page, tier: Tier) -> None:
+        """Move one unpinned page to `tier` (up or down, one tier at a time) and wait."""
+        if page.pin_count:
+            raise ValueError(f"page {page.name} is pinned ({page.pin_count}); release it before moving it")
+        if tier is Tier.DISK or (tier is Tier.HOST and page.tier is Tier.DEVICE):
+            self._wait_move(page)
+            while page.tier is not tier:
+                self._start_down(page, wait_for_room=True)
+                self._wait_move(page)
+        else:
+            self._bring([page], tier)
+
+    def flush(self, pages: Iterable[Page] | None = None) -> None:
+        """Settle every move in flight for `pages` (all pages by default)."""
+        for page in list(self.pages if pages is None else pages):
+            self._wait_move(page)
+
+    # ------------------------------------------------------------------ internals: bringing pages up
+    def _check_fits(self, pages: Sequence[Page], tier: Tier) -> None:
+        if tier not in self.pools:
+            raise ValueError(f"pages are acquired on the device or host tier, not {tier.value}")
+        capacity = self.pools[tier].capacity
+        wanted = {p.id for p in pages}
+        pinned_elsewhere = sum(1 for p in self.pages if p.pin_count and p.tier is tier and p.id not in wanted)
+        if len(pages) + pinned_elsewhere > capacity:
+            raise BudgetError(tier.value, len(pages) * self.page_bytes,
+                              (capacity - pinned_elsewhere) * self.page_bytes,
+                              what=f"{len(pages)} pages pinned at once")
+
+    def _bring(self, pages: Sequence[Page], tier: Tier) -> None:
+        """Bring every page up to `tier`: disk reads overlap each other, host slots are recycled as we go."""
+        reads: list[Page] = []
+        for page in pages:
+            if page.state is PageState.TO_DISK or page.state is PageState.TO_HOST:
+                self._wait_move(page)  # finish the eviction before bringing it back
+            if page.state in (PageState.DISK, PageState.FROM_DISK) and tier is not Tier.DISK:
+                if page.state is PageState.DISK:
+                    while not self._host_room_for_read():
+                        if not reads:
+                            raise BudgetError("host", self.page_bytes, 0,
+                                              what=f"staging page {page.name} (every host page is pinned)")
+                        self._finish_up(reads.pop(0), tier)
+                    self._start_up(page)
+                reads.append(page)
+        for page in reads:
+            self._finish_up(page, tier)
+        if tier is Tier.DEVICE:
+            for page in pages:
+                self._wait_move(page)
+                if page.state is PageState.HOST:
+                    self._start_up(page)
+                self._wait_move(page)
+
+    def _host_room_for_read(self) -> bool:
+        return self.pools[Tier.HOST].free_slots > 0 or bool(self._candidates(Tier.HOST))
+
+    def _finish_up(self, page: Page, tier: Tier) -> None:
+        self._wait_move(page)
+        if tier is Tier.DEVICE and page.state is PageState.HOST:
+            self._start_up(page)
+            self._wait_move(page)
+
+    def _start_up(self, page: Page) -> None:
+        """Issue one upward move: disk -> host (read) or host -> device (copy)."""
+        if page.state is PageState.DISK:
+            buffer = self._alloc(Tier.HOST)
+            page.transition(PageState.FROM_DISK)
+            handle = self.disk.read(page.kind, page.disk_slot, buffer)
+            self._begin(Move(page, Tier.DISK, Tier.HOST, handle, buffer, self._finish_read))
+        elif page.state is PageState.HOST:
+            buffer = self._alloc(Tier.DEVICE)
+            page.transition(PageState.TO_DEVICE)
+            handle = self.copier.copy(buffer, page.buffer)
+            self._begin(Move(page, Tier.HOST, Tier.DEVICE, handle, buffer, self._finish_copy))
+
+    # ------------------------------------------------------------------ internals: evicting pages down
+    def _start_down(self, page: Page, wait_for_room: bool) -> None:
+        """Issue one downward move: drop (clean on disk), device -> host (copy) or host -> disk (write)."""
+        src = page.tier
+        if page.clean_on_disk:
+            self.pools[src].free(page.buffer)
+            page.buffer = None
+            page.transition(PageState.DISK)
+            self._emit("drop", page, src, Tier.DISK)
+        elif src is Tier.DEVICE:
+            buffer = self._alloc(Tier.HOST) if wait_for_room else self.pools[Tier.HOST].alloc()
+            page.transition(PageState.TO_HOST)
+            handle = self.copier.copy(buffer, page.buffer)
+            self._begin(Move(page, Tier.DEVICE, Tier.HOST, handle, buffer, self._finish_copy))
+        elif src is Tier.HOST:
+            if self.disk is None:
+                raise BudgetError("disk", self.page_bytes, 0, what=f"evicting page {page.name} (no disk tier)")
+            if page.disk_slot is None:
+                page.disk_slot = self.disk.alloc(page.kind)
+            page.transition(PageState.TO_DISK)
+            handle = self.disk.write(page.kind, page.disk_slot, page.buffer)
+            self._begin(Move(page, Tier.HOST, Tier.DISK, handle, None, self._finish_write))
+        else:
+            raise ValueError(f"page {page.name} in state {page.state.name} cannot move down")
+
+    def _candidates(self, tier: Tier) -> list[int]:
+        return [p.id for p in self.pages if p.tier is tier and p.pin_count == 0]
+
+    def _alloc(self, tier: Tier) -> torch.Tensor:
+        """A free slot on `tier`, evicting a victim chosen by the policy if there is none."""
+        pool = self.pools[tier]
+        while pool.free_slots == 0:
+            leaving = [m for m in self._moves.values() if m.src is tier]
+            if leaving:  # a slot is about to be freed by a move already under way
+                self._wait_move(leaving[0].page)
+                continue
+            candidates = self._candidates(tier)
+            if not candidates:
+                raise BudgetError(tier.value, self.page_bytes, 0,
+                                  what=f"one page ({pool.capacity} slots, all pinned or in flight)")
+            victim = self.pages[self.policy.victim(candidates)]
+            self._emit("evict", victim, tier, Tier.HOST if tier is Tier.DEVICE else Tier.DISK)
+            self._start_down(victim, wait_for_room=True)
+            self._wait_move(victim)
+        return pool.alloc()
+
+    # ------------------------------------------------------------------ internals: completing moves
+    def _begin(self, move: Move) -> None:
+        self._moves[move.page.id] = move
+        self._emit("move", move.page, move.src, move.dst)
+
+    def _wait_move(self, page: Page) -> None:
+        move = self._moves.pop(page.id, None)
+        if move is not None:
+            move.finish(move)
+
+    def _finish_copy(self, move: Move) -> None:
+        move.handle.wait()
+        page = move.page
+        self.pools[move.src].free(page.buffer)
+        page.buffer = move.new_buffer
+        page.transition(PageState.DEVICE if move.dst is Tier.DEVICE else PageState.HOST)
+        self._moved(move)
+
+    def _finish_write(self, move: Move) -> None:
+        page = move.page
+        try:
+            checksum = move.handle.wait()
+        except PageIOError as exc:
+            page.disk_version = -1  # the slot may hold a torn write
+            page.transition(PageState.HOST)  # the host buffer was never touched
+            self._emit("io_error", page, Tier.HOST, Tier.DISK, error=str(exc))
+            raise
+        page.disk_checksum, page.disk_version = checksum, page.version
+        self.pools[Tier.HOST].free(page.buffer)
+        page.buffer = None
+        page.transition(PageState.DISK)
+        self._moved(move)
+
+    def _finish_read(self, move: Move) -> None:
+        page = move.page
+        try:
+            checksum = move.handle.wait()
+            if checksum != page.disk_checksum:
+                raise ChecksumError(page.name, self.disk.path(page.kind), page.disk_checksum or 0, checksum)
+        except (PageIOError, ChecksumError) as exc:
+            self.pools[Tier.HOST].free(move.new_buffer)
+            page.transition(PageState.DISK)  # the slot still holds what it held
+            self._emit("io_error", page, Tier.DISK, Tier.HOST, error=str(exc))
+            raise
+        page.buffer = move.new_buffer
+        page.transition(PageState.HOST)
+        self._moved(move)
+
+    def _moved(self, move: Move) -> None:
+        self.bytes_moved[f"{move.src.value}->{move.dst.value}"] += self.page_bytes
+        self._emit("moved", move.page, move.src, move.dst)
+
+    # ------------------------------------------------------------------ accounting
+    def in_use(self) -> dict[str, int]:
+        return {
+            "device": self.pools[Tier.DEVICE].used_bytes,
+            "host": self.pools[Tier.HOST].used_bytes,
+            "disk": self.disk.used_bytes if self.disk else 0,
+        }
+
+    def _emit(self, event: str, page: Page, src: Tier | None, dst: Tier | None, **extra) -> None:
+        self.trace.event(event, page=page.name, kind=page.kind, src=src.value if src else None,
+                         dst=dst.value if dst else None, nbytes=page.nbytes,
+                         in_use=self.in_use() if self.trace.enabled else None, **extra)
+
+    def close(self, remove_files: bool = True) -> None:
+        self.flush()
+        if self.disk is not None:
+            self.disk.close(remove=remove_files)

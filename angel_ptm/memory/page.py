@@ -1,0 +1,104 @@
+"""A Page: one fixed-size buffer of one kind and dtype, with an explicit residency state.
+
+The state names where the working copy is (or that it is moving). `PageManager` is the only code that calls
+`Page.transition`; every move it makes must be an edge of `TRANSITIONS`, so an illegal move is a loud bug, not a
+silent corruption. A page may also keep a clean copy on disk (`disk_version == version`): evicting it then drops
+the working copy instead of writing it back.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from angel_ptm.errors import PageStateError
+
+
+class Tier(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+
+
+class PageState(enum.Enum):
+    DEVICE = "device"
+    HOST = "host"
+    DISK = "disk"
+    TO_DEVICE = "to_device"  # host -> device copy in flight
+    TO_HOST = "to_host"  # device -> host copy in flight
+    TO_DISK = "to_disk"  # host -> disk write in flight
+    FROM_DISK = "from_disk"  # disk -> host read in flight
+
+    @property
+    def in_flight(self) -> bool:
+        return self in _IN_FLIGHT
+
+    @property
+    def tier(self) -> Tier | None:
+        """The tier holding the working copy, None while it moves."""
+        return _RESTING.get(self)
+
+
+_RESTING = {PageState.DEVICE: Tier.DEVICE, PageState.HOST: Tier.HOST, PageState.DISK: Tier.DISK}
+_IN_FLIGHT = {PageState.TO_DEVICE, PageState.TO_HOST, PageState.TO_DISK, PageState.FROM_DISK}
+
+# Legal moves. A failed or cancelled move returns to where it started; DEVICE/HOST -> DISK without a write is
+# the drop of a working copy whose clean copy is already on disk.
+TRANSITIONS: dict[PageState, frozenset[PageState]] = {
+    PageState.DEVICE: frozenset({PageState.TO_HOST, PageState.DISK}),
+    PageState.HOST: frozenset({PageState.TO_DEVICE, PageState.TO_DISK, PageState.DISK}),
+    PageState.DISK: frozenset({PageState.FROM_DISK}),
+    PageState.TO_DEVICE: frozenset({PageState.DEVICE, PageState.HOST}),
+    PageState.TO_HOST: frozenset({PageState.HOST, PageState.DEVICE}),
+    PageState.TO_DISK: frozenset({PageState.DISK, PageState.HOST}),
+    PageState.FROM_DISK: frozenset({PageState.HOST, PageState.DISK}),
+}
+
+RESTING_STATE = {tier: state for state, tier in _RESTING.items()}
+
+
+@dataclass(eq=False)
+class Page:
+    """One page. `buffer` is a uint8 view of the slot holding the working copy (None while only on disk)."""
+
+    id: int
+    kind: str
+    index: int
+    dtype: torch.dtype
+    nbytes: int
+    state: PageState = PageState.HOST
+    version: int = 0
+    pin_count: int = 0
+    buffer: torch.Tensor | None = field(default=None, repr=False)
+    disk_slot: int | None = None
+    disk_version: int = -1  # version of the copy in disk_slot; -1 = none
+    disk_checksum: int | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}:{self.index}"
+
+    @property
+    def tier(self) -> Tier | None:
+        return self.state.tier
+
+    @property
+    def clean_on_disk(self) -> bool:
+        return self.disk_slot is not None and self.disk_version == self.version
+
+    def transition(self, new_state: PageState) -> None:
+        if new_state not in TRANSITIONS[self.state]:
+            raise PageStateError(f"page {self.name}: illegal transition {self.state.name} -> {new_state.name}")
+        self.state = new_state
+
+    def view(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The page's data as `dtype` (its own by default); only while it rests on device or host."""
+        if self.buffer is None or self.state.in_flight or self.state is PageState.DISK:
+            raise PageStateError(f"page {self.name} has no readable buffer in state {self.state.name}")
+        return self.buffer.view(dtype or self.dtype)
+
+    def mark_dirty(self) -> None:
+        """The working copy changed: any disk copy is now stale."""
+        self.version += 1

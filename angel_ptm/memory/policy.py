@@ -1,0 +1,100 @@
+"""Eviction policies: which resting, unpinned page leaves a full tier.
+
+The PageManager tells the policy every access (`on_access`, in acquire order) and asks it for a victim among
+the candidates. LRU serves the warm-up iteration, when the future is unknown; Belady (evict the page whose next
+use is farthest away) serves every later iteration, whose access sequence the recorded trace tells us.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from typing import Iterable, Protocol, Sequence
+
+
+class Policy(Protocol):
+    def on_access(self, page_id: int) -> None: ...
+
+    def victim(self, candidates: Sequence[int]) -> int: ...
+
+
+class LRUPolicy:
+    """Least recently used; a page never accessed counts as the oldest (ties: lowest page id)."""
+
+    name = "lru"
+
+    def __init__(self):
+        self._clock = 0
+        self._last_use: dict[int, int] = {}
+
+    def on_access(self, page_id: int) -> None:
+        self._clock += 1
+        self._last_use[page_id] = self._clock
+
+    def victim(self, candidates: Sequence[int]) -> int:
+        if not candidates:
+            raise ValueError("no eviction candidates")
+        return min(candidates, key=lambda pid: (self._last_use.get(pid, 0), pid))
+
+
+class BeladyPolicy:
+    """Farthest next use, from a known future access sequence (page ids in acquire order).
+
+    Accesses beyond the sequence, or deviating from it, still advance the clock, so a short deviation costs a few
+    suboptimal choices, never a wrong answer. Ties (several pages never used again) fall back to LRU.
+    """
+
+    name = "belady"
+
+    def __init__(self, future: Iterable[int] = ()):
+        self._lru = LRUPolicy()
+        self.set_future(future)
+
+    def set_future(self, future: Iterable[int], start: int = 0) -> None:
+        """Replace the known sequence; position `start` is the next access."""
+        self._uses: dict[int, list[int]] = defaultdict(list)
+        for position, page_id in enumerate(future):
+            self._uses[page_id].append(position)
+        self._now = start
+        self.deviations = 0
+        self._sequence_length = sum(len(v) for v in self._uses.values())
+
+    def next_use(self, page_id: int) -> float:
+        uses = self._uses.get(page_id)
+        if not uses:
+            return float("inf")
+        i = bisect.bisect_left(uses, self._now)
+        return uses[i] if i < len(uses) else float("inf")
+
+    def on_access(self, page_id: int) -> None:
+        uses = self._uses.get(page_id)
+        if not uses or self._now >= self._sequence_length or not self._is_expected(page_id):
+            self.deviations += 1
+        self._now += 1
+        self._lru.on_access(page_id)
+
+    def _is_expected(self, page_id: int) -> bool:
+        uses = self._uses[page_id]
+        i = bisect.bisect_left(uses, self._now)
+        return i < len(uses) and uses[i] == self._now
+
+    def victim(self, candidates: Sequence[int]) -> int:
+        if not candidates:
+            raise ValueError("no eviction candidates")
+        # Farthest next use first; among equals the least recently used; then the lowest id (deterministic).
+        lru_rank = {pid: (self._lru._last_use.get(pid, 0), pid) for pid in candidates}
+        return max(candidates, key=lambda pid: (self.next_use(pid), tuple(-x for x in lru_rank[pid])))
+
+
+def count_misses(policy: Policy, sequence: Sequence[int], capacity: int) -> int:
+    """Misses of a cache of `capacity` pages driven by `policy` over `sequence` (a reference simulation)."""
+    resident: set[int] = set()
+    misses = 0
+    for page_id in sequence:
+        if page_id not in resident:
+            misses += 1
+            if len(resident) >= capacity:
+                resident.remove(policy.victim(sorted(resident)))
+            resident.add(page_id)
+        policy.on_access(page_id)
+    return misses

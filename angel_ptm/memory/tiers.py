@@ -1,0 +1,146 @@
+"""Tiers: per tier a byte budget and page-sized slots allocated once, up front.
+
+- `BufferPool` (device and host tiers): one slab of `n_slots * page_bytes` on a torch device, cut into aligned
+  page slots with a free list. Device: the compute device (`cuda` where present; on CPU a separate budgeted pool).
+  Host: pinned memory when CUDA is present, 4 KiB-aligned plain memory otherwise (O_DIRECT needs the alignment).
+- `DiskTier`: one preallocated slot file per (rank, page kind) under a directory, slots handed out from a free list
+  and the space reserved with fallocate when a file grows, all within the disk budget.
+
+Nothing is allocated in the steady-state step: `alloc` / `free` only move slot numbers between lists.
+"""
+
+from __future__ import annotations
+
+import os
+
+import psutil
+import torch
+
+from angel_ptm.errors import BudgetError
+from angel_ptm.io.slot_file import ALIGNMENT, SlotFile, aligned_empty
+from angel_ptm.memory.page import Tier
+
+
+def available_bytes(device: torch.device) -> int:
+    """What the machine can give a new pool on `device` right now."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    return int(psutil.virtual_memory().available)
+
+
+class BufferPool:
+    """`capacity` page-sized slots in one slab; slot buffers are uint8 tensors that alias the slab."""
+
+    def __init__(self, tier: Tier, page_bytes: int, budget_bytes: int, device: torch.device | str = "cpu",
+                 pin: bool = False, check_available: bool = True):
+        self.tier, self.page_bytes, self.budget_bytes = tier, int(page_bytes), int(budget_bytes)
+        self.device = torch.device(device)
+        if self.page_bytes <= 0 or self.page_bytes % ALIGNMENT:
+            raise ValueError(f"page_bytes must be a positive multiple of {ALIGNMENT}, got {page_bytes}")
+        self.capacity = self.budget_bytes // self.page_bytes
+        slab_bytes = self.capacity * self.page_bytes
+        if check_available and slab_bytes:
+            available = available_bytes(self.device)
+            if slab_bytes > available:
+                raise BudgetError(tier.value, slab_bytes, available, what=f"a {self.device} pool of {self.capacity} pages")
+        self.pinned = pin
+        self._slab = aligned_empty(slab_bytes, self.device, pin) if slab_bytes else None
+        self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out slot 0 first
+
+    def slot_buffer(self, slot: int) -> torch.Tensor:
+        return self._slab[slot * self.page_bytes : (slot + 1) * self.page_bytes]
+
+    def slot_of(self, buffer: torch.Tensor) -> int:
+        offset = buffer.data_ptr() - self._slab.data_ptr()
+        slot, rest = divmod(offset, self.page_bytes)
+        if rest or not 0 <= slot < self.capacity:
+            raise ValueError(f"buffer at {buffer.data_ptr():#x} is not a slot of the {self.tier.value} pool")
+        return slot
+
+    def alloc(self) -> torch.Tensor:
+        if not self._free:
+            raise BudgetError(self.tier.value, self.page_bytes, 0, what="one page (all slots in use)")
+        return self.slot_buffer(self._free.pop())
+
+    def free(self, buffer: torch.Tensor) -> None:
+        self._free.append(self.slot_of(buffer))
+
+    @property
+    def free_slots(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.capacity - len(self._free)) * self.page_bytes
+
+
+class DiskTier:
+    """Preallocated slot files `rank{rank}.{kind}.slots` in `directory`, bounded by `budget_bytes`."""
+
+    tier = Tier.DISK
+
+    def __init__(self, directory: str, page_bytes: int, budget_bytes: int, engine, rank: int = 0,
+                 growth_slots: int = 16):
+        self.directory, self.page_bytes, self.budget_bytes = directory, int(page_bytes), int(budget_bytes)
+        self.engine, self.rank, self.growth_slots = engine, rank, max(1, growth_slots)
+        self.capacity = self.budget_bytes // self.page_bytes
+        os.makedirs(directory, exist_ok=True)
+        self.files: dict[str, SlotFile] = {}
+        self._free: dict[str, list[int]] = {}
+        self._reserved = 0  # slots reserved on disk, all kinds
+
+    def _file(self, kind: str) -> SlotFile:
+        if kind not in self.files:
+            path = os.path.join(self.directory, f"rank{self.rank}.{kind}.slots")
+            self.files[kind] = SlotFile(path, self.page_bytes, self.engine)
+            self._free[kind] = []
+        return self.files[kind]
+
+    def reserve(self, kind: str, n_slots: int) -> None:
+        """Make sure `n_slots` slots of `kind` exist on disk (fallocate now, so no write finds the disk full)."""
+        slot_file = self._file(kind)
+        extra = n_slots - slot_file.n_slots
+        if extra <= 0:
+            return
+        if self._reserved + extra > self.capacity:
+            raise BudgetError("disk", extra * self.page_bytes, (self.capacity - self._reserved) * self.page_bytes,
+                              what=f"{extra} {kind} pages in {self.directory}")
+        first_new = slot_file.n_slots
+        slot_file.grow(n_slots)
+        self._reserved += extra
+        self._free[kind].extend(range(n_slots - 1, first_new - 1, -1))
+
+    def alloc(self, kind: str) -> int:
+        slot_file = self._file(kind)
+        if not self._free[kind]:
+            room = self.capacity - self._reserved
+            if room <= 0:
+                raise BudgetError("disk", self.page_bytes, 0, what=f"one {kind} page in {self.directory}")
+            self.reserve(kind, slot_file.n_slots + min(self.growth_slots, room))
+        return self._free[kind].pop()
+
+    def free(self, kind: str, slot: int) -> None:
+        self._free[kind].append(slot)
+
+    def write(self, kind: str, slot: int, buffer: torch.Tensor):
+        return self.files[kind].write(slot, buffer)
+
+    def read(self, kind: str, slot: int, buffer: torch.Tensor):
+        return self.files[kind].read(slot, buffer)
+
+    def path(self, kind: str) -> str:
+        return self._file(kind).path
+
+    @property
+    def reserved_bytes(self) -> int:
+        return self._reserved * self.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        free = sum(len(v) for v in self._free.values())
+        return (self._reserved - free) * self.page_bytes
+
+    def close(self, remove: bool = False) -> None:
+        for slot_file in self.files.values():
+            slot_file.close(remove=remove)

@@ -1,0 +1,101 @@
+#include "crc32c.h"
+
+#include <algorithm>
+#include <cstring>
+
+#if defined(__x86_64__) || defined(_M_X64)
+#include <nmmintrin.h>
+#define ANGEL_X86 1
+#endif
+
+namespace angel {
+namespace {
+
+constexpr uint32_t kPoly = 0x82F63B78u;  // reflected Castagnoli polynomial
+
+struct Tables {
+    uint32_t t[8][256];
+    Tables() {
+        for (uint32_t i = 0; i < 256; ++i) {
+            uint32_t c = i;
+            for (int k = 0; k < 8; ++k) c = (c >> 1) ^ (kPoly & (0u - (c & 1u)));
+            t[0][i] = c;
+        }
+        for (uint32_t i = 0; i < 256; ++i)
+            for (int s = 1; s < 8; ++s) t[s][i] = (t[s - 1][i] >> 8) ^ t[0][t[s - 1][i] & 0xFF];
+    }
+};
+const Tables& tables() {
+    static const Tables instance;
+    return instance;
+}
+
+uint32_t crc32c_soft(uint32_t crc, const uint8_t* p, size_t n) {
+    const auto& t = tables().t;
+    while (n >= 8) {
+        uint64_t word;
+        std::memcpy(&word, p, 8);
+        word ^= crc;
+        crc = t[7][word & 0xFF] ^ t[6][(word >> 8) & 0xFF] ^ t[5][(word >> 16) & 0xFF] ^
+              t[4][(word >> 24) & 0xFF] ^ t[3][(word >> 32) & 0xFF] ^ t[2][(word >> 40) & 0xFF] ^
+              t[1][(word >> 48) & 0xFF] ^ t[0][word >> 56];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) crc = (crc >> 8) ^ t[0][(crc ^ *p++) & 0xFF];
+    return crc;
+}
+
+#ifdef ANGEL_X86
+__attribute__((target("sse4.2"))) uint32_t crc32c_hw(uint32_t crc, const uint8_t* p, size_t n) {
+    uint64_t c = crc;
+    while (n >= 8) {
+        uint64_t word;
+        std::memcpy(&word, p, 8);
+        c = _mm_crc32_u64(c, word);
+        p += 8;
+        n -= 8;
+    }
+    uint32_t c32 = static_cast<uint32_t>(c);
+    while (n--) c32 = _mm_crc32_u8(c32, *p++);
+    return c32;
+}
+bool has_sse42() {
+    static const bool yes = __builtin_cpu_supports("sse4.2");
+    return yes;
+}
+#endif
+
+}  // namespace
+
+uint32_t crc32c(const uint8_t* data, size_t n) {
+#ifdef ANGEL_X86
+    if (has_sse42()) return ~crc32c_hw(~0u, data, n);
+#endif
+    return ~crc32c_soft(~0u, data, n);
+}
+
+uint32_t combine_block_crcs(const std::vector<uint32_t>& block_crcs) {
+    if (block_crcs.empty()) return crc32c(nullptr, 0);
+    if (block_crcs.size() == 1) return block_crcs[0];
+    std::vector<uint8_t> bytes(block_crcs.size() * 4);
+    for (size_t i = 0; i < block_crcs.size(); ++i)
+        for (int b = 0; b < 4; ++b) bytes[4 * i + b] = static_cast<uint8_t>(block_crcs[i] >> (8 * b));
+    return crc32c(bytes.data(), bytes.size());
+}
+
+uint32_t page_checksum(const uint8_t* data, size_t n) {
+    std::vector<uint32_t> blocks;
+    for (size_t pos = 0; pos < n; pos += kChecksumBlock)
+        blocks.push_back(crc32c(data + pos, std::min(kChecksumBlock, n - pos)));
+    return combine_block_crcs(blocks);
+}
+
+const char* crc32c_impl_name() {
+#ifdef ANGEL_X86
+    if (has_sse42()) return "crc32c-sse4.2";
+#endif
+    return "crc32c-slicing-by-8";
+}
+
+}  // namespace angel
