@@ -2,7 +2,7 @@
 // that way) on caller-owned, 4 KiB-aligned buffers, computing a CRC32C of the data in the same worker.
 //
 // Requests are split into chunks of `chunk_bytes` that the workers execute in parallel; each chunk fills the CRCs
-// of the fixed 1 MiB checksum blocks it covers, so the page checksum does not depend on how the request was
+// of the fixed 256 KiB checksum blocks it covers, so the page checksum does not depend on how the request was
 // chunked. Errors (errno, short transfers) are stored on the request and surfaced by the Python handle; nothing
 // is dropped. No torch headers: buffers are raw addresses and sizes.
 #include "crc32c.h"
@@ -88,7 +88,7 @@ class Engine {
         if (threads < 1) throw std::invalid_argument("threads must be >= 1");
         if (queue_depth < 1) throw std::invalid_argument("queue_depth must be >= 1");
         if (chunk_bytes == 0 || chunk_bytes % kChecksumBlock != 0)
-            throw std::invalid_argument("chunk_bytes must be a positive multiple of 1 MiB");
+            throw std::invalid_argument("chunk_bytes must be a positive multiple of 256 KiB");
         for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
     }
     ~Engine() { shutdown(); }
@@ -220,10 +220,8 @@ class Engine {
 
     static void fill_block_crcs(Request& req, const Chunk& chunk) {
         // Chunks are multiples of the checksum block, so each block belongs to exactly one chunk.
-        for (size_t pos = chunk.start; pos < chunk.start + chunk.length; pos += kChecksumBlock) {
-            size_t len = std::min(kChecksumBlock, chunk.start + chunk.length - pos);
-            req.block_crcs[pos / kChecksumBlock] = crc32c(reinterpret_cast<const uint8_t*>(req.buf + pos), len);
-        }
+        crc32c_blocks(reinterpret_cast<const uint8_t*>(req.buf + chunk.start), chunk.length,
+                      req.block_crcs.data() + chunk.start / kChecksumBlock);
     }
 
     int queue_depth_;

@@ -60,6 +60,29 @@ __attribute__((target("sse4.2"))) uint32_t crc32c_hw(uint32_t crc, const uint8_t
     while (n--) c32 = _mm_crc32_u8(c32, *p++);
     return c32;
 }
+// Four independent blocks at once: the crc32 instruction has a latency of 3 cycles but a throughput of 1, so
+// interleaving independent chains roughly triples the speed of one chain.
+__attribute__((target("sse4.2"))) void crc32c_hw_x4(const uint8_t* const p[4], size_t n, uint32_t out[4]) {
+    uint64_t c0 = ~0u, c1 = ~0u, c2 = ~0u, c3 = ~0u;
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t w0, w1, w2, w3;
+        std::memcpy(&w0, p[0] + i, 8);
+        std::memcpy(&w1, p[1] + i, 8);
+        std::memcpy(&w2, p[2] + i, 8);
+        std::memcpy(&w3, p[3] + i, 8);
+        c0 = _mm_crc32_u64(c0, w0);
+        c1 = _mm_crc32_u64(c1, w1);
+        c2 = _mm_crc32_u64(c2, w2);
+        c3 = _mm_crc32_u64(c3, w3);
+    }
+    uint64_t c[4] = {c0, c1, c2, c3};
+    for (int k = 0; k < 4; ++k) {
+        uint32_t c32 = static_cast<uint32_t>(c[k]);
+        for (size_t j = i; j < n; ++j) c32 = _mm_crc32_u8(c32, p[k][j]);
+        out[k] = ~c32;
+    }
+}
 bool has_sse42() {
     static const bool yes = __builtin_cpu_supports("sse4.2");
     return yes;
@@ -75,6 +98,25 @@ uint32_t crc32c(const uint8_t* data, size_t n) {
     return ~crc32c_soft(~0u, data, n);
 }
 
+void crc32c_blocks(const uint8_t* data, size_t n, uint32_t* out) {
+    size_t n_blocks = (n + kChecksumBlock - 1) / kChecksumBlock;
+    size_t b = 0;
+#ifdef ANGEL_X86
+    if (has_sse42()) {
+        // Groups of four whole blocks go through the interleaved kernel; the tail one by one.
+        for (; b + 4 <= n_blocks && (b + 4) * kChecksumBlock <= n; b += 4) {
+            const uint8_t* p[4] = {data + b * kChecksumBlock, data + (b + 1) * kChecksumBlock,
+                                   data + (b + 2) * kChecksumBlock, data + (b + 3) * kChecksumBlock};
+            crc32c_hw_x4(p, kChecksumBlock, out + b);
+        }
+    }
+#endif
+    for (; b < n_blocks; ++b) {
+        size_t start = b * kChecksumBlock;
+        out[b] = crc32c(data + start, std::min(kChecksumBlock, n - start));
+    }
+}
+
 uint32_t combine_block_crcs(const std::vector<uint32_t>& block_crcs) {
     if (block_crcs.empty()) return crc32c(nullptr, 0);
     if (block_crcs.size() == 1) return block_crcs[0];
@@ -85,9 +127,8 @@ uint32_t combine_block_crcs(const std::vector<uint32_t>& block_crcs) {
 }
 
 uint32_t page_checksum(const uint8_t* data, size_t n) {
-    std::vector<uint32_t> blocks;
-    for (size_t pos = 0; pos < n; pos += kChecksumBlock)
-        blocks.push_back(crc32c(data + pos, std::min(kChecksumBlock, n - pos)));
+    std::vector<uint32_t> blocks((n + kChecksumBlock - 1) / kChecksumBlock);
+    crc32c_blocks(data, n, blocks.data());
     return combine_block_crcs(blocks);
 }
 

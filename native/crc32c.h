@@ -6,10 +6,13 @@
 
 namespace angel {
 
-// Page checksums are computed over fixed 1 MiB blocks so that parallel workers can each checksum their part.
-constexpr size_t kChecksumBlock = size_t(1) << 20;
+// Page checksums are computed over fixed 256 KiB blocks: parallel workers each checksum their part, and one
+// worker checksums four blocks at once (independent CRC chains keep the crc32 unit busy).
+constexpr size_t kChecksumBlock = size_t(256) << 10;
 
 uint32_t crc32c(const uint8_t* data, size_t n);
+// CRC32C of each kChecksumBlock-sized block of data[0, n) into out[0, ceil(n / block)).
+void crc32c_blocks(const uint8_t* data, size_t n, uint32_t* out);
 // One block: its CRC. Several: the CRC of the little-endian array of block CRCs.
 uint32_t combine_block_crcs(const std::vector<uint32_t>& block_crcs);
 uint32_t page_checksum(const uint8_t* data, size_t n);

@@ -20,11 +20,12 @@ def filled(nbytes, seed):
 
 
 def test_write_then_read_returns_the_same_bytes_and_checksum(io_engine, tmp_path):
-    slots = SlotFile(str(tmp_path / "pages.slots"), PAGE, io_engine)
+    big = 3 * 1024 * 1024 + 4096  # several chunks and checksum blocks, and a partial last block
+    slots = SlotFile(str(tmp_path / "pages.slots"), big, io_engine)
     slots.grow(2)
-    src = filled(PAGE, 1)
+    src = filled(big, 1)
     written = slots.write(1, src).wait()
-    dst = aligned_empty(PAGE)
+    dst = aligned_empty(big)
     read = slots.read(1, dst).wait()
     assert torch.equal(src, dst)
     assert written == read == io_engine.checksum(src)

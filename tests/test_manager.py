@@ -191,3 +191,17 @@ def test_trace_records_every_move_with_in_use(tmp_path, io_engine):
     assert moved["page"] == "param:0" and moved["src"] == "host" and moved["dst"] == "disk"
     assert moved["bytes"] == PAGE and moved["in_use"] == {"device": 0, "host": 0, "disk": PAGE}
     assert all(e["t"] >= 0 for e in events)
+
+
+def test_evict_moves_a_batch_down_two_tiers(tmp_path, io_engine):
+    manager = make_manager(tmp_path, io_engine, device_pages=4, host_pages=4)
+    pages = [manager.create_page("grad", torch.float32, tier=Tier.DEVICE) for _ in range(4)]
+    for i, page in enumerate(pages):
+        page.view().fill_(i)
+        page.mark_dirty()
+    manager.evict(pages, Tier.DISK)
+    assert all(p.state is PageState.DISK for p in pages)
+    assert manager.in_use() == {"device": 0, "host": 0, "disk": 4 * PAGE}
+    manager.acquire(pages, Tier.DEVICE)
+    assert [float(p.view()[0]) for p in pages] == [0.0, 1.0, 2.0, 3.0]
+    manager.close()

@@ -23,7 +23,7 @@ log = logging.getLogger("angel_ptm.io")
 
 READ, WRITE = 0, 1
 _OP_NAMES = {READ: "read", WRITE: "write"}
-CHECKSUM_BLOCK = 1 << 20  # checksums are per 1 MiB block, combined, so workers can checksum in parallel
+CHECKSUM_BLOCK = 256 << 10  # per-block checksums (as the native engine), combined, so workers can checksum in parallel
 _DISK_FULL_ERRNOS = {errno_mod.ENOSPC, errno_mod.EFBIG, errno_mod.EDQUOT}
 
 try:

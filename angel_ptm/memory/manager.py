@@ -128,6 +128,21 @@ class PageManager:
         else:
             self._bring([page], tier)
 
+    def evict(self, pages: Sequence[Page], tier: Tier = Tier.DISK) -> None:
+        """Move unpinned `pages` down to `tier`, all transfers of one hop in flight together, and wait."""
+        pages = list(pages)
+        for page in pages:
+            if page.pin_count:
+                raise ValueError(f"page {page.name} is pinned ({page.pin_count}); release it before evicting it")
+        order = [Tier.DEVICE, Tier.HOST, Tier.DISK]
+        self.flush(pages)
+        for hop_from in order[: order.index(tier)]:
+            movers = [p for p in pages if p.tier is hop_from]
+            for page in movers:
+                self._start_down(page, wait_for_room=True)
+            for page in movers:
+                self._wait_move(page)
+
     def flush(self, pages: Iterable[Page] | None = None) -> None:
         """Settle every move in flight for `pages` (all pages by default)."""
         for page in list(self.pages if pages is None else pages):
@@ -209,12 +224,24 @@ class PageManager:
             if self.disk is None:
                 raise BudgetError("disk", self.page_bytes, 0, what=f"evicting page {page.name} (no disk tier)")
             if page.disk_slot is None:
-                page.disk_slot = self.disk.alloc(page.kind)
+                page.disk_slot = self._alloc_disk_slot(page.kind)
             page.transition(PageState.TO_DISK)
             handle = self.disk.write(page.kind, page.disk_slot, page.buffer)
             self._begin(Move(page, Tier.HOST, Tier.DISK, handle, None, self._finish_write))
         else:
             raise ValueError(f"page {page.name} in state {page.state.name} cannot move down")
+
+    def _alloc_disk_slot(self, kind: str) -> int:
+        """A disk slot for `kind`; when the disk budget is spent, reclaim the slot of a clean copy whose page also
+        rests on the device or host (that copy only saves a future write, it holds no unique data)."""
+        try:
+            return self.disk.alloc(kind)
+        except BudgetError:
+            for other in self.pages:
+                if other.kind == kind and other.disk_slot is not None and other.tier in (Tier.DEVICE, Tier.HOST):
+                    slot, other.disk_slot, other.disk_version = other.disk_slot, None, -1
+                    return slot
+            raise
 
     def _candidates(self, tier: Tier) -> list[int]:
         return [p.id for p in self.pages if p.tier is tier and p.pin_count == 0]

@@ -1,0 +1,159 @@
+"""Binding an unmodified nn.Module's parameters to pages (the ZeRO-3 / FSDP pattern, from the outside).
+
+- Forward: a pre-hook on every module that owns parameters acquires their param pages on the device tier and points
+  each `param.data` at its slice of a page; a post-hook releases them and leaves a placeholder (a broadcast NaN of
+  the right shape), so a stale alias can never read a page slot that now holds another page. A parameter must be
+  used inside the forward of a module that owns it (as FSDP requires); a tied weight may be owned by several.
+- Saved tensors: while the engine runs forward, autograd's saved-tensor hooks replace any saved tensor that lives in
+  a device page by (page, offset, size, stride); backward re-acquires the page when the saved tensor is unpacked.
+  Pages pinned for one autograd node are released when the next node starts (nodes run one at a time).
+- Gradients: a post-accumulate-grad hook adds each parameter's gradient into its grad page and frees `param.grad`.
+
+A tensor larger than a page spans several page slots that need not be adjacent, so it is gathered into a
+contiguous copy while in use (read-only: only the optimizer writes parameters, and it writes pages).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
+
+
+def _placeholder(param: torch.Tensor, device: torch.device) -> torch.Tensor:
+    fill = float("nan") if param.dtype.is_floating_point else 0
+    return torch.full((1,), fill, dtype=param.dtype, device=device).expand(param.shape)
+
+
+class PackedPageTensor:
+    """A saved tensor that lives in a page: enough to rebuild the same view after the page moved."""
+
+    __slots__ = ("page", "offset", "size", "stride", "dtype")
+
+    def __init__(self, page: Page, offset: int, size, stride, dtype):
+        self.page, self.offset, self.size, self.stride, self.dtype = page, offset, size, stride, dtype
+
+
+class ParamBinder:
+    def __init__(self, model: nn.Module, layout: PageLayout, manager: PageManager, param_pages: list[Page],
+                 grad_pages: list[Page], device: torch.device):
+        self.model, self.layout, self.manager, self.device = model, layout, manager, device
+        self.param_pages, self.grad_pages = param_pages, grad_pages
+        self.slots: dict[int, TensorSlot] = {}
+        for name, param in model.named_parameters():
+            self.slots[id(param)] = layout.slot(name)
+        self.module_params = {
+            module: [p for p in module.parameters(recurse=False)] for module in model.modules()
+        }
+        self.module_params = {m: ps for m, ps in self.module_params.items() if ps}
+        self._pinned_by_module: dict[int, list[Page]] = {}
+        self._node_pins: list[Page] = []
+        self._current_node = None
+        self._page_by_address: dict[int, Page] = {}
+        self._handles = []
+        # Outside its module's forward a parameter holds no memory: one NaN broadcast to its shape. Autograd's
+        # AccumulateGrad needs the right sizes (stride 0 makes it clone gradients contiguously), and NaN makes a
+        # use outside the owning module's forward loud instead of silently wrong.
+        self._placeholders = {id(p): _placeholder(p, device) for p in model.parameters()}
+
+    # ------------------------------------------------------------------ wiring
+    def attach(self) -> None:
+        for module in self.module_params:
+            self._handles.append(module.register_forward_pre_hook(self._before_forward))
+            self._handles.append(module.register_forward_hook(self._after_forward))
+        for param in self.model.parameters():
+            if param.requires_grad:
+                self._handles.append(param.register_post_accumulate_grad_hook(self._accumulate_grad))
+            param.data = self._placeholders[id(param)]
+
+    def detach(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def module_pages(self, module: nn.Module) -> list[Page]:
+        pages = []
+        for param in self.module_params[module]:
+            for index in self.slots[id(param)].pages:
+                if self.param_pages[index] not in pages:
+                    pages.append(self.param_pages[index])
+        return pages
+
+    # ------------------------------------------------------------------ forward
+    def _before_forward(self, module: nn.Module, _args) -> None:
+        pages = self.module_pages(module)
+        self.manager.acquire(pages, Tier.DEVICE)
+        self._pinned_by_module.setdefault(id(module), []).extend(pages)
+        for page in pages:
+            self._page_by_address[page.buffer.data_ptr()] = page
+        for param in self.module_params[module]:
+            param.data = self._param_view(self.slots[id(param)])
+
+    def _after_forward(self, module: nn.Module, _args, _output) -> None:
+        for param in self.module_params[module]:
+            param.data = self._placeholders[id(param)]
+        pages = self._pinned_by_module.pop(id(module), [])
+        for page in pages:
+            self._page_by_address.pop(page.buffer.data_ptr(), None)
+        self.manager.release(pages)
+
+    def _param_view(self, slot: TensorSlot) -> torch.Tensor:
+        parts = [self.param_pages[s.page].view(slot.dtype)[s.offset : s.offset + s.numel] for s in slot.segments]
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return flat.view(slot.shape)
+
+    # ------------------------------------------------------------------ saved tensors
+    @contextmanager
+    def saved_tensor_hooks(self):
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            yield
+
+    def _pack(self, tensor: torch.Tensor):
+        if tensor.device != self.device or not self._page_by_address:
+            return tensor
+        base = tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
+        for address, page in self._page_by_address.items():
+            if address <= tensor.data_ptr() < address + page.nbytes and base <= address:
+                offset_bytes = tensor.data_ptr() - address
+                return PackedPageTensor(page, offset_bytes // tensor.element_size(), tuple(tensor.size()),
+                                        tuple(tensor.stride()), tensor.dtype)
+        return tensor
+
+    def _unpack(self, packed):
+        if not isinstance(packed, PackedPageTensor):
+            return packed
+        self._enter_node()
+        self.manager.acquire([packed.page], Tier.DEVICE)
+        self._node_pins.append(packed.page)
+        view = packed.page.view(packed.dtype)  # as_strided's offset counts from the start of the storage (the slab)
+        return view.as_strided(packed.size, packed.stride, view.storage_offset() + packed.offset)
+
+    def _enter_node(self) -> None:
+        """Release the pages pinned for the previous autograd node once a new node runs."""
+        node = torch._C._current_autograd_node()
+        if node is not self._current_node:
+            self._current_node = node
+            if self._node_pins:
+                self.manager.release(self._node_pins)
+                self._node_pins = []
+
+    def end_backward(self) -> None:
+        self._current_node = None
+        if self._node_pins:
+            self.manager.release(self._node_pins)
+            self._node_pins = []
+
+    # ------------------------------------------------------------------ gradients
+    def _accumulate_grad(self, param: nn.Parameter) -> None:
+        self._enter_node()
+        slot = self.slots[id(param)]
+        grad = param.grad.reshape(-1)
+        pages = [self.grad_pages[s.page] for s in slot.segments]
+        self.manager.acquire(pages, Tier.DEVICE)
+        for seg, page in zip(slot.segments, pages):
+            page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].add_(grad[seg.start : seg.start + seg.numel])
+        self.manager.release(pages, dirty=True)
+        param.grad = None

@@ -1,0 +1,171 @@
+"""The Engine: `initialize(model, config)` turns any nn.Module into one whose states live in pages.
+
+    engine = angel_ptm.initialize(model, config)
+    loss = engine(*inputs)        # same result as model(*inputs)
+    engine.backward(loss)
+    engine.step()                 # optimizer step, then gradients zeroed
+
+The engine only wires small parts together: a PageLayout of the parameters, a PageManager over the three tiers,
+a ParamBinder that points parameters at pages around each module's forward and backward, and a page-wise AdamW.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+from torch import nn
+
+from angel_ptm.binding import ParamBinder
+from angel_ptm.config import Config, format_bytes, load_config
+from angel_ptm.errors import BudgetError
+from angel_ptm.io import create_engine
+from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
+from angel_ptm.memory.budgets import resolve_budgets
+from angel_ptm.optim import PagedAdamW
+from angel_ptm.trace import TraceRecorder
+
+STATE_KINDS = ("exp_avg_sq", "exp_avg", "grad", "param")  # creation order: parameters last, so warmest
+
+
+class Engine:
+    def __init__(self, model: nn.Module, config: Config, trace: TraceRecorder | None = None):
+        self.model, self.config = model, config
+        self.trace = trace or TraceRecorder(None)
+        mem = config.memory
+        self.device = compute_device(config.trainer.device)
+        self.layout = build_layout(model, mem.page_bytes)
+        page_bytes, n_pages = mem.page_bytes, self.layout.n_pages
+        states_bytes = len(STATE_KINDS) * n_pages * page_bytes
+        self._own_disk_dir = mem.disk_dir is None
+        disk_dir = mem.disk_dir or tempfile.mkdtemp(prefix="angel-ptm-pages-")
+        self.budgets = resolve_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes,
+                                       self.device, disk_dir, page_bytes)
+        self._check_largest_layer(page_bytes)
+
+        self.io = create_engine(mem.io_threads, mem.queue_depth)
+        pin = self.device.type == "cuda"
+        disk = DiskTier(os.path.join(disk_dir, f"pages-{os.getpid()}-{id(self):x}"), page_bytes,
+                        self.budgets.disk, self.io) if self.budgets.disk else None
+        self.manager = PageManager(
+            BufferPool(Tier.DEVICE, page_bytes, self.budgets.device, self.device),
+            BufferPool(Tier.HOST, page_bytes, self.budgets.host, "cpu", pin=pin),
+            disk,
+            trace=self.trace,
+        )
+        if disk is not None:  # one preallocated slot per page and kind: clean copies are dropped, never rewritten
+            for kind in STATE_KINDS:
+                disk.reserve(kind, min(n_pages, disk.capacity // len(STATE_KINDS)))
+        self.pages = {kind: [self.manager.create_page(kind, self.layout.page_dtypes[i], index=i,
+                                                      tier=self._tier_with_room())
+                             for i in range(n_pages)] for kind in STATE_KINDS}
+        self._copy_parameters_into_pages()
+        for buffer_name, buffer in list(model.named_buffers()):
+            module_name, _, leaf = buffer_name.rpartition(".")
+            model.get_submodule(module_name)._buffers[leaf] = buffer.to(self.device)
+
+        self.binder = ParamBinder(model, self.layout, self.manager, self.pages["param"], self.pages["grad"],
+                                  self.device)
+        self.binder.attach()
+        opt = config.optimizer
+        update_tier = Tier.DEVICE if self.manager.pools[Tier.DEVICE].capacity >= 4 + self._min_device_pages else Tier.HOST
+        if self.manager.pools[update_tier].capacity < 4:
+            raise BudgetError(update_tier.value, 4 * page_bytes, self.manager.pools[update_tier].capacity * page_bytes,
+                              what="the optimizer update (one page each of param, grad, exp_avg, exp_avg_sq)")
+        self.optimizer = PagedAdamW(self.manager, self.layout, self.pages, opt.lr, opt.betas, opt.eps,
+                                    opt.weight_decay, update_tier)
+
+    # ------------------------------------------------------------------ set-up
+    def _tier_with_room(self) -> Tier:
+        """Where a new page goes: the host while it has room, then the device, then the host again (evicting)."""
+        pools = self.manager.pools
+        if pools[Tier.HOST].free_slots == 0 and pools[Tier.DEVICE].free_slots > self._min_device_pages:
+            return Tier.DEVICE
+        return Tier.HOST
+
+    def _check_largest_layer(self, page_bytes: int) -> None:
+        """The device tier must hold the pages of the largest module at once."""
+        largest, name = 0, ""
+        param_names = {id(p): n for n, p in self.model.named_parameters()}
+        for module_name, module in self.model.named_modules():
+            pages = {p for param in module.parameters(recurse=False)
+                     for p in self.layout.slot(param_names[id(param)]).pages}
+            if len(pages) > largest:
+                largest, name = len(pages), module_name or "<root>"
+        self._min_device_pages = largest
+        if largest * page_bytes > self.budgets.device:
+            raise BudgetError("device", largest * page_bytes, self.budgets.device,
+                              what=f"layer '{name}' ({largest} pages of {format_bytes(page_bytes)})")
+
+    def _copy_parameters_into_pages(self) -> None:
+        names = dict(self.model.named_parameters())
+        for slot in self.layout.slots:
+            flat = names[slot.name].detach().reshape(-1)
+            for seg in slot.segments:
+                page = self.pages["param"][seg.page]
+                self.manager.acquire([page], Tier.HOST)
+                page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].copy_(flat[seg.start : seg.start + seg.numel])
+                self.manager.release([page], dirty=True)
+
+    # ------------------------------------------------------------------ the step
+    def __call__(self, *args, **kwargs):
+        args = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
+        with self.binder.saved_tensor_hooks():
+            return self.model(*args, **kwargs)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        try:
+            loss.backward()
+        finally:
+            self.binder.end_backward()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        total = self.optimizer.grad_norm()
+        clip_coef = max_norm / (total + 1e-6)
+        if clip_coef < 1.0:
+            self.optimizer.scale_grads(clip_coef)
+        return total
+
+    def set_lr(self, lr: float) -> None:
+        self.optimizer.lr = lr
+
+    def step(self) -> None:
+        self.optimizer.step()
+
+    def zero_grad(self) -> None:
+        self.optimizer.zero_grad()
+
+    def train(self, mode: bool = True) -> "Engine":
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> "Engine":
+        return self.train(False)
+
+    # ------------------------------------------------------------------ introspection
+    def memory_stats(self) -> dict:
+        return {"in_use": self.manager.in_use(), "moved": dict(self.manager.bytes_moved)}
+
+    def parameter(self, name: str) -> torch.Tensor:
+        """A copy of parameter `name` as it is now (gathered from its pages)."""
+        slot = self.layout.slot(name)
+        out = torch.empty(slot.numel, dtype=slot.dtype)
+        for seg in slot.segments:
+            page = self.pages["param"][seg.page]
+            self.manager.acquire([page], Tier.HOST if page.tier is not Tier.DEVICE else Tier.DEVICE)
+            out[seg.start : seg.start + seg.numel] = page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].cpu()
+            self.manager.release([page])
+        return out.view(slot.shape)
+
+    def close(self) -> None:
+        self.binder.detach()
+        self.manager.close(remove_files=True)
+        self.io.close()
+
+
+def initialize(model: nn.Module, config=None, trace: TraceRecorder | None = None) -> Engine:
+    """Wrap `model`; `config` is a dict, a YAML path, an angel_ptm.Config or None (defaults)."""
+    if not isinstance(config, Config):
+        config = load_config(config)
+    return Engine(model, config, trace=trace)

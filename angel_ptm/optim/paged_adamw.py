@@ -1,0 +1,73 @@
+"""AdamW over pages: page i of param, grad, exp_avg and exp_avg_sq are updated together, one page group at a time.
+
+The arithmetic is torch.optim.AdamW's single-tensor path, op for op, so results match it; padding between tensors
+is zero in every kind and stays zero. The pages are acquired on `update_tier` (the device when four pages fit there,
+else the host), so an update never needs more than four slots.
+"""
+
+from __future__ import annotations
+
+
+import torch
+
+from angel_ptm.memory import Page, PageLayout, PageManager, Tier
+
+
+class PagedAdamW:
+    def __init__(self, manager: PageManager, layout: PageLayout, pages: dict[str, list[Page]], lr: float,
+                 betas: tuple[float, float], eps: float, weight_decay: float, update_tier: Tier):
+        self.manager, self.layout, self.pages = manager, layout, pages
+        self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.update_tier = update_tier
+        self.step_count = 0
+        self.page_dtypes = layout.page_dtypes
+
+    def grad_norm(self) -> float:
+        """The global L2 norm of all gradients, computed per tensor then combined (as clip_grad_norm_ does)."""
+        norms = []
+        for index, grad_page in enumerate(self.pages["grad"]):
+            self.manager.acquire([grad_page], self.update_tier)
+            view = grad_page.view(self.page_dtypes[index])
+            for slot in self.layout.tensors_on(index):
+                for seg in slot.segments:
+                    if seg.page == index:
+                        norms.append(torch.linalg.vector_norm(view[seg.offset : seg.offset + seg.numel], 2.0))
+            self.manager.release([grad_page])
+        if not norms:
+            return 0.0
+        # A tensor that spans pages contributes one norm per segment; sqrt(sum of squares) is the same total.
+        return float(torch.linalg.vector_norm(torch.stack([n.to(torch.float32).cpu() for n in norms]), 2.0))
+
+    def scale_grads(self, factor: float) -> None:
+        for index, grad_page in enumerate(self.pages["grad"]):
+            self.manager.acquire([grad_page], self.update_tier)
+            grad_page.view(self.page_dtypes[index]).mul_(factor)
+            self.manager.release([grad_page], dirty=True)
+
+    def step(self) -> None:
+        self.step_count += 1
+        beta1, beta2 = self.betas
+        step = float(self.step_count)
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        step_size = self.lr / bias_correction1
+        for index in range(self.layout.n_pages):
+            group = [self.pages[kind][index] for kind in ("param", "grad", "exp_avg", "exp_avg_sq")]
+            self.manager.acquire(group, self.update_tier)
+            dtype = self.page_dtypes[index]
+            if dtype.is_floating_point:
+                param, grad, exp_avg, exp_avg_sq = (p.view(dtype) for p in group)
+                if self.weight_decay != 0:
+                    param.mul_(1 - self.lr * self.weight_decay)
+                exp_avg.lerp_(grad, 1 - beta1)
+                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+                param.addcdiv_(exp_avg, denom, value=-step_size)
+                grad.zero_()
+            self.manager.release(group, dirty=True)
+
+    def zero_grad(self) -> None:
+        for index, grad_page in enumerate(self.pages["grad"]):
+            self.manager.acquire([grad_page], self.update_tier)
+            grad_page.view(self.page_dtypes[index]).zero_()
+            self.manager.release([grad_page], dirty=True)

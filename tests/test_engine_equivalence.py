@@ -1,0 +1,160 @@
+"""The engine trains exactly like plain PyTorch with torch.optim.AdamW, wherever the pages live."""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import angel_ptm
+from angel_ptm.models import GPT, GPTConfig
+
+KIB = 1024
+STEPS = 20
+
+
+def gpt():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=32))
+
+
+def gpt_batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 64, (4, 16), generator=g),) * 1 + (torch.randint(0, 64, (4, 16), generator=g),)
+            for _ in range(STEPS)]
+
+
+class MLP(nn.Sequential):
+    def __init__(self):
+        torch.manual_seed(0)
+        super().__init__(nn.Linear(24, 64), nn.GELU(), nn.Linear(64, 64), nn.GELU(), nn.Linear(64, 1))
+
+
+class TransposedDecoder(nn.Module):
+    def __init__(self, weight: nn.Parameter, out_dim: int):
+        super().__init__()
+        self.weight = weight  # the encoder's Parameter object itself
+        self.bias = nn.Parameter(torch.zeros(out_dim))
+
+    def forward(self, h):
+        return torch.nn.functional.linear(h, self.weight.t(), self.bias)
+
+
+class TiedAutoencoder(nn.Module):
+    """One weight shared by two modules: encode with W, decode with W transposed."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.encoder = nn.Linear(96, 48)
+        self.decoder = TransposedDecoder(self.encoder.weight, 96)
+
+    def forward(self, x):
+        return self.decoder(torch.tanh(self.encoder(x)))
+
+
+def regression_batches(in_dim):
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(8, in_dim, generator=g),) for _ in range(STEPS)]
+
+
+def mlp_loss(model, x):
+    return (model(x) - x.sum(dim=1, keepdim=True).sin()).pow(2).mean()
+
+
+def tied_loss(model, x):
+    return (model(x) - x).pow(2).mean()
+
+
+def gpt_loss(model, x, y):
+    return model(x, y)
+
+
+def train_plain(model, batches, loss_fn, clip=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    losses = []
+    for batch in batches:
+        loss = loss_fn(model, *batch)
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def train_engine(model, batches, loss_fn, memory, clip=None):
+    config = {"optimizer": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+              "memory": memory, "trainer": {"device": "cpu"}}
+    engine = angel_ptm.initialize(model, config)
+    losses = []
+    try:
+        for batch in batches:
+            loss = loss_fn(engine, *batch)
+            engine.backward(loss)
+            if clip:
+                engine.clip_grad_norm(clip)
+            engine.step()
+            losses.append(loss.item())
+        return losses, engine.memory_stats()
+    finally:
+        engine.close()
+
+
+PLACEMENTS = {
+    "device": {"page_bytes": "4KiB", "device_budget": "4MiB", "host_budget": "1MiB"},
+    "device+host": {"page_bytes": "4KiB", "device_budget": "48KiB", "host_budget": "4MiB"},
+    "device+host+disk": {"page_bytes": "4KiB", "device_budget": "48KiB", "host_budget": "24KiB"},
+}
+
+
+def assert_tiers_used(placement, stats):
+    moved = stats["moved"]
+    if placement == "device":
+        assert moved.get("host->disk", 0) == 0 and moved.get("device->host", 0) == 0
+    if placement == "device+host":
+        assert moved["device->host"] > 0 and moved.get("host->disk", 0) == 0
+    if placement == "device+host+disk":
+        assert moved["host->disk"] > 0 and moved["disk->host"] > 0
+
+
+def assert_same_losses(expected, actual):
+    assert len(actual) == len(expected)
+    for step, (e, a) in enumerate(zip(expected, actual)):
+        assert a == pytest.approx(e, rel=1e-6), f"step {step}: torch {e} engine {a}"
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_gpt_matches_torch_adamw(placement, tmp_path):
+    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path))
+    expected = train_plain(gpt(), gpt_batches(), gpt_loss)
+    actual, stats = train_engine(gpt(), gpt_batches(), gpt_loss, memory)
+    assert_same_losses(expected, actual)
+    assert_tiers_used(placement, stats)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_gpt_with_gradient_clipping_matches_torch(placement, tmp_path):
+    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path))
+    expected = train_plain(gpt(), gpt_batches(), gpt_loss, clip=0.5)
+    actual, _ = train_engine(gpt(), gpt_batches(), gpt_loss, memory, clip=0.5)
+    assert_same_losses(expected, actual)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_sequential_mlp_matches_torch_adamw(placement, tmp_path):
+    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path))
+    expected = train_plain(MLP(), regression_batches(24), mlp_loss)
+    actual, stats = train_engine(MLP(), regression_batches(24), mlp_loss, memory)
+    assert_same_losses(expected, actual)
+    assert_tiers_used(placement, stats)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_shared_weights_match_torch_adamw(placement, tmp_path):
+    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path))
+    expected = train_plain(TiedAutoencoder(), regression_batches(96), tied_loss)
+    actual, stats = train_engine(TiedAutoencoder(), regression_batches(96), tied_loss, memory)
+    assert_same_losses(expected, actual)
+    assert_tiers_used(placement, stats)

@@ -1,0 +1,1 @@
+"""Developer tools and benchmarks."""

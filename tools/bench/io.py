@@ -1,0 +1,169 @@
+"""I/O benchmark: pages written to and read from SSD through the PageManager's disk tier, against the disk's ceiling.
+
+    python -m tools.bench.io --dir DIR [--gib 2] [--page-mib 64] [--threads 4] [--queue-depth 32] [--repeats 3]
+
+In one run, interleaved repeat by repeat so that both see the same disk weather:
+- angel: `--gib` of host pages evicted to the disk tier (`PageManager.evict`: every write in flight at once, CRC32C
+  checksums computed in the I/O workers), then brought back (`prefetch(...).wait()`, checksums verified);
+- raw: the same bytes written then read in page-sized units by a plain O_DIRECT loop of `--threads` Python threads
+  (os.pwritev / os.preadv release the GIL) on a file of its own in the same directory — no checksums, no bookkeeping;
+- fio (if installed): the same sizes, psync engine, direct=1, `--threads` jobs;
+- DeepSpeed's aio_handle (if it is installed and its op builds): tools/bench/peers/deepspeed_aio.py.
+The last line is one JSON object: read/write GB/s (1e9 bytes/s, medians) and the ratios angel / raw.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+
+import torch
+
+from angel_ptm.io import aligned_empty, create_engine
+from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier
+
+GB = 1e9
+
+
+def angel_round(manager: PageManager, pages) -> tuple[float, float]:
+    t0 = time.perf_counter()
+    manager.evict(pages, Tier.DISK)
+    t1 = time.perf_counter()
+    manager.prefetch(pages, Tier.HOST).wait()
+    t2 = time.perf_counter()
+    for page in pages:
+        page.mark_dirty()  # so the next round writes again instead of dropping clean pages
+    return t1 - t0, t2 - t1
+
+
+def raw_round(path: str, buffers, threads: int) -> tuple[float, float]:
+    """The plain loop: each thread moves its share of page-sized units with O_DIRECT pwritev/preadv."""
+    page_bytes = buffers[0].numel()
+    views = [memoryview(b.numpy()).cast("B") for b in buffers]
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
+    os.posix_fallocate(fd, 0, page_bytes * len(views))
+
+    def run(op):
+        def worker(k):
+            for i in range(k, len(views), threads):
+                op(fd, [views[i]], i * page_bytes)
+
+        pool = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+        t0 = time.perf_counter()
+        for t in pool:
+            t.start()
+        for t in pool:
+            t.join()
+        return time.perf_counter() - t0
+
+    try:
+        return run(os.pwritev), run(os.preadv)
+    finally:
+        os.close(fd)
+        os.remove(path)
+
+
+def fio_figures(directory: str, total: int, page_bytes: int, threads: int) -> dict:
+    if shutil.which("fio") is None:
+        return {}
+    out = {}
+    for mode, key in (("write", "fio_write_gbps"), ("read", "fio_read_gbps")):
+        cmd = ["fio", "--name=angelbench", f"--directory={directory}", f"--rw={mode}", f"--bs={page_bytes}",
+               f"--size={total // threads}", f"--numjobs={threads}", "--direct=1", "--ioengine=psync",
+               "--group_reporting", "--output-format=json"]
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if result.returncode == 0:
+            job = json.loads(result.stdout)["jobs"][0][mode]
+            out[key] = job["bw_bytes"] / GB
+    for name in os.listdir(directory):
+        if name.startswith("angelbench"):
+            os.remove(os.path.join(directory, name))
+    return out
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", required=True, help="directory on the disk to measure")
+    parser.add_argument("--gib", type=float, default=2.0, help="GiB written and read per round (>= 2 for the report)")
+    parser.add_argument("--page-mib", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--queue-depth", type=int, default=32)
+    parser.add_argument("--chunk-mib", type=int, default=4, help="size of one pread/pwrite inside the engine")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--backend", default="auto", choices=["auto", "native", "python"])
+    parser.add_argument("--no-peers", action="store_true", help="skip fio and DeepSpeed")
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    args = parser.parse_args(argv)
+
+    page_bytes = args.page_mib << 20
+    n_pages = max(1, int(args.gib * (1 << 30)) // page_bytes)
+    total = n_pages * page_bytes
+    os.makedirs(args.dir, exist_ok=True)
+    free = shutil.disk_usage(args.dir).free
+    if free < 2.2 * total:
+        raise SystemExit(f"io bench: {args.dir} has {free / GB:.1f} GB free, needs {2.2 * total / GB:.1f} GB")
+    work = tempfile.mkdtemp(prefix="angel-io-", dir=args.dir)
+    say = (lambda *a: None) if args.json else print
+
+    engine = create_engine(args.threads, args.queue_depth, args.chunk_mib << 20, backend=args.backend)
+    manager = PageManager(
+        BufferPool(Tier.DEVICE, page_bytes, 0),
+        BufferPool(Tier.HOST, page_bytes, total),
+        DiskTier(os.path.join(work, "tier"), page_bytes, total, engine),
+    )
+    pages = [manager.create_page("param", torch.uint8) for _ in range(n_pages)]
+    gen = torch.Generator().manual_seed(0)
+    for page in pages:  # real data (and every byte touched) so nothing is faster for being zero
+        page.view().copy_(torch.randint(0, 256, (page_bytes,), dtype=torch.uint8, generator=gen))
+    manager.disk.reserve("param", n_pages)
+    raw_buffers = [aligned_empty(page_bytes) for _ in range(n_pages)]
+    for src, dst in zip(pages, raw_buffers):
+        dst.copy_(src.view())
+
+    results = {"angel_write": [], "angel_read": [], "raw_write": [], "raw_read": []}
+    for r in range(args.repeats):
+        rw, rr = raw_round(os.path.join(work, "raw.bin"), raw_buffers, args.threads)
+        aw, ar = angel_round(manager, pages)
+        for key, seconds in (("raw_write", rw), ("raw_read", rr), ("angel_write", aw), ("angel_read", ar)):
+            results[key].append(total / seconds / GB)
+        say(f"round {r}: angel write {results['angel_write'][-1]:.2f} read {results['angel_read'][-1]:.2f} GB/s | "
+            f"raw write {results['raw_write'][-1]:.2f} read {results['raw_read'][-1]:.2f} GB/s")
+    manager.close()
+    engine.close()
+
+    med = {k: statistics.median(v) for k, v in results.items()}
+    report = {
+        "bytes": total, "page_bytes": page_bytes, "threads": args.threads, "queue_depth": args.queue_depth,
+        "backend": engine.backend, "checksum": engine.checksum_algorithm, "repeats": args.repeats,
+        "read_gbps": round(med["angel_read"], 3), "write_gbps": round(med["angel_write"], 3),
+        "raw_read_gbps": round(med["raw_read"], 3), "raw_write_gbps": round(med["raw_write"], 3),
+        "read_ratio": round(med["angel_read"] / med["raw_read"], 3),
+        "write_ratio": round(med["angel_write"] / med["raw_write"], 3),
+    }
+    if not args.no_peers:
+        report.update({k: round(v, 3) for k, v in fio_figures(work, total, page_bytes, args.threads).items()})
+        try:
+            from tools.bench.peers import deepspeed_aio
+        except ImportError:
+            deepspeed_aio = None
+        ds = deepspeed_aio.measure(work, total, page_bytes, args.queue_depth, args.threads) if deepspeed_aio else None
+        if ds:
+            report.update(ds)
+            report["ratio_vs_deepspeed_read"] = round(report["read_gbps"] / ds["deepspeed_read_gbps"], 3)
+            report["ratio_vs_deepspeed_write"] = round(report["write_gbps"] / ds["deepspeed_write_gbps"], 3)
+        elif deepspeed_aio is not None:
+            report["deepspeed"] = deepspeed_aio.unavailable_reason()
+    shutil.rmtree(work, ignore_errors=True)
+    print(json.dumps(report))
+    return report
+
+
+if __name__ == "__main__":
+    main()
