@@ -54,6 +54,8 @@ class ParamBinder:
         self._current_node = None
         self._page_by_address: dict[int, Page] = {}
         self._handles = []
+        self._has_grad: set[str] = set()
+        self._settled = False
         # Outside its module's forward a parameter holds no memory: one NaN broadcast to its shape. Autograd's
         # AccumulateGrad needs the right sizes (stride 0 makes it clone gradients contiguously), and NaN makes a
         # use outside the owning module's forward loud instead of silently wrong.
@@ -147,13 +149,39 @@ class ParamBinder:
             self._node_pins = []
 
     # ------------------------------------------------------------------ gradients
+    # Grad pages are never zeroed in bulk: the first gradient of a step is copied into its slot (the slot's old
+    # contents are dead), later micro-batches add to it, and `settle_grads` zeroes only slots that got nothing.
     def _accumulate_grad(self, param: nn.Parameter) -> None:
         self._enter_node()
         slot = self.slots[id(param)]
         grad = param.grad.reshape(-1)
         pages = [self.grad_pages[s.page] for s in slot.segments]
         self.manager.acquire(pages, Tier.DEVICE)
+        first = slot.name not in self._has_grad
         for seg, page in zip(slot.segments, pages):
-            page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].add_(grad[seg.start : seg.start + seg.numel])
+            region = page.view(slot.dtype)[seg.offset : seg.offset + seg.numel]
+            part = grad[seg.start : seg.start + seg.numel]
+            region.copy_(part) if first else region.add_(part)
         self.manager.release(pages, dirty=True)
+        self._has_grad.add(slot.name)
         param.grad = None
+
+    def settle_grads(self) -> None:
+        """Make every grad slot hold this step's gradient: zero the slots no gradient reached."""
+        if self._settled:
+            return
+        for slot in self.layout.slots:
+            if slot.name in self._has_grad:
+                continue
+            for seg in slot.segments:
+                page = self.grad_pages[seg.page]
+                self.manager.acquire([page], Tier.HOST if page.tier is not Tier.DEVICE else Tier.DEVICE)
+                page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].zero_()
+                self.manager.release([page], dirty=True)
+            self._has_grad.add(slot.name)
+        self._settled = True
+
+    def start_new_step(self) -> None:
+        """Gradients of the finished step are dead: the next ones overwrite their slots."""
+        self._has_grad = set()
+        self._settled = False

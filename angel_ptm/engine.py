@@ -121,6 +121,7 @@ class Engine:
             self.binder.end_backward()
 
     def clip_grad_norm(self, max_norm: float) -> float:
+        self.binder.settle_grads()
         total = self.optimizer.grad_norm()
         clip_coef = max_norm / (total + 1e-6)
         if clip_coef < 1.0:
@@ -131,10 +132,13 @@ class Engine:
         self.optimizer.lr = lr
 
     def step(self) -> None:
+        """The optimizer step over every page, then gradients zeroed (the next backward overwrites them)."""
+        self.binder.settle_grads()
         self.optimizer.step()
+        self.binder.start_new_step()
 
     def zero_grad(self) -> None:
-        self.optimizer.zero_grad()
+        self.binder.start_new_step()
 
     def train(self, mode: bool = True) -> "Engine":
         self.model.train(mode)

@@ -158,3 +158,50 @@ def test_shared_weights_match_torch_adamw(placement, tmp_path):
     actual, stats = train_engine(TiedAutoencoder(), regression_batches(96), tied_loss, memory)
     assert_same_losses(expected, actual)
     assert_tiers_used(placement, stats)
+
+
+@pytest.mark.parametrize("placement", ["device", "device+host+disk"])
+def test_gradient_accumulation_matches_torch(placement, tmp_path):
+    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path))
+    data = gpt_batches()
+    model = gpt()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    expected = []
+    for i in range(0, STEPS, 2):
+        losses = []
+        for x, y in data[i : i + 2]:
+            loss = model(x, y) / 2
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+        expected.extend(losses)
+    config = {"optimizer": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+              "memory": memory, "trainer": {"device": "cpu"}}
+    engine = angel_ptm.initialize(gpt(), config)
+    actual = []
+    for i in range(0, STEPS, 2):
+        for x, y in data[i : i + 2]:
+            loss = engine(x, y) / 2
+            engine.backward(loss)
+            actual.append(loss.item())
+        engine.step()
+    engine.close()
+    assert_same_losses(expected, actual)
+
+
+def test_parameter_reads_back_the_trained_value(tmp_path):
+    model = MLP()
+    reference = MLP()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    engine = angel_ptm.initialize(model, {"optimizer": {"lr": 1e-2, "betas": [0.9, 0.95]},
+                                          "memory": dict(PLACEMENTS["device+host+disk"], disk_dir=str(tmp_path)),
+                                          "trainer": {"device": "cpu"}})
+    for (x,) in regression_batches(24)[:3]:
+        mlp_loss(reference, x).backward()
+        opt.step()
+        opt.zero_grad()
+        engine.backward(mlp_loss(engine, x))
+        engine.step()
+    torch.testing.assert_close(engine.parameter("2.weight"), reference[2].weight.detach(), rtol=1e-6, atol=1e-7)
+    engine.close()

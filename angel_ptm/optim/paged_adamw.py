@@ -1,7 +1,8 @@
 """AdamW over pages: page i of param, grad, exp_avg and exp_avg_sq are updated together, one page group at a time.
 
 The arithmetic is torch.optim.AdamW's single-tensor path, op for op, so results match it; padding between tensors
-is zero in every kind and stays zero. The pages are acquired on `update_tier` (the device when four pages fit there,
+is zero in every kind and stays zero. Gradients must be settled first (ParamBinder.settle_grads); the step
+leaves them as they are: the binder overwrites them with the next step's first gradient. The pages are acquired on `update_tier` (the device when four pages fit there,
 else the host), so an update never needs more than four slots.
 """
 
@@ -63,11 +64,6 @@ class PagedAdamW:
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
                 denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
                 param.addcdiv_(exp_avg, denom, value=-step_size)
-                grad.zero_()
-            self.manager.release(group, dirty=True)
+            self.manager.release(group[:1] + group[2:], dirty=True)
+            self.manager.release(group[1:2])
 
-    def zero_grad(self) -> None:
-        for index, grad_page in enumerate(self.pages["grad"]):
-            self.manager.acquire([grad_page], self.update_tier)
-            grad_page.view(self.page_dtypes[index]).zero_()
-            self.manager.release([grad_page], dirty=True)
