@@ -12,6 +12,7 @@ a ParamBinder that points parameters at pages around each module's forward and b
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 
 import torch
@@ -46,8 +47,9 @@ class Engine:
 
         self.io = create_engine(mem.io_threads, mem.queue_depth)
         pin = self.device.type == "cuda"
-        disk = DiskTier(os.path.join(disk_dir, f"pages-{os.getpid()}-{id(self):x}"), page_bytes,
-                        self.budgets.disk, self.io) if self.budgets.disk else None
+        self._disk_dir = disk_dir
+        self._page_dir = os.path.join(disk_dir, f"pages-{os.getpid()}-{id(self):x}")
+        disk = DiskTier(self._page_dir, page_bytes, self.budgets.disk, self.io) if self.budgets.disk else None
         self.manager = PageManager(
             BufferPool(Tier.DEVICE, page_bytes, self.budgets.device, self.device),
             BufferPool(Tier.HOST, page_bytes, self.budgets.host, "cpu", pin=pin),
@@ -69,7 +71,7 @@ class Engine:
                                   self.device)
         self.binder.attach()
         opt = config.optimizer
-        update_tier = Tier.DEVICE if self.manager.pools[Tier.DEVICE].capacity >= 4 + self._min_device_pages else Tier.HOST
+        update_tier = Tier.DEVICE if self.manager.pools[Tier.DEVICE].capacity >= 4 else Tier.HOST
         if self.manager.pools[update_tier].capacity < 4:
             raise BudgetError(update_tier.value, 4 * page_bytes, self.manager.pools[update_tier].capacity * page_bytes,
                               what="the optimizer update (one page each of param, grad, exp_avg, exp_avg_sq)")
@@ -166,6 +168,9 @@ class Engine:
         self.binder.detach()
         self.manager.close(remove_files=True)
         self.io.close()
+        shutil.rmtree(self._page_dir, ignore_errors=True)
+        if self._own_disk_dir:
+            shutil.rmtree(self._disk_dir, ignore_errors=True)
 
 
 def initialize(model: nn.Module, config=None, trace: TraceRecorder | None = None) -> Engine:

@@ -30,7 +30,8 @@ def resolve_budgets(device_budget, host_budget, disk_budget, states_bytes: int, 
             device_budget = states_bytes
     device_budget = min(int(device_budget), states_bytes)
     if host_budget == "auto":
-        host_budget = min(max(states_bytes - device_budget, page_bytes), psutil.virtual_memory().available // 2)
+        # At least the four pages one optimizer update needs (and room to stage disk reads).
+        host_budget = min(max(states_bytes - device_budget, 4 * page_bytes), psutil.virtual_memory().available // 2)
     host_budget = int(host_budget)
     needed_on_disk = max(0, states_bytes - device_budget - host_budget)
     if disk_budget == "auto":  # room for a home slot per page, so clean copies are dropped, never rewritten

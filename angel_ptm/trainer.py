@@ -1,0 +1,220 @@
+"""The training loop: data, model, engine, learning rate, logging, evaluation. Reads top to bottom.
+
+    result = Trainer(load_config("configs/default.yaml")).run()
+
+A run directory holds everything one run writes:
+  config.yaml    the resolved config (run.dir filled in); ``load_config`` reads it back
+  metrics.jsonl  one JSON line per logged step (step, loss, lr, grad_norm, tokens_per_s, step_s, in_use, moved)
+                 and one per evaluation (step, val_loss); written line by line, so a crash keeps what was logged
+  trace.jsonl    the memory trace (page events from the engine; a ``step`` event and a compute interval per step)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+from angel_ptm.config import Config, format_bytes, save_config
+from angel_ptm.data import BatchSampler, load_tokens, split_train_val
+from angel_ptm.errors import ConfigValueError, DataError
+from angel_ptm.lr import lr_at
+from angel_ptm.models import build_model
+from angel_ptm.trace import TraceRecorder
+
+EngineFactory = Callable[..., Any]  # (model, config, trace=TraceRecorder) -> Engine
+TIERS = ("device", "host", "disk")
+VAL_SEED = 0  # the held-out batches are the same at every evaluation and in every run
+
+
+@dataclass
+class TrainResult:
+    steps: int
+    losses: list[float]  # training loss of every step, in order
+    final_val_loss: Optional[float]  # None when evaluation is off (trainer.eval_every 0 or data.val_fraction 0)
+    run_dir: Path
+    tokens_per_s: float  # over the whole loop, evaluation excluded
+
+
+class Trainer:
+    def __init__(self, config: Config, engine_factory: Optional[EngineFactory] = None, progress: bool = True):
+        self.config = config
+        self.engine_factory = engine_factory
+        self.progress = progress
+
+    def run(self) -> TrainResult:
+        cfg = self.config
+        tcfg = cfg.trainer
+        torch.manual_seed(tcfg.seed)
+        device = resolve_device(tcfg.device)
+
+        # Data: byte-level text or a token file, split into train and held-out tokens.
+        tokens, data_vocab = load_tokens(cfg.data)
+        split = split_train_val(tokens, cfg.data.val_fraction)
+        seq_len = cfg.model.seq_len
+        train_batches = BatchSampler(split.train, cfg.data.batch_size, seq_len, cfg.data.seed)
+        evaluate_every = tcfg.eval_every if cfg.data.val_fraction > 0 else 0
+        if evaluate_every and len(split.val) < seq_len + 1:
+            raise DataError(
+                f"validation split has {len(split.val)} tokens, need at least model.seq_len + 1 = {seq_len + 1} "
+                f"(raise data.val_fraction ({cfg.data.val_fraction}) or set trainer.eval_every=0)"
+            )
+        if cfg.model.vocab_size < data_vocab:
+            raise ConfigValueError(
+                f"model.vocab_size: must be >= the data's vocabulary ({data_vocab}), got {cfg.model.vocab_size}"
+            )
+        model = build_model(cfg.model)
+
+        # The run directory, created only once the inputs are known to be good.
+        run_dir = make_run_dir(cfg.run.dir)
+        cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)))
+        if cfg.memory.disk_dir is None:  # page files live in the run directory unless the job says otherwise
+            cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, disk_dir=str(run_dir / "pages")))
+        save_config(cfg, run_dir / "config.yaml")
+
+        losses: list[float] = []
+        final_val_loss: Optional[float] = None
+        tokens_per_step = cfg.data.batch_size * seq_len * tcfg.grad_accum
+        train_seconds = 0.0
+        with contextlib.ExitStack() as cleanup:  # closes engine, then trace, then files, even on an exception
+            (run_dir / "trace.jsonl").unlink(missing_ok=True)  # the recorder appends; a run dir holds one run
+            trace = TraceRecorder(run_dir / "trace.jsonl")
+            cleanup.callback(trace.close)
+            metrics = cleanup.enter_context(open(run_dir / "metrics.jsonl", "w", encoding="utf-8"))
+            bar = cleanup.enter_context(
+                tqdm(total=tcfg.steps, desc=run_dir.name, unit="step", dynamic_ncols=True,
+                     disable=None if self.progress else True)  # None: tqdm turns itself off when not a TTY
+            )
+            engine = self._create_engine(model, cfg, trace)
+            cleanup.callback(engine.close)
+            device = getattr(engine, "device", device)  # where the engine computes, if it says
+            evaluate = Evaluator(engine, split.val, cfg, device) if evaluate_every else None
+            moved_before = engine.memory_stats()["moved"]
+
+            for step in range(1, tcfg.steps + 1):
+                t_start = time.perf_counter()
+                lr = lr_at(step - 1, cfg.optimizer.lr, tcfg.steps, cfg.lr_schedule.warmup_steps,
+                           cfg.lr_schedule.decay, cfg.lr_schedule.min_lr_ratio)
+                engine.set_lr(lr)
+
+                # Forward + backward over grad_accum micro-batches; dividing each loss makes the summed
+                # gradients those of the mean loss over the whole batch.
+                t_compute = trace.now()
+                loss_sum = 0.0
+                for micro in range(tcfg.grad_accum):
+                    x, y = train_batches.batch((step - 1) * tcfg.grad_accum + micro)
+                    loss = engine(x.to(device), y.to(device))
+                    engine.backward(loss / tcfg.grad_accum)
+                    loss_sum += loss.item()
+                trace.interval("compute", f"step {step}", t_compute, trace.now())
+                grad_norm = engine.clip_grad_norm(tcfg.grad_clip) if tcfg.grad_clip else None
+                engine.step()
+
+                step_s = time.perf_counter() - t_start
+                train_seconds += step_s
+                step_loss = loss_sum / tcfg.grad_accum
+                losses.append(step_loss)
+                trace.event("step", step=step, loss=step_loss, step_s=step_s)
+                stats = engine.memory_stats()
+                moved = {pair: stats["moved"][pair] - moved_before.get(pair, 0) for pair in stats["moved"]}
+                moved_before = stats["moved"]
+                if step % tcfg.log_every == 0 or step == tcfg.steps:
+                    write_metrics(metrics, {
+                        "step": step, "loss": step_loss, "lr": lr,
+                        "grad_norm": None if grad_norm is None else float(grad_norm),
+                        "tokens_per_s": tokens_per_step / step_s, "step_s": step_s,
+                        "in_use": dict(stats["in_use"]), "moved": moved,
+                    })
+                bar.update(1)
+                bar.set_postfix_str(progress_text(step_loss, tokens_per_step / step_s, stats["in_use"]))
+
+                if evaluate is not None and (step % evaluate_every == 0 or step == tcfg.steps):
+                    final_val_loss = evaluate()
+                    write_metrics(metrics, {"step": step, "val_loss": final_val_loss})
+                    if self.progress:
+                        bar.write(f"step {step}: val_loss {final_val_loss:.4f}")
+
+        return TrainResult(
+            steps=tcfg.steps,
+            losses=losses,
+            final_val_loss=final_val_loss,
+            run_dir=run_dir,
+            tokens_per_s=tokens_per_step * tcfg.steps / train_seconds if train_seconds else 0.0,
+        )
+
+    def _create_engine(self, model: torch.nn.Module, cfg: Config, trace: TraceRecorder) -> Any:
+        factory = self.engine_factory
+        if factory is None:
+            from angel_ptm.engine import initialize  # imported here: the trainer must import without the engine
+
+            factory = initialize
+        return factory(model, cfg, trace=trace)
+
+
+class Evaluator:
+    """Mean loss over ``trainer.eval_steps`` held-out batches; the same batches every time (fixed seed)."""
+
+    def __init__(self, engine: Any, val_tokens: np.ndarray, cfg: Config, device: torch.device):
+        self.engine, self.device = engine, device
+        self.steps = cfg.trainer.eval_steps
+        self.batches = BatchSampler(val_tokens, cfg.data.batch_size, cfg.model.seq_len, VAL_SEED)
+
+    def __call__(self) -> float:
+        self.engine.eval()
+        try:
+            total = 0.0
+            with torch.no_grad():
+                for k in range(self.steps):
+                    x, y = self.batches.batch(k)
+                    total += self.engine(x.to(self.device), y.to(self.device)).item()
+            return total / self.steps
+        finally:
+            self.engine.train()
+
+
+def resolve_device(name: str) -> torch.device:
+    """``trainer.device``: "auto" is CUDA where present, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigValueError('trainer.device: "cuda" requested but no CUDA device is available')
+    return torch.device(name)
+
+
+def make_run_dir(requested: Optional[str]) -> Path:
+    """``run.dir`` if given (created if needed, reused if present), else a new ``runs/<YYYYmmdd-HHMMSS>``."""
+    try:
+        if requested is not None:
+            run_dir = Path(requested).expanduser().resolve()
+            run_dir.mkdir(parents=True, exist_ok=True)
+            return run_dir
+        base = Path("runs").resolve() / time.strftime("%Y%m%d-%H%M%S")
+        for attempt in range(1000):  # two runs started in the same second get -1, -2, ...
+            run_dir = base if attempt == 0 else base.with_name(f"{base.name}-{attempt}")
+            try:
+                run_dir.mkdir(parents=True)
+                return run_dir
+            except FileExistsError:
+                continue
+        raise ConfigValueError(f"run.dir: no free name for a new run directory next to {base}")
+    except OSError as err:
+        raise ConfigValueError(f"run.dir: cannot create {err.filename or requested}: {err.strerror}") from None
+
+
+def write_metrics(file: Any, record: dict[str, Any]) -> None:
+    file.write(json.dumps(record, separators=(",", ":")) + "\n")
+    file.flush()  # a crash keeps every line logged so far
+
+
+def progress_text(loss: float, tokens_per_s: float, in_use: dict[str, int]) -> str:
+    tiers = " ".join(f"{label} {format_bytes(in_use.get(tier, 0)).replace(' ', '')}"
+                     for tier, label in zip(TIERS, ("dev", "host", "disk")))
+    return f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | {tiers}"

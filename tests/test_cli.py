@@ -1,0 +1,134 @@
+"""The ``angel-ptm`` command line: user mistakes are one line on stderr and exit code 2; training runs a job.
+
+Error-path tests fail before the engine is created, so they run anywhere; tests that train need the paging engine
+(``angel_ptm.engine``) and are skipped until it is present.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from angel_ptm import cli
+from angel_ptm.config import load_config, parse_bytes
+from angel_ptm.models import build_model
+
+REPO = Path(__file__).resolve().parent.parent
+TINY = [
+    "model.dim=32", "model.n_layer=1", "model.n_head=2", "model.seq_len=16",
+    f"data.path={os.__file__}", "data.batch_size=4", "trainer.eval_steps=1", "memory.page_bytes=64KiB",
+]
+
+
+def set_args(*overrides: str) -> list[str]:
+    return [arg for override in overrides for arg in ("--set", override)]
+
+
+def assert_one_line_error(stderr: str, *fragments: str) -> None:
+    lines = stderr.strip().splitlines()
+    assert len(lines) == 1, stderr
+    assert lines[0].startswith("angel-ptm: error: "), stderr
+    assert "Traceback" not in stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def run_error(capsys, argv: list[str], *fragments: str) -> None:
+    assert cli.main(argv) == 2
+    assert_one_line_error(capsys.readouterr().err, *fragments)
+
+
+# --- user mistakes --------------------------------------------------------------------------------------------
+def test_unknown_key_names_the_closest_valid_key(capsys, tmp_path):
+    run_error(capsys, ["train", *set_args("trainer.stepz=2", f"run.dir={tmp_path}")],
+              "unknown config key 'trainer.stepz'", "did you mean trainer.steps?")
+
+
+def test_missing_config_file_is_an_error(capsys, tmp_path):
+    missing = tmp_path / "nope.yaml"
+    run_error(capsys, ["train", str(missing)], f"config file not found: {missing}")
+
+
+def test_missing_data_directory_is_an_error_and_leaves_no_run_directory(capsys, tmp_path):
+    run_dir = tmp_path / "run"
+    run_error(capsys, ["train", "--no-progress", *set_args("data.path=/nonexistent", f"run.dir={run_dir}")],
+              "/nonexistent")
+    assert not run_dir.exists()
+
+
+def test_negative_budget_is_an_error(capsys):
+    run_error(capsys, ["train", *set_args("memory.host_budget=-1GiB")], "memory.host_budget")
+
+
+def test_invalid_value_type_is_an_error(capsys):
+    run_error(capsys, ["train", *set_args("trainer.steps=many")], "trainer.steps", "expected int")
+
+
+@pytest.mark.parametrize("argv", [[], ["fly"], ["train", "--bogus"], ["train", "a.yaml", "b.yaml"]])
+def test_bad_command_lines_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        cli.main(argv)
+    assert exit_info.value.code == 2
+    assert "usage: angel-ptm" in capsys.readouterr().err
+
+
+def test_missing_default_config_falls_back_to_built_in_defaults_with_a_warning(capsys, monkeypatch, tmp_path):
+    monkeypatch.setattr(cli, "default_config_path", lambda: tmp_path / "gone.yaml")
+    assert cli.main(["train", *set_args("data.path=/nonexistent", f"run.dir={tmp_path / 'run'}")]) == 2
+    warning, error = capsys.readouterr().err.strip().splitlines()
+    assert warning.startswith("angel-ptm: warning: ") and "gone.yaml" in warning
+    assert error.startswith("angel-ptm: error: ")
+
+
+def test_python_dash_m_prints_one_error_line_without_a_traceback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "angel_ptm", "train", "--no-progress",
+         *set_args("data.path=/nonexistent", f"run.dir={tmp_path / 'run'}")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 2
+    assert_one_line_error(result.stderr, "/nonexistent")
+
+
+# --- the packaged default job ---------------------------------------------------------------------------------
+def test_default_config_loads_and_puts_pages_on_all_three_tiers():
+    path = cli.default_config_path()
+    assert path == REPO / "configs" / "default.yaml"
+    config = load_config(path)
+    params = build_model(config.model).num_params()
+    states = 16 * params  # fp32 parameter, gradient and two Adam moments
+    assert 10e6 <= params <= 30e6
+    assert config.memory.page_bytes == parse_bytes("1MiB", "memory.page_bytes")
+    assert config.memory.device_budget < states
+    assert config.memory.device_budget + config.memory.host_budget < states  # the rest must go to disk
+    assert config.data.path is None and config.memory.disk_dir is None
+
+
+# --- training (needs the paging engine) -----------------------------------------------------------------------
+def test_train_runs_a_small_job_and_reports_the_run(capsys, tmp_path):
+    pytest.importorskip("angel_ptm.engine")
+    run_dir = tmp_path / "run"
+    argv = ["train", "--no-progress", *set_args(*TINY, "trainer.steps=2", "trainer.eval_every=2", f"run.dir={run_dir}")]
+    assert cli.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"run dir: {run_dir}" in out and "final val loss:" in out
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in metrics if "loss" in m] == [1, 2]
+    assert load_config(run_dir / "config.yaml").run.dir == str(run_dir)
+
+
+def test_train_reads_a_config_file_and_applies_overrides_on_top(capsys, tmp_path):
+    pytest.importorskip("angel_ptm.engine")
+    config_file = tmp_path / "job.yaml"
+    config_file.write_text(yaml.safe_dump({"trainer": {"steps": 5, "eval_every": 0}}))
+    run_dir = tmp_path / "run"
+    argv = ["train", str(config_file), "--no-progress", *set_args(*TINY, "trainer.steps=1", f"run.dir={run_dir}")]
+    assert cli.main(argv) == 0
+    saved = load_config(run_dir / "config.yaml")
+    assert saved.trainer.steps == 1 and saved.trainer.eval_every == 0 and saved.model.dim == 32

@@ -1,0 +1,267 @@
+"""The training loop (angel_ptm.trainer) and the learning-rate schedule (angel_ptm.lr).
+
+The trainer runs here on ``PlainEngine``, a test double with the Engine interface over plain torch AdamW, so these
+tests specify the loop itself and run whether or not the paging engine is present.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from angel_ptm.config import Config, load_config
+from angel_ptm.data import BatchSampler, load_tokens, split_train_val
+from angel_ptm.errors import ConfigValueError, DataError
+from angel_ptm.lr import lr_at
+from angel_ptm.models import build_model
+from angel_ptm.trainer import Trainer, TrainResult
+
+TEXT_FILE = Path(os.__file__)  # real text (os.py, ~40 KB) that a tiny model learns from in a few steps
+MOVED_PAIRS = ("host->device", "device->host", "host->disk", "disk->host")
+
+
+class PlainEngine:
+    """Test double for ``angel_ptm.engine.Engine``: the same interface, plain torch AdamW, no paging.
+
+    Every model state counts as "device" bytes in use and nothing is ever moved. ``fail_at_step`` makes
+    ``step()`` raise on that (1-based) call, to test cleanup on errors.
+    """
+
+    def __init__(self, model, config: Config, trace=None, fail_at_step: int | None = None):
+        opt = config.optimizer
+        self.model, self.trace = model, trace
+        self.optimizer = torch.optim.AdamW(
+            model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
+        )
+        self.fail_at_step, self.steps, self.closed = fail_at_step, 0, False
+        self.lrs: list[float] = []
+
+    def __call__(self, *inputs):
+        return self.model(*inputs)
+
+    def backward(self, loss):
+        loss.backward()
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        return float(torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm))
+
+    def set_lr(self, lr: float) -> None:
+        self.lrs.append(lr)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+
+    def step(self) -> None:
+        self.steps += 1
+        if self.steps == self.fail_at_step:
+            raise RuntimeError(f"injected failure at step {self.steps}")
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+    def memory_stats(self) -> dict:
+        states = [p for p in self.model.parameters()]
+        states += [p.grad for p in self.model.parameters() if p.grad is not None]
+        states += [t for s in self.optimizer.state.values() for t in s.values() if t.dim() > 0]
+        in_use = sum(t.numel() * t.element_size() for t in states)
+        return {"in_use": {"device": in_use, "host": 0, "disk": 0}, "moved": {pair: 0 for pair in MOVED_PAIRS}}
+
+    def eval(self) -> None:
+        self.model.eval()
+
+    def train(self) -> None:
+        self.model.train()
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def tiny_config(run_dir: Path, **sections) -> Config:
+    raw = {
+        "model": {"dim": 32, "n_layer": 1, "n_head": 2, "seq_len": 16},
+        "data": {"path": str(TEXT_FILE), "batch_size": 4, "val_fraction": 0.1},
+        "optimizer": {"lr": 1e-2},
+        "lr_schedule": {"warmup_steps": 2},
+        "trainer": {"steps": 4, "eval_every": 2, "eval_steps": 2},
+        "run": {"dir": str(run_dir)},
+    }
+    for section, settings in sections.items():
+        raw[section] = {**raw.get(section, {}), **settings}
+    return load_config(raw)
+
+
+def train(config: Config, **engine_options) -> tuple[TrainResult, list[PlainEngine]]:
+    engines: list[PlainEngine] = []
+
+    def factory(model, cfg, trace=None):
+        engines.append(PlainEngine(model, cfg, trace, **engine_options))
+        return engines[-1]
+
+    return Trainer(config, engine_factory=factory, progress=False).run(), engines
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+# --- learning-rate schedule -----------------------------------------------------------------------------------
+def test_warmup_is_linear_and_reaches_base_lr_on_its_last_step():
+    assert [lr_at(step, 1.0, 100, warmup_steps=4) for step in range(4)] == [0.25, 0.5, 0.75, 1.0]
+
+
+def test_cosine_decays_from_base_to_min_lr_at_total_steps():
+    def lr(step):
+        return lr_at(step, 1.0, 110, warmup_steps=10, decay="cosine", min_lr_ratio=0.1)
+
+    assert lr(10) == 1.0
+    assert lr(35) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi / 4)))  # a quarter of the way
+    assert lr(60) == pytest.approx(0.55)  # halfway: the mean of base and floor
+    assert lr(110) == pytest.approx(0.1)
+    assert lr(500) == pytest.approx(0.1)  # held after the end
+
+
+def test_linear_decay_is_a_straight_line_to_the_floor():
+    lrs = [lr_at(step, 2.0, 10, warmup_steps=0, decay="linear", min_lr_ratio=0.0) for step in (0, 5, 10)]
+    assert lrs == pytest.approx([2.0, 1.0, 0.0])
+
+
+def test_constant_schedule_holds_base_lr_after_warmup():
+    assert lr_at(0, 0.5, 100, 10, "constant") == pytest.approx(0.05)
+    assert lr_at(99, 0.5, 100, 10, "constant") == 0.5
+
+
+def test_unknown_decay_is_rejected():
+    with pytest.raises(ValueError, match="exponential"):
+        lr_at(0, 1.0, 10, 0, "exponential")
+
+
+# --- the training loop ----------------------------------------------------------------------------------------
+def test_every_step_logs_one_metrics_line_with_the_contract_keys(tmp_path):
+    result, _ = train(tiny_config(tmp_path))
+    lines = [line for line in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in line]
+    assert [line["step"] for line in lines] == [1, 2, 3, 4]
+    for line in lines:
+        assert set(line) == {"step", "loss", "lr", "grad_norm", "tokens_per_s", "step_s", "in_use", "moved"}
+        assert set(line["in_use"]) == {"device", "host", "disk"}
+        assert line["moved"] == {pair: 0 for pair in MOVED_PAIRS}
+        assert line["tokens_per_s"] > 0 and line["grad_norm"] > 0
+    assert [line["loss"] for line in lines] == result.losses
+    assert all(line["in_use"]["device"] > 0 for line in lines)
+
+
+def test_learning_rate_follows_the_schedule(tmp_path):
+    _, [engine] = train(tiny_config(tmp_path, trainer={"steps": 4}, lr_schedule={"warmup_steps": 2}))
+    assert engine.lrs == [lr_at(step, 1e-2, 4, 2, "cosine", 0.1) for step in range(4)]
+    assert engine.lrs[:2] == [5e-3, 1e-2]
+
+
+def test_validation_loss_is_logged_every_eval_every_steps_and_at_the_end(tmp_path):
+    result, _ = train(tiny_config(tmp_path, trainer={"steps": 5, "eval_every": 2}))
+    evals = [line for line in read_jsonl(tmp_path / "metrics.jsonl") if "val_loss" in line]
+    assert [line["step"] for line in evals] == [2, 4, 5]
+    assert set(evals[0]) == {"step", "val_loss"}
+    assert result.final_val_loss == evals[-1]["val_loss"]
+
+
+def test_validation_uses_the_same_held_out_batches_every_time(tmp_path):
+    # lr so small the weights barely move: two evaluations on the same batches then agree closely.
+    train(tiny_config(tmp_path, optimizer={"lr": 1e-9}, trainer={"steps": 2, "eval_every": 1}))
+    first, second = [line["val_loss"] for line in read_jsonl(tmp_path / "metrics.jsonl") if "val_loss" in line]
+    assert first == pytest.approx(second, abs=1e-5)
+
+
+def test_eval_every_zero_never_evaluates(tmp_path):
+    result, _ = train(tiny_config(tmp_path, trainer={"eval_every": 0}))
+    assert result.final_val_loss is None
+    assert not any("val_loss" in line for line in read_jsonl(tmp_path / "metrics.jsonl"))
+
+
+def test_loss_falls_over_thirty_steps(tmp_path):
+    result, _ = train(tiny_config(tmp_path, trainer={"steps": 30, "eval_every": 0}))
+    assert result.steps == 30 and len(result.losses) == 30
+    assert sum(result.losses[-5:]) / 5 < result.losses[0] - 1.0
+
+
+def test_logged_loss_of_an_accumulated_step_is_the_mean_over_its_micro_batches(tmp_path):
+    config = tiny_config(tmp_path, trainer={"steps": 1, "grad_accum": 2, "eval_every": 0})
+    result, _ = train(config)
+    torch.manual_seed(config.trainer.seed)
+    model = build_model(config.model)  # the same initial weights the trainer built
+    tokens, _ = load_tokens(config.data)
+    batches = BatchSampler(split_train_val(tokens, 0.1).train, 4, 16, config.data.seed)
+    with torch.no_grad():
+        expected = sum(model(*batches.batch(k)).item() for k in (0, 1)) / 2
+    assert result.losses == [pytest.approx(expected, rel=1e-5)]
+
+
+def test_saved_config_loads_back_with_the_run_dir_filled_in(tmp_path):
+    config = tiny_config(tmp_path)
+    result, _ = train(config)
+    saved = load_config(tmp_path / "config.yaml")
+    assert saved.run.dir == str(tmp_path.resolve()) == str(result.run_dir)
+    assert saved.model == config.model and saved.trainer == config.trainer
+
+
+def test_trace_has_a_step_event_and_a_compute_interval_per_step(tmp_path):
+    train(tiny_config(tmp_path, trainer={"steps": 3}))
+    events = read_jsonl(tmp_path / "trace.jsonl")
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2, 3]
+    assert all({"t", "loss", "step_s"} <= set(e) for e in steps)
+    compute = [e for e in events if e["event"] == "interval" and e["lane"] == "compute"]
+    assert [e["name"] for e in compute] == ["step 1", "step 2", "step 3"]
+
+
+def test_without_run_dir_a_timestamped_directory_under_runs_is_created(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    config = tiny_config(tmp_path, trainer={"steps": 1, "eval_every": 0})
+    config.run.dir = None
+    first, _ = train(config)
+    second, _ = train(config)
+    assert first.run_dir.parent == tmp_path / "runs" and re.fullmatch(r"\d{8}-\d{6}(-\d+)?", first.run_dir.name)
+    assert second.run_dir != first.run_dir  # two runs in the same second do not share a directory
+    assert (first.run_dir / "metrics.jsonl").is_file()
+
+
+def test_engine_and_trace_are_closed_when_a_step_fails(tmp_path):
+    engines: list[PlainEngine] = []
+
+    def failing_engine(model, cfg, trace=None):
+        engines.append(PlainEngine(model, cfg, trace, fail_at_step=3))
+        return engines[-1]
+
+    with pytest.raises(RuntimeError, match="injected failure"):
+        Trainer(tiny_config(tmp_path, trainer={"steps": 5}), engine_factory=failing_engine, progress=False).run()
+    assert engines[0].closed
+    trace = read_jsonl(tmp_path / "trace.jsonl")  # flushed by close, though far below the recorder's batch size
+    assert [e["step"] for e in trace if e["event"] == "step"] == [1, 2]
+    assert [line["step"] for line in read_jsonl(tmp_path / "metrics.jsonl")] == [1, 2, 2]  # 2 twice: + val_loss
+
+
+def test_engine_is_closed_after_a_normal_run(tmp_path):
+    _, [engine] = train(tiny_config(tmp_path))
+    assert engine.closed and engine.steps == 4
+
+
+def test_a_vocabulary_smaller_than_the_data_is_a_config_error_naming_the_key(tmp_path):
+    with pytest.raises(ConfigValueError, match=r"model\.vocab_size.*256.*got 100"):
+        train(tiny_config(tmp_path / "run", model={"vocab_size": 100}))
+    assert not (tmp_path / "run").exists()  # checked before anything is written
+
+
+def test_a_validation_split_shorter_than_one_window_is_a_data_error(tmp_path):
+    text = tmp_path / "short.txt"
+    text.write_text("x" * 100)
+    with pytest.raises(DataError, match=r"validation split has 10 tokens.*data\.val_fraction"):
+        train(tiny_config(tmp_path / "run", data={"path": str(text)}))
+
+
+def test_a_run_dir_that_cannot_be_created_is_a_config_error_naming_run_dir(tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    with pytest.raises(ConfigValueError, match=r"run\.dir: cannot create .*file"):
+        train(tiny_config(blocker / "run"))
