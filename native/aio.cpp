@@ -83,13 +83,15 @@ struct Chunk {
 
 class Engine {
   public:
-    Engine(int threads, int queue_depth, size_t chunk_bytes)
+    Engine(int threads, int queue_depth, size_t chunk_bytes, int checksum_threads)
         : queue_depth_(queue_depth), chunk_bytes_(chunk_bytes) {
         if (threads < 1) throw std::invalid_argument("threads must be >= 1");
         if (queue_depth < 1) throw std::invalid_argument("queue_depth must be >= 1");
         if (chunk_bytes == 0 || chunk_bytes % kChecksumBlock != 0)
             throw std::invalid_argument("chunk_bytes must be a positive multiple of 256 KiB");
+        if (checksum_threads < 1) throw std::invalid_argument("checksum_threads must be >= 1");
         for (int i = 0; i < threads; ++i) workers_.emplace_back([this] { worker_loop(); });
+        for (int i = 0; i < checksum_threads; ++i) checksummers_.emplace_back([this] { checksum_loop(); });
     }
     ~Engine() { shutdown(); }
 
@@ -112,7 +114,9 @@ class Engine {
             req->finished = true;
             return req;
         }
-        req->pending_chunks = n_chunks;
+        // Each chunk has an I/O part and, when checksummed, a checksum part run by the checksum threads.
+        const size_t parts = checksum ? 2 : 1;
+        req->pending_chunks = n_chunks * parts;
         py::gil_scoped_release no_gil;  // may block on a full queue
         for (size_t i = 0; i < n_chunks; ++i) {
             size_t start = i * chunk_bytes_;
@@ -122,7 +126,7 @@ class Engine {
             if (stopping_) {  // shut down mid-submit: the chunks not queued are reported, not lost silently
                 lock.unlock();
                 req->fail(ECANCELED, "engine shut down before the request was queued");
-                for (size_t j = i; j < n_chunks; ++j) req->chunk_done();
+                for (size_t j = i * parts; j < n_chunks * parts; ++j) req->chunk_done();
                 break;
             }
             queue_.push_back(Chunk{req, start, length});
@@ -151,6 +155,14 @@ class Engine {
         for (auto& t : workers_)
             if (t.joinable()) t.join();
         workers_.clear();
+        {  // the I/O workers are gone, so no checksum job can be added any more: drain and stop
+            std::lock_guard<std::mutex> lock(checksum_mutex_);
+            checksum_stopping_ = true;
+        }
+        checksum_ready_.notify_all();
+        for (auto& t : checksummers_)
+            if (t.joinable()) t.join();
+        checksummers_.clear();
     }
 
     int threads() const { return static_cast<int>(workers_.size()); }
@@ -184,7 +196,49 @@ class Engine {
         }
     }
 
+    // Checksums run on their own threads so an I/O worker goes straight on to its next transfer: a write's data is
+    // checksummed while it is being written (the buffer is not modified meanwhile), a read's once it has arrived.
+    void checksum_later(const Chunk& chunk) {
+        {
+            std::lock_guard<std::mutex> lock(checksum_mutex_);
+            checksum_jobs_.push_back(chunk);
+        }
+        checksum_ready_.notify_one();
+    }
+
+    void checksum_loop() {
+        for (;;) {
+            Chunk chunk;
+            {
+                std::unique_lock<std::mutex> lock(checksum_mutex_);
+                checksum_ready_.wait(lock, [this] { return !checksum_jobs_.empty() || checksum_stopping_; });
+                if (checksum_jobs_.empty()) return;
+                chunk = std::move(checksum_jobs_.front());
+                checksum_jobs_.pop_front();
+            }
+            fill_block_crcs(*chunk.request, chunk);
+            chunk.request->chunk_done();
+        }
+    }
+
     void run_chunk(const Chunk& chunk) {
+        Request& req = *chunk.request;
+        const bool checksum_pending = req.checksum;  // this call must settle the checksum part one way or another
+        bool checksum_queued = false;
+        if (req.op == Op::Write && req.checksum && !req.failed()) {
+            checksum_later(chunk);
+            checksum_queued = true;
+        }
+        transfer(chunk);
+        if (checksum_pending && !checksum_queued) {
+            if (req.op == Op::Read && !req.failed())
+                checksum_later(chunk);
+            else
+                req.chunk_done();  // nothing to checksum: the transfer failed (or an earlier chunk did)
+        }
+    }
+
+    void transfer(const Chunk& chunk) {
         Request& req = *chunk.request;
         if (req.failed()) return;  // an earlier chunk failed: the request is already lost, skip the I/O
         int injected = 0;
@@ -193,7 +247,6 @@ class Engine {
             return;
         }
         char* data = req.buf + chunk.start;
-        if (req.op == Op::Write && req.checksum) fill_block_crcs(req, chunk);
         size_t done = 0;
         while (done < chunk.length) {
             off_t pos = static_cast<off_t>(req.offset + chunk.start + done);
@@ -215,7 +268,6 @@ class Engine {
             done += static_cast<size_t>(n);
         }
         req.bytes_done.fetch_add(done);
-        if (req.op == Op::Read && req.checksum) fill_block_crcs(req, chunk);
     }
 
     static void fill_block_crcs(Request& req, const Chunk& chunk) {
@@ -231,6 +283,11 @@ class Engine {
     std::mutex queue_mutex_;
     std::condition_variable not_empty_, not_full_;
     bool stopping_ = false;
+    std::vector<std::thread> checksummers_;
+    std::deque<Chunk> checksum_jobs_;
+    std::mutex checksum_mutex_;
+    std::condition_variable checksum_ready_;
+    bool checksum_stopping_ = false;
     int fault_op_ = -1, fault_errno_ = 0, fault_count_ = 0;
 };
 
@@ -251,7 +308,8 @@ void register_aio(py::module_& m) {
         .def_property_readonly("checksum", &Request::page_checksum);
 
     py::class_<Engine>(m, "Engine")
-        .def(py::init<int, int, size_t>(), py::arg("threads"), py::arg("queue_depth"), py::arg("chunk_bytes"))
+        .def(py::init<int, int, size_t, int>(), py::arg("threads"), py::arg("queue_depth"), py::arg("chunk_bytes"),
+             py::arg("checksum_threads") = 1)
         .def("submit", &Engine::submit, py::arg("op"), py::arg("fd"), py::arg("buffer"), py::arg("nbytes"),
              py::arg("offset"), py::arg("checksum") = true)
         .def("inject_fault", &Engine::inject_fault, py::arg("op"), py::arg("errno"), py::arg("count"))

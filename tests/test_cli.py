@@ -70,6 +70,13 @@ def test_invalid_value_type_is_an_error(capsys):
     run_error(capsys, ["train", *set_args("trainer.steps=many")], "trainer.steps", "expected int")
 
 
+def test_device_budget_smaller_than_the_largest_layer_is_a_budget_error(capsys, tmp_path):
+    # The tiny GPT's embedding (256 x 32 fp32 = 32 KiB) needs 8 pages of 4 KiB; the device holds 2.
+    run_error(capsys, ["train", "--no-progress", *set_args(*TINY, "memory.page_bytes=4KiB",
+                                                          "memory.device_budget=8KiB", f"run.dir={tmp_path}")],
+              "device tier budget exceeded for layer 'tok_embeddings'", "requested 32768 bytes, 8192 bytes available")
+
+
 @pytest.mark.parametrize("argv", [[], ["fly"], ["train", "--bogus"], ["train", "a.yaml", "b.yaml"]])
 def test_bad_command_lines_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:

@@ -22,6 +22,14 @@ class PagedAdamW:
         self.update_tier = update_tier
         self.step_count = 0
         self.page_dtypes = layout.page_dtypes
+        self._scratch_buffers: dict = {}
+
+    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
+        key = (like.device, like.dtype)
+        buffer = self._scratch_buffers.get(key)
+        if buffer is None or buffer.numel() < like.numel():
+            buffer = self._scratch_buffers[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
+        return buffer[: like.numel()]
 
     def grad_norm(self) -> float:
         """The global L2 norm of all gradients, computed per tensor then combined (as clip_grad_norm_ does)."""
@@ -62,7 +70,8 @@ class PagedAdamW:
                     param.mul_(1 - self.lr * self.weight_decay)
                 exp_avg.lerp_(grad, 1 - beta1)
                 exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = (exp_avg_sq.sqrt() / bias_correction2_sqrt).add_(self.eps)
+                denom = self._scratch(param)  # reused: a fresh page-sized temporary costs page faults every step
+                torch.sqrt(exp_avg_sq, out=denom).div_(bias_correction2_sqrt).add_(self.eps)
                 param.addcdiv_(exp_avg, denom, value=-step_size)
             self.manager.release(group[:1] + group[2:], dirty=True)
             self.manager.release(group[1:2])

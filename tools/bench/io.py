@@ -4,9 +4,12 @@
 
 In one run, interleaved repeat by repeat so that both see the same disk weather:
 - angel: `--gib` of host pages evicted to the disk tier (`PageManager.evict`: every write in flight at once, CRC32C
-  checksums computed in the I/O workers), then brought back (`prefetch(...).wait()`, checksums verified);
-- raw: the same bytes written then read in page-sized units by a plain O_DIRECT loop of `--threads` Python threads
-  (os.pwritev / os.preadv release the GIL) on a file of its own in the same directory — no checksums, no bookkeeping;
+  checksums computed in the I/O workers) and fsynced, then brought back (`prefetch(...).wait()`, checksums
+  verified);
+- raw: the same bytes written (and fsynced) then read in page-sized units by a plain O_DIRECT loop of `--threads`
+  Python threads (os.pwritev / os.preadv release the GIL) on a file of its own in the same directory — no
+  checksums, no bookkeeping. The fsync in both write phases keeps a virtual disk's write-back cache from flattering
+  one write phase and slowing the read phase that follows it;
 - fio (if installed): the same sizes, psync engine, direct=1, `--threads` jobs;
 - DeepSpeed's aio_handle (if it is installed and its op builds): tools/bench/peers/deepspeed_aio.py.
 The last line is one JSON object: read/write GB/s (1e9 bytes/s, medians) and the ratios angel / raw.
@@ -32,30 +35,38 @@ from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier
 GB = 1e9
 
 
-def angel_round(manager: PageManager, pages) -> tuple[float, float]:
+def angel_write(manager: PageManager, pages) -> float:
+    for page in pages:
+        page.mark_dirty()  # so the write happens instead of dropping a clean page
     t0 = time.perf_counter()
     manager.evict(pages, Tier.DISK)
-    t1 = time.perf_counter()
+    for slot_file in manager.disk.files.values():
+        os.fsync(slot_file.fd)  # the data is on the disk, not in a cache below us (the raw loop does the same)
+    return time.perf_counter() - t0
+
+
+def angel_read(manager: PageManager, pages) -> float:
+    t0 = time.perf_counter()
     manager.prefetch(pages, Tier.HOST).wait()
-    t2 = time.perf_counter()
-    for page in pages:
-        page.mark_dirty()  # so the next round writes again instead of dropping clean pages
-    return t1 - t0, t2 - t1
+    return time.perf_counter() - t0
 
 
-def raw_round(path: str, buffers, threads: int) -> tuple[float, float]:
-    """The plain loop: each thread moves its share of page-sized units with O_DIRECT pwritev/preadv."""
-    page_bytes = buffers[0].numel()
-    views = [memoryview(b.numpy()).cast("B") for b in buffers]
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
-    os.posix_fallocate(fd, 0, page_bytes * len(views))
+class RawLoop:
+    """The plain loop: each of `threads` threads moves its share of page-sized units with O_DIRECT pwritev/preadv."""
 
-    def run(op):
+    def __init__(self, path: str, buffers, threads: int):
+        self.page_bytes, self.threads = buffers[0].numel(), threads
+        self.views = [memoryview(b.numpy()).cast("B") for b in buffers]
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
+        os.posix_fallocate(self.fd, 0, self.page_bytes * len(self.views))
+
+    def _run(self, op) -> float:
         def worker(k):
-            for i in range(k, len(views), threads):
-                op(fd, [views[i]], i * page_bytes)
+            for i in range(k, len(self.views), self.threads):
+                op(self.fd, [self.views[i]], i * self.page_bytes)
 
-        pool = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+        pool = [threading.Thread(target=worker, args=(k,)) for k in range(self.threads)]
         t0 = time.perf_counter()
         for t in pool:
             t.start()
@@ -63,11 +74,18 @@ def raw_round(path: str, buffers, threads: int) -> tuple[float, float]:
             t.join()
         return time.perf_counter() - t0
 
-    try:
-        return run(os.pwritev), run(os.preadv)
-    finally:
-        os.close(fd)
-        os.remove(path)
+    def write(self) -> float:
+        seconds = self._run(os.pwritev)
+        t0 = time.perf_counter()
+        os.fsync(self.fd)
+        return seconds + time.perf_counter() - t0
+
+    def read(self) -> float:
+        return self._run(os.preadv)
+
+    def close(self) -> None:
+        os.close(self.fd)
+        os.remove(self.path)
 
 
 def fio_figures(directory: str, total: int, page_bytes: int, threads: int) -> dict:
@@ -97,6 +115,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--queue-depth", type=int, default=32)
     parser.add_argument("--chunk-mib", type=int, default=4, help="size of one pread/pwrite inside the engine")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--settle", type=float, default=2.0, help="seconds of pause between phases")
     parser.add_argument("--backend", default="auto", choices=["auto", "native", "python"])
     parser.add_argument("--no-peers", action="store_true", help="skip fio and DeepSpeed")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
@@ -127,14 +146,23 @@ def main(argv=None) -> dict:
     for src, dst in zip(pages, raw_buffers):
         dst.copy_(src.view())
 
+    raw = RawLoop(os.path.join(work, "raw.bin"), raw_buffers, args.threads)
     results = {"angel_write": [], "angel_read": [], "raw_write": [], "raw_read": []}
     for r in range(args.repeats):
-        rw, rr = raw_round(os.path.join(work, "raw.bin"), raw_buffers, args.threads)
-        aw, ar = angel_round(manager, pages)
-        for key, seconds in (("raw_write", rw), ("raw_read", rr), ("angel_write", aw), ("angel_read", ar)):
-            results[key].append(total / seconds / GB)
+        # Writes of both, a pause, then reads of both, the first of each pair alternating by round: a virtual
+        # disk may still be flushing a write phase when the next phase starts, and both should pay for that alike.
+        first_raw = r % 2 == 0
+        phases = [("raw_write", raw.write), ("angel_write", lambda: angel_write(manager, pages))]
+        for key, run in phases if first_raw else phases[::-1]:
+            results[key].append(total / run() / GB)
+        time.sleep(args.settle)
+        phases = [("raw_read", raw.read), ("angel_read", lambda: angel_read(manager, pages))]
+        for key, run in phases if first_raw else phases[::-1]:
+            results[key].append(total / run() / GB)
+        time.sleep(args.settle)
         say(f"round {r}: angel write {results['angel_write'][-1]:.2f} read {results['angel_read'][-1]:.2f} GB/s | "
             f"raw write {results['raw_write'][-1]:.2f} read {results['raw_read'][-1]:.2f} GB/s")
+    raw.close()
     manager.close()
     engine.close()
 
