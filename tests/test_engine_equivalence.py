@@ -20,7 +20,7 @@ def gpt():
 
 def gpt_batches():
     g = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 64, (4, 16), generator=g),) * 1 + (torch.randint(0, 64, (4, 16), generator=g),)
+    return [(torch.randint(0, 64, (4, 16), generator=g), torch.randint(0, 64, (4, 16), generator=g))
             for _ in range(STEPS)]
 
 

@@ -23,6 +23,11 @@ class PagedAdamW:
         self.step_count = 0
         self.page_dtypes = layout.page_dtypes
         self._scratch_buffers: dict = {}
+        # (offset, numel) of every tensor segment on each page, computed once: the norm runs every step.
+        self._segments_on_page: list[list[tuple[int, int]]] = [[] for _ in range(layout.n_pages)]
+        for slot in layout.slots:
+            for seg in slot.segments:
+                self._segments_on_page[seg.page].append((seg.offset, seg.numel))
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         key = (like.device, like.dtype)
@@ -37,10 +42,8 @@ class PagedAdamW:
         for index, grad_page in enumerate(self.pages["grad"]):
             self.manager.acquire([grad_page], self.update_tier)
             view = grad_page.view(self.page_dtypes[index])
-            for slot in self.layout.tensors_on(index):
-                for seg in slot.segments:
-                    if seg.page == index:
-                        norms.append(torch.linalg.vector_norm(view[seg.offset : seg.offset + seg.numel], 2.0))
+            for offset, numel in self._segments_on_page[index]:
+                norms.append(torch.linalg.vector_norm(view[offset : offset + numel], 2.0))
             self.manager.release([grad_page])
         if not norms:
             return 0.0
