@@ -37,6 +37,15 @@ class PackedPageTensor:
         self.page, self.offset, self.size, self.stride, self.dtype = page, offset, size, stride, dtype
 
 
+class _Saved:
+    """A saved activation (not in a page), counted while autograd holds it."""
+
+    __slots__ = ("tensor", "nbytes")
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor, self.nbytes = tensor, tensor.numel() * tensor.element_size()
+
+
 class ParamBinder:
     def __init__(self, model: nn.Module, layout: PageLayout, manager: PageManager, param_pages: list[Page],
                  grad_pages: list[Page], device: torch.device):
@@ -49,12 +58,15 @@ class ParamBinder:
             module: [p for p in module.parameters(recurse=False)] for module in model.modules()
         }
         self.module_params = {m: ps for m, ps in self.module_params.items() if ps}
+        self.module_names = {module: name or "<root>" for name, module in model.named_modules()}
+        self.activation_bytes = 0  # saved activations alive now (the scheduler's trace records it per access)
         self._pinned_by_module: dict[int, list[Page]] = {}
         self._node_pins: list[Page] = []
         self._current_node = None
         self._page_by_address: dict[int, Page] = {}
         self._handles = []
         self._has_grad: set[str] = set()
+        self.without_grad: set[str] = set()  # tensors no gradient reached in the step being settled
         self._settled = False
         # Outside its module's forward a parameter holds no memory: one NaN broadcast to its shape. Autograd's
         # AccumulateGrad needs the right sizes (stride 0 makes it clone gradients contiguously), and NaN makes a
@@ -87,7 +99,7 @@ class ParamBinder:
     # ------------------------------------------------------------------ forward
     def _before_forward(self, module: nn.Module, _args) -> None:
         pages = self.module_pages(module)
-        self.manager.acquire(pages, Tier.DEVICE)
+        self.manager.acquire(pages, Tier.DEVICE, label=f"fwd:{self.module_names[module]}")
         self._pinned_by_module.setdefault(id(module), []).extend(pages)
         for page in pages:
             self._page_by_address[page.buffer.data_ptr()] = page
@@ -114,21 +126,26 @@ class ParamBinder:
             yield
 
     def _pack(self, tensor: torch.Tensor):
-        if tensor.device != self.device or not self._page_by_address:
-            return tensor
-        base = tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
-        for address, page in self._page_by_address.items():
-            if address <= tensor.data_ptr() < address + page.nbytes and base <= address:
-                offset_bytes = tensor.data_ptr() - address
-                return PackedPageTensor(page, offset_bytes // tensor.element_size(), tuple(tensor.size()),
-                                        tuple(tensor.stride()), tensor.dtype)
-        return tensor
+        if tensor.device == self.device and self._page_by_address:
+            base = tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
+            for address, page in self._page_by_address.items():
+                if address <= tensor.data_ptr() < address + page.nbytes and base <= address:
+                    offset_bytes = tensor.data_ptr() - address
+                    return PackedPageTensor(page, offset_bytes // tensor.element_size(), tuple(tensor.size()),
+                                            tuple(tensor.stride()), tensor.dtype)
+        saved = _Saved(tensor)
+        self.activation_bytes += saved.nbytes
+        return saved
 
     def _unpack(self, packed):
+        if isinstance(packed, _Saved):
+            self.activation_bytes -= packed.nbytes  # backward is about to use it, then autograd frees it
+            packed.nbytes = 0
+            return packed.tensor
         if not isinstance(packed, PackedPageTensor):
             return packed
         self._enter_node()
-        self.manager.acquire([packed.page], Tier.DEVICE)
+        self.manager.acquire([packed.page], Tier.DEVICE, label=f"bwd:{packed.page.name}")
         self._node_pins.append(packed.page)
         view = packed.page.view(packed.dtype)  # as_strided's offset counts from the start of the storage (the slab)
         return view.as_strided(packed.size, packed.stride, view.storage_offset() + packed.offset)
@@ -144,6 +161,7 @@ class ParamBinder:
 
     def end_backward(self) -> None:
         self._current_node = None
+        self.activation_bytes = 0
         if self._node_pins:
             self.manager.release(self._node_pins)
             self._node_pins = []
@@ -156,7 +174,7 @@ class ParamBinder:
         slot = self.slots[id(param)]
         grad = param.grad.reshape(-1)
         pages = [self.grad_pages[s.page] for s in slot.segments]
-        self.manager.acquire(pages, Tier.DEVICE)
+        self.manager.acquire(pages, Tier.DEVICE, label=f"grad:{slot.name}")
         first = slot.name not in self._has_grad
         for seg, page in zip(slot.segments, pages):
             region = page.view(slot.dtype)[seg.offset : seg.offset + seg.numel]
@@ -170,12 +188,14 @@ class ParamBinder:
         """Make every grad slot hold this step's gradient: zero the slots no gradient reached."""
         if self._settled:
             return
+        self.without_grad = {slot.name for slot in self.layout.slots if slot.name not in self._has_grad}
         for slot in self.layout.slots:
             if slot.name in self._has_grad:
                 continue
             for seg in slot.segments:
                 page = self.grad_pages[seg.page]
-                self.manager.acquire([page], Tier.HOST if page.tier is not Tier.DEVICE else Tier.DEVICE)
+                self.manager.acquire([page], Tier.HOST if page.tier is not Tier.DEVICE else Tier.DEVICE,
+                                     label=f"grad:settle:{slot.name}")
                 page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].zero_()
                 self.manager.release([page], dirty=True)
             self._has_grad.add(slot.name)

@@ -25,6 +25,7 @@ from angel_ptm.io import create_engine
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
 from angel_ptm.memory.budgets import resolve_budgets
 from angel_ptm.optim import PagedAdamW
+from angel_ptm.schedule import Scheduler
 from angel_ptm.trace import TraceRecorder
 
 STATE_KINDS = ("exp_avg_sq", "exp_avg", "grad", "param")  # creation order: parameters last, so warmest
@@ -55,6 +56,7 @@ class Engine:
             BufferPool(Tier.HOST, page_bytes, self.budgets.host, "cpu", pin=pin),
             disk,
             trace=self.trace,
+            async_copies=mem.scheduler == "planned",  # CPU: host<->device copies on a thread, overlapping compute
         )
         if disk is not None:  # one preallocated slot per page and kind: clean copies are dropped, never rewritten
             for kind in STATE_KINDS:
@@ -70,8 +72,10 @@ class Engine:
         self.binder = ParamBinder(model, self.layout, self.manager, self.pages["param"], self.pages["grad"],
                                   self.device)
         self.binder.attach()
+        self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
+                                   activation_bytes=lambda: self.binder.activation_bytes, trace=self.trace)
         opt = config.optimizer
-        update_tier = Tier.DEVICE if self.manager.pools[Tier.DEVICE].capacity >= 4 else Tier.HOST
+        update_tier = self._update_tier(len(STATE_KINDS) * n_pages)
         if self.manager.pools[update_tier].capacity < 4:
             raise BudgetError(update_tier.value, 4 * page_bytes, self.manager.pools[update_tier].capacity * page_bytes,
                               what="the optimizer update (one page each of param, grad, exp_avg, exp_avg_sq)")
@@ -79,6 +83,16 @@ class Engine:
                                     opt.weight_decay, update_tier)
 
     # ------------------------------------------------------------------ set-up
+    def _update_tier(self, n_state_pages: int) -> Tier:
+        """Where the optimizer updates a page group. On a GPU, the device (the host-side update is the fused CPU
+        Adam's job). On a CPU-only machine both tiers are CPU memory, so when the states do not all fit on the
+        device tier the update runs on the host: bringing optimizer states up to the device tier and back would
+        only copy them twice per step."""
+        device_slots = self.manager.pools[Tier.DEVICE].capacity
+        if self.device.type == "cuda" or device_slots >= n_state_pages:
+            return Tier.DEVICE if device_slots >= 4 else Tier.HOST
+        return Tier.HOST if self.manager.pools[Tier.HOST].capacity >= 4 else Tier.DEVICE
+
     def _tier_with_room(self) -> Tier:
         """Where a new page goes: the host while it has room, then the device, then the host again (evicting)."""
         pools = self.manager.pools
@@ -136,14 +150,31 @@ class Engine:
     def step(self) -> None:
         """The optimizer step over every page, then gradients zeroed (the next backward overwrites them)."""
         self.binder.settle_grads()
-        self.optimizer.step()
+        self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)
         self.binder.start_new_step()
+        self.scheduler.end_step()
+
+    def _update_order(self) -> list[int] | None:
+        """Layout page indices in the order the plan says their gradients became final (None: layout order)."""
+        planned = self.scheduler.update_order()
+        if not planned:
+            return None
+        order, seen = [], set()
+        for pid in planned:
+            page = self.manager.pages[pid]
+            if page.kind == "grad" and page.index not in seen:
+                order.append(page.index)
+                seen.add(page.index)
+        order.extend(i for i in range(self.layout.n_pages) if i not in seen)
+        return order
 
     def zero_grad(self) -> None:
         self.binder.start_new_step()
 
     def train(self, mode: bool = True) -> "Engine":
+        """Training mode; evaluation passes (mode False) are not part of the scheduled step."""
         self.model.train(mode)
+        self.scheduler.paused = not mode
         return self
 
     def eval(self) -> "Engine":
@@ -151,7 +182,8 @@ class Engine:
 
     # ------------------------------------------------------------------ introspection
     def memory_stats(self) -> dict:
-        return {"in_use": self.manager.in_use(), "moved": dict(self.manager.bytes_moved)}
+        return {"in_use": self.manager.in_use(), "moved": dict(self.manager.bytes_moved),
+                "schedule": self.scheduler.last_stats.as_dict()}
 
     def parameter(self, name: str) -> torch.Tensor:
         """A copy of parameter `name` as it is now (gathered from its pages)."""
@@ -165,6 +197,7 @@ class Engine:
         return out.view(slot.shape)
 
     def close(self) -> None:
+        self.scheduler.close()
         self.binder.detach()
         self.manager.close(remove_files=True)
         self.io.close()

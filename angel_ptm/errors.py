@@ -70,3 +70,26 @@ class ChecksumError(AngelError):
         super().__init__(
             f"checksum mismatch for page {page} in {path}: expected {expected:#010x}, got {actual:#010x}"
         )
+
+
+# --- reports (angel-ptm viz) ----------------------------------------------------------------------------------
+class RunDirError(AngelError):
+    """A run directory that is missing, is not a directory, or holds no trace.jsonl to report on."""
+
+
+class TraceFormatError(AngelError):
+    """A trace.jsonl with no readable event at all (every line malformed), so there is nothing to report."""
+
+
+class ReportWriteError(AngelError):
+    """A report or Chrome-trace output path that cannot be written (missing folder, no permission, disk full)."""
+
+
+# --- kernels --------------------------------------------------------------------------------------------------
+class KernelInputError(AngelError):
+    """A tensor or scalar handed to a native kernel (fused Adam) with the wrong dtype, device, layout, size or range."""
+
+
+# --- scheduling -----------------------------------------------------------------------------------------------
+class ScheduleError(AngelError):
+    """A recorded step that no plan can serve (an access pinning more pages than its tier holds)."""

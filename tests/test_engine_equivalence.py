@@ -125,44 +125,52 @@ def assert_same_losses(expected, actual):
         assert a == pytest.approx(e, rel=1e-6), f"step {step}: torch {e} engine {a}"
 
 
+SCHEDULERS = ["on_demand", "planned"]
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_gpt_matches_torch_adamw(placement, tmp_path):
-    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path))
+def test_gpt_matches_torch_adamw(placement, scheduler, tmp_path):
+    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path), scheduler=scheduler)
     expected = train_plain(gpt(), gpt_batches(), gpt_loss)
     actual, stats = train_engine(gpt(), gpt_batches(), gpt_loss, memory)
     assert_same_losses(expected, actual)
     assert_tiers_used(placement, stats)
 
 
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_gpt_with_gradient_clipping_matches_torch(placement, tmp_path):
-    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path))
+def test_gpt_with_gradient_clipping_matches_torch(placement, scheduler, tmp_path):
+    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path), scheduler=scheduler)
     expected = train_plain(gpt(), gpt_batches(), gpt_loss, clip=0.5)
     actual, _ = train_engine(gpt(), gpt_batches(), gpt_loss, memory, clip=0.5)
     assert_same_losses(expected, actual)
 
 
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_sequential_mlp_matches_torch_adamw(placement, tmp_path):
-    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path))
+def test_sequential_mlp_matches_torch_adamw(placement, scheduler, tmp_path):
+    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path), scheduler=scheduler)
     expected = train_plain(MLP(), regression_batches(24), mlp_loss)
     actual, stats = train_engine(MLP(), regression_batches(24), mlp_loss, memory)
     assert_same_losses(expected, actual)
     assert_tiers_used(placement, stats)
 
 
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
 @pytest.mark.parametrize("placement", list(PLACEMENTS))
-def test_shared_weights_match_torch_adamw(placement, tmp_path):
-    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path))
+def test_shared_weights_match_torch_adamw(placement, scheduler, tmp_path):
+    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path), scheduler=scheduler)
     expected = train_plain(TiedAutoencoder(), regression_batches(96), tied_loss)
     actual, stats = train_engine(TiedAutoencoder(), regression_batches(96), tied_loss, memory)
     assert_same_losses(expected, actual)
     assert_tiers_used(placement, stats)
 
 
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
 @pytest.mark.parametrize("placement", ["device", "device+host+disk"])
-def test_gradient_accumulation_matches_torch(placement, tmp_path):
-    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path))
+def test_gradient_accumulation_matches_torch(placement, scheduler, tmp_path):
+    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path), scheduler=scheduler)
     data = gpt_batches()
     model = gpt()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)

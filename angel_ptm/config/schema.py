@@ -142,7 +142,10 @@ class MemoryConfig(_Section):
     disk_budget: Budget = "auto"
     io_threads: int = 4
     queue_depth: int = 32
-    scheduler: Literal["on_demand", "planned"] = "on_demand"
+    # planned: record the first step's page accesses, then move pages ahead of need (schedule/); on_demand:
+    # every page is fetched when it is touched.
+    scheduler: Literal["on_demand", "planned"] = "planned"
+    lookahead: int = 0  # accesses the plan may prefetch ahead; 0 = as far as the free slots allow
 
     def validate(self) -> None:
         self._require(
@@ -151,6 +154,7 @@ class MemoryConfig(_Section):
             f"a positive multiple of {PAGE_ALIGNMENT}",
         )
         self._require_positive("io_threads", "queue_depth")
+        self._require("lookahead", self.lookahead >= 0, ">= 0")
 
 
 @dataclass

@@ -6,6 +6,8 @@ the "device" tier is a separate budgeted pool in ordinary memory and a copy is a
 
 from __future__ import annotations
 
+from concurrent.futures import Future, ThreadPoolExecutor
+
 import torch
 
 
@@ -16,13 +18,20 @@ def compute_device(preference: str = "auto") -> torch.device:
 
 
 class CopyHandle:
-    def __init__(self, event: "torch.cuda.Event | None" = None):
-        self._event = event
+    """Completion of one copy: a CUDA event, a future of the CPU copy thread, or nothing (already done)."""
+
+    def __init__(self, event: "torch.cuda.Event | None" = None, future: Future | None = None):
+        self._event, self._future = event, future
 
     def done(self) -> bool:
+        if self._future is not None:
+            return self._future.done()
         return self._event is None or self._event.query()
 
     def wait(self) -> None:
+        if self._future is not None:
+            self._future.result()  # re-raises a failed copy here
+            self._future = None
         if self._event is not None:
             self._event.synchronize()
             self._event = None
@@ -32,19 +41,26 @@ _DONE = CopyHandle()
 
 
 class Copier:
-    """Copies between page buffers; asynchronous on CUDA (pinned host memory), synchronous on CPU."""
+    """Copies between page buffers: on CUDA on two streams (pinned host memory); on CPU on a copy thread when
+    `asynchronous` (torch's copy releases the GIL, so it overlaps compute), else inline."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, asynchronous: bool = False):
         self.device = device
         self.is_cuda = device.type == "cuda"
+        self._pool: ThreadPoolExecutor | None = None
         if self.is_cuda:
             self.host_to_device_stream = torch.cuda.Stream(device)
             self.device_to_host_stream = torch.cuda.Stream(device)
+        elif asynchronous:
+            self._pool = ThreadPoolExecutor(1, thread_name_prefix="angel-copy")
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> CopyHandle:
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, wait: bool = False) -> CopyHandle:
+        """Start a copy of `src` into `dst`; `wait=True` says the caller waits at once (done inline on CPU)."""
         if not self.is_cuda:
-            dst.copy_(src)
-            return _DONE
+            if self._pool is None or wait:
+                dst.copy_(src)
+                return _DONE
+            return CopyHandle(future=self._pool.submit(dst.copy_, src))
         stream = self.host_to_device_stream if dst.device.type == "cuda" else self.device_to_host_stream
         # The copy must see everything compute has written to `src` (or still reads from `dst`) so far.
         stream.wait_stream(torch.cuda.current_stream(self.device))
@@ -53,3 +69,8 @@ class Copier:
             event = torch.cuda.Event()
             event.record(stream)
         return CopyHandle(event)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

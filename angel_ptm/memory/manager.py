@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Iterable, Sequence
+import enum
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 
 from angel_ptm.errors import BudgetError, ChecksumError, PageIOError
 from angel_ptm.memory.device import Copier
-from angel_ptm.memory.page import Page, PageState, Tier
+from angel_ptm.memory.page import RESTING_STATE, Page, PageState, Tier
 from angel_ptm.memory.policy import LRUPolicy, Policy
 from angel_ptm.memory.tiers import BufferPool, DiskTier
 from angel_ptm.trace.recorder import TraceRecorder
@@ -33,6 +34,7 @@ class Move:
     handle: object  # IOHandle or CopyHandle
     new_buffer: torch.Tensor | None
     finish: Callable[["Move"], None]
+    started: float = 0.0  # trace clock when the move was issued
 
     def done(self) -> bool:
         return self.handle.done()
@@ -51,9 +53,27 @@ class Prefetch:
         self._manager._bring(self.pages, self.tier)
 
 
+class AccessObserver(Protocol):
+    """What the scheduler sees of the manager: every labelled acquire and every dirty release."""
+
+    def before_acquire(self, pages: Sequence[Page], tier: Tier, label: str) -> None: ...
+
+    def after_acquire(self, pages: Sequence[Page], tier: Tier, label: str, waited: bool) -> None: ...
+
+    def on_dirty(self, pages: Sequence[Page]) -> None: ...
+
+
+class Hop(enum.Enum):
+    """What `try_hop` did with one page: started a move, had nothing to do, or must wait for room / a move."""
+
+    STARTED = "started"
+    NOTHING = "nothing"
+    BLOCKED = "blocked"
+
+
 class PageManager:
     def __init__(self, device_pool: BufferPool, host_pool: BufferPool, disk: DiskTier | None = None,
-                 policy: Policy | None = None, trace: TraceRecorder | None = None):
+                 policy: Policy | None = None, trace: TraceRecorder | None = None, async_copies: bool = False):
         if device_pool.page_bytes != host_pool.page_bytes or (disk and disk.page_bytes != host_pool.page_bytes):
             raise ValueError("all tiers must use the same page_bytes")
         self.page_bytes = host_pool.page_bytes
@@ -61,9 +81,11 @@ class PageManager:
         self.disk = disk
         self.policy = policy or LRUPolicy()
         self.trace = trace or TraceRecorder(None)
-        self.copier = Copier(device_pool.device)
+        self.copier = Copier(device_pool.device, asynchronous=async_copies)
+        self.observer: AccessObserver | None = None
         self.pages: list[Page] = []
         self._moves: dict[int, Move] = {}
+        self._pinned: set[int] = set()  # ids of pages with pin_count > 0
         self.bytes_moved: Counter = Counter()  # "src->dst" -> bytes, cumulative
 
     # ------------------------------------------------------------------ pages
@@ -86,18 +108,40 @@ class PageManager:
         return page
 
     # ------------------------------------------------------------------ public moves
-    def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE) -> None:
-        """Pin `pages` on `tier` and wait until they are all there. Pair every acquire with a release."""
+    def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None) -> None:
+        """Pin `pages` on `tier` and wait until they are all there. Pair every acquire with a release.
+
+        A `label` (say "fwd:layers.0.attn") marks an access of the training step: the observer (the scheduler)
+        records it, checks it against its plan and issues the moves planned after it."""
+        observer = self.observer if label is not None else None
+        if observer is not None:
+            observer.before_acquire(pages, tier, label)
         self._check_fits(pages, tier)
+        waited = False
         for page in pages:
+            if page.pin_count == 0:
+                self._pinned.add(page.id)
             page.pin_count += 1
             self.policy.on_access(page.id)
+            if not waited and not self._is_at(page, tier):
+                waited = True
         try:
-            self._bring(pages, tier)
+            if waited:
+                self._bring(pages, tier)
         except Exception:
             for page in pages:
                 page.pin_count -= 1
+                if page.pin_count == 0:
+                    self._pinned.discard(page.id)
             raise
+        if observer is not None:
+            observer.after_acquire(pages, tier, label, waited)
+
+    @staticmethod
+    def _is_at(page: Page, tier: Tier) -> bool:
+        """The page rests on `tier` or above it (a host access is served by a device copy, as `_bring` does)."""
+        state = page.state
+        return state is PageState.DEVICE or (tier is Tier.HOST and state is PageState.HOST)
 
     def release(self, pages: Iterable[Page], dirty: bool = False) -> None:
         """Unpin `pages`; `dirty=True` says their data changed, so a disk copy is stale."""
@@ -105,8 +149,12 @@ class PageManager:
             if page.pin_count <= 0:
                 raise ValueError(f"page {page.name} released more often than acquired")
             page.pin_count -= 1
+            if page.pin_count == 0:
+                self._pinned.discard(page.id)
             if dirty:
                 page.mark_dirty()
+        if dirty and self.observer is not None:
+            self.observer.on_dirty(pages)
 
     def prefetch(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE) -> Prefetch:
         """Start moving `pages` toward `tier` without waiting (disk reads are issued now)."""
@@ -143,6 +191,74 @@ class PageManager:
             for page in movers:
                 self._wait_move(page)
 
+    # ------------------------------------------------------------------ non-blocking moves (the executor's)
+    def try_hop(self, page: Page, dst: Tier, need: float | None = None) -> Hop:
+        """Start one hop of `page` toward `dst` (up: disk->host, host->device; down: device->host, host->disk)
+        without waiting: BLOCKED when the page is moving or the next tier has no free slot yet.
+
+        With `need` (the position in the policy's known future at which the page is needed), a full tier makes
+        room: the eviction of a resting, unpinned page whose next use comes after `need` is started (also without
+        waiting), and the hop itself starts on a later call, once that slot is free."""
+        if page.state.in_flight:
+            move = self._moves.get(page.id)
+            if move is not None and move.done():
+                self._wait_move(page)
+            else:
+                return Hop.BLOCKED
+        order = (Tier.DISK, Tier.HOST, Tier.DEVICE)
+        here, there = order.index(page.tier), order.index(dst)
+        if here == there:
+            return Hop.NOTHING
+        if here < there:  # up
+            step_to = order[here + 1]
+            if self.pools[step_to].free_slots == 0:
+                if need is not None:
+                    self._make_room_async(step_to, need, keep=page)
+                return Hop.BLOCKED
+            self._start_up(page)
+            return Hop.STARTED
+        if page.pin_count:  # down, but in use: the plan and the step disagree; leave it
+            return Hop.NOTHING
+        if page.tier is Tier.DEVICE and not page.clean_on_disk and self.pools[Tier.HOST].free_slots == 0:
+            return Hop.BLOCKED
+        if page.tier is Tier.HOST and self.disk is None:
+            return Hop.NOTHING
+        self._start_down(page, wait_for_room=False)
+        return Hop.STARTED
+
+    def _make_room_async(self, tier: Tier, need: float, keep: Page) -> bool:
+        """Start evicting one page from `tier` whose next use is after `need`; False if there is none (or the
+        slot it would free is already on its way)."""
+        if any(m.src is tier for m in self._moves.values()):
+            return False  # a slot is already being freed here
+        next_use = getattr(self.policy, "next_use", None)
+        if next_use is None:
+            return False
+        candidates = [pid for pid in self._candidates(tier) if pid != keep.id]
+        if not candidates:
+            return False
+        victim = self.pages[self.policy.victim(candidates)]
+        if next_use(victim.id) <= need:
+            return False  # everything here is needed sooner than the page we would make room for
+        if tier is Tier.DEVICE and not victim.clean_on_disk and self.pools[Tier.HOST].free_slots == 0:
+            return self._make_room_async(Tier.HOST, need, keep)  # the victim needs a host slot first
+        if tier is Tier.HOST and not victim.clean_on_disk and self.disk is None:
+            return False
+        self._emit("evict", victim, tier, Tier.HOST if tier is Tier.DEVICE else Tier.DISK)
+        self._start_down(victim, wait_for_room=False)
+        return True
+
+    def poll(self) -> int:
+        """Settle every move whose transfer has finished, without waiting for the others; how many settled."""
+        finished = [move.page for move in self._moves.values() if move.done()]
+        for page in finished:
+            self._wait_move(page)
+        return len(finished)
+
+    @property
+    def moves_in_flight(self) -> int:
+        return len(self._moves)
+
     def flush(self, pages: Iterable[Page] | None = None) -> None:
         """Settle every move in flight for `pages` (all pages by default)."""
         for page in list(self.pages if pages is None else pages):
@@ -153,8 +269,10 @@ class PageManager:
         if tier not in self.pools:
             raise ValueError(f"pages are acquired on the device or host tier, not {tier.value}")
         capacity = self.pools[tier].capacity
+        if len(pages) + len(self._pinned) <= capacity:
+            return
         wanted = {p.id for p in pages}
-        pinned_elsewhere = sum(1 for p in self.pages if p.pin_count and p.tier is tier and p.id not in wanted)
+        pinned_elsewhere = sum(1 for i in self._pinned if self.pages[i].tier is tier and i not in wanted)
         if len(pages) + pinned_elsewhere > capacity:
             raise BudgetError(tier.value, len(pages) * self.page_bytes,
                               (capacity - pinned_elsewhere) * self.page_bytes,
@@ -185,7 +303,10 @@ class PageManager:
                 self._wait_move(page)
 
     def _host_room_for_read(self) -> bool:
-        return self.pools[Tier.HOST].free_slots > 0 or bool(self._candidates(Tier.HOST))
+        """A host slot is free, can be freed by an eviction, or will be once a move in flight lands."""
+        return (self.pools[Tier.HOST].free_slots > 0 or bool(self._candidates(Tier.HOST))
+                or any(m.src is Tier.HOST or (m.dst is Tier.HOST and m.page.pin_count == 0)
+                       for m in self._moves.values()))
 
     def _finish_up(self, page: Page, tier: Tier) -> None:
         self._wait_move(page)
@@ -203,7 +324,7 @@ class PageManager:
         elif page.state is PageState.HOST:
             buffer = self._alloc(Tier.DEVICE)
             page.transition(PageState.TO_DEVICE)
-            handle = self.copier.copy(buffer, page.buffer)
+            handle = self.copier.copy(buffer, page.buffer, wait=page.pin_count > 0)
             self._begin(Move(page, Tier.HOST, Tier.DEVICE, handle, buffer, self._finish_copy))
 
     # ------------------------------------------------------------------ internals: evicting pages down
@@ -218,7 +339,7 @@ class PageManager:
         elif src is Tier.DEVICE:
             buffer = self._alloc(Tier.HOST) if wait_for_room else self.pools[Tier.HOST].alloc()
             page.transition(PageState.TO_HOST)
-            handle = self.copier.copy(buffer, page.buffer)
+            handle = self.copier.copy(buffer, page.buffer, wait=wait_for_room)
             self._begin(Move(page, Tier.DEVICE, Tier.HOST, handle, buffer, self._finish_copy))
         elif src is Tier.HOST:
             if self.disk is None:
@@ -244,7 +365,8 @@ class PageManager:
             raise
 
     def _candidates(self, tier: Tier) -> list[int]:
-        return [p.id for p in self.pages if p.tier is tier and p.pin_count == 0]
+        state = RESTING_STATE[tier]
+        return [p.id for p in self.pages if p.state is state and p.pin_count == 0]
 
     def _alloc(self, tier: Tier) -> torch.Tensor:
         """A free slot on `tier`, evicting a victim chosen by the policy if there is none."""
@@ -256,6 +378,10 @@ class PageManager:
                 continue
             candidates = self._candidates(tier)
             if not candidates:
+                arriving = [m for m in self._moves.values() if m.dst is tier and m.page.pin_count == 0]
+                if arriving:  # a prefetched page still landing: once there it can be evicted
+                    self._wait_move(arriving[0].page)
+                    continue
                 raise BudgetError(tier.value, self.page_bytes, 0,
                                   what=f"one page ({pool.capacity} slots, all pinned or in flight)")
             victim = self.pages[self.policy.victim(candidates)]
@@ -266,6 +392,7 @@ class PageManager:
 
     # ------------------------------------------------------------------ internals: completing moves
     def _begin(self, move: Move) -> None:
+        move.started = self.trace.now() if self.trace.enabled else 0.0
         self._moves[move.page.id] = move
         self._emit("move", move.page, move.src, move.dst)
 
@@ -315,6 +442,10 @@ class PageManager:
     def _moved(self, move: Move) -> None:
         self.bytes_moved[f"{move.src.value}->{move.dst.value}"] += self.page_bytes
         self._emit("moved", move.page, move.src, move.dst)
+        if self.trace.enabled:  # the span from issue to settling, on the lane of the queue that carried it
+            lane = "disk" if Tier.DISK in (move.src, move.dst) else "copy"
+            self.trace.interval(lane, f"{move.page.name} {move.src.value}->{move.dst.value}", move.started,
+                                self.trace.now(), bytes=self.page_bytes)
 
     # ------------------------------------------------------------------ accounting
     def in_use(self) -> dict[str, int]:
@@ -331,5 +462,6 @@ class PageManager:
 
     def close(self, remove_files: bool = True) -> None:
         self.flush()
+        self.copier.close()
         if self.disk is not None:
             self.disk.close(remove=remove_files)

@@ -59,6 +59,10 @@ class BeladyPolicy:
         self.deviations = 0
         self._sequence_length = sum(len(v) for v in self._uses.values())
 
+    def seek(self, position: int) -> None:
+        """The next access is `position` of the known sequence (a scheduler keeps the clock in step with it)."""
+        self._now = position
+
     def next_use(self, page_id: int) -> float:
         uses = self._uses.get(page_id)
         if not uses:

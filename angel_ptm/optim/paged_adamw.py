@@ -25,9 +25,12 @@ class PagedAdamW:
         self._scratch_buffers: dict = {}
         # (offset, numel) of every tensor segment on each page, computed once: the norm runs every step.
         self._segments_on_page: list[list[tuple[int, int]]] = [[] for _ in range(layout.n_pages)]
+        self._slots_on_page: list[list[tuple[str, int, int]]] = [[] for _ in range(layout.n_pages)]
         for slot in layout.slots:
             for seg in slot.segments:
                 self._segments_on_page[seg.page].append((seg.offset, seg.numel))
+                self._slots_on_page[seg.page].append((slot.name, seg.offset, seg.numel))
+        self.slot_steps = {slot.name: 0 for slot in layout.slots}  # steps each tensor took (torch's state["step"])
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
         key = (like.device, like.dtype)
@@ -40,7 +43,7 @@ class PagedAdamW:
         """The global L2 norm of all gradients, computed per tensor then combined (as clip_grad_norm_ does)."""
         norms = []
         for index, grad_page in enumerate(self.pages["grad"]):
-            self.manager.acquire([grad_page], self.update_tier)
+            self.manager.acquire([grad_page], self.update_tier, label="opt:norm")
             view = grad_page.view(self.page_dtypes[index])
             for offset, numel in self._segments_on_page[index]:
                 norms.append(torch.linalg.vector_norm(view[offset : offset + numel], 2.0))
@@ -52,30 +55,52 @@ class PagedAdamW:
 
     def scale_grads(self, factor: float) -> None:
         for index, grad_page in enumerate(self.pages["grad"]):
-            self.manager.acquire([grad_page], self.update_tier)
+            self.manager.acquire([grad_page], self.update_tier, label="opt:scale")
             grad_page.view(self.page_dtypes[index]).mul_(factor)
             self.manager.release([grad_page], dirty=True)
 
-    def step(self) -> None:
+    def step(self, order: list[int] | None = None, without_grad: frozenset[str] | set[str] = frozenset()) -> None:
+        """One AdamW step over every page group.
+
+        `order`: page indices in the order to update them (the scheduler's: the order gradients became final),
+        each index once; default: layout order. `without_grad`: tensors that got no gradient this step (a branch
+        not taken, an expert not routed): as torch.optim.AdamW does for a parameter whose .grad is None, they are
+        left alone, and each tensor counts its own steps for the bias corrections."""
+        indices = range(self.layout.n_pages) if order is None else order
+        if order is not None and sorted(order) != list(range(self.layout.n_pages)):
+            raise ValueError(f"order must list each of the {self.layout.n_pages} page indices once")
         self.step_count += 1
-        beta1, beta2 = self.betas
-        step = float(self.step_count)
-        bias_correction1 = 1 - beta1**step
-        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        step_size = self.lr / bias_correction1
-        for index in range(self.layout.n_pages):
+        for name in self.slot_steps:
+            if name not in without_grad:
+                self.slot_steps[name] += 1
+        for index in indices:
             group = [self.pages[kind][index] for kind in ("param", "grad", "exp_avg", "exp_avg_sq")]
-            self.manager.acquire(group, self.update_tier)
+            self.manager.acquire(group, self.update_tier, label="opt:update")
             dtype = self.page_dtypes[index]
             if dtype.is_floating_point:
                 param, grad, exp_avg, exp_avg_sq = (p.view(dtype) for p in group)
-                if self.weight_decay != 0:
-                    param.mul_(1 - self.lr * self.weight_decay)
-                exp_avg.lerp_(grad, 1 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-                denom = self._scratch(param)  # reused: a fresh page-sized temporary costs page faults every step
-                torch.sqrt(exp_avg_sq, out=denom).div_(bias_correction2_sqrt).add_(self.eps)
-                param.addcdiv_(exp_avg, denom, value=-step_size)
+                slots = self._slots_on_page[index]
+                steps = {self.slot_steps[name] for name, _, _ in slots}
+                if len(steps) == 1 and not any(name in without_grad for name, _, _ in slots):
+                    self._update(param, grad, exp_avg, exp_avg_sq, steps.pop())  # the whole page at once
+                else:
+                    for name, offset, numel in slots:
+                        if name not in without_grad:
+                            part = slice(offset, offset + numel)
+                            self._update(param[part], grad[part], exp_avg[part], exp_avg_sq[part],
+                                         self.slot_steps[name])
             self.manager.release(group[:1] + group[2:], dirty=True)
             self.manager.release(group[1:2])
 
+    def _update(self, param, grad, exp_avg, exp_avg_sq, step: int) -> None:
+        beta1, beta2 = self.betas
+        bias_correction1 = 1 - beta1**step
+        bias_correction2_sqrt = (1 - beta2**step) ** 0.5
+        step_size = self.lr / bias_correction1
+        if self.weight_decay != 0:
+            param.mul_(1 - self.lr * self.weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        denom = self._scratch(param)  # reused: a fresh page-sized temporary costs page faults every step
+        torch.sqrt(exp_avg_sq, out=denom).div_(bias_correction2_sqrt).add_(self.eps)
+        param.addcdiv_(exp_avg, denom, value=-step_size)

@@ -1,0 +1,298 @@
+"""The executor: runs a plan's moves on their queues while compute goes on, and the Scheduler that drives it.
+
+Queues: disk reads and writes run on the native SSD engine's threads, host<->device copies on the copy streams
+(CUDA) or the copy thread (CPU), collectives on a communication thread. The executor issues moves in plan order
+without ever blocking: a move whose page is still travelling, or whose next tier has no free slot yet, waits at the
+head of its queue until a later `pump()` (every access pumps). Compute never waits on the executor: `acquire`
+waits only for the pages it needs, fetching on demand whatever the plan did not bring.
+
+The `Scheduler` is the PageManager's access observer. In the warm-up step it records the trace (LRU evictions,
+on-demand fetches); at the end of each step it plans the next one from the trace if there is no plan yet or the
+step deviated from it; in a planned step it matches each access against the plan, keeps the Belady policy's clock
+on the plan's position, and hands the moves planned after the access to the executor. An access the plan did not
+expect (data-dependent control flow, MoE routing) is served on demand and counted as a deviation; the plan is
+rebuilt from that step's trace.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+from collections import Counter, deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, Sequence
+
+from angel_ptm.memory.manager import Hop, PageManager
+from angel_ptm.memory.page import Page, PageState, Tier
+from angel_ptm.memory.policy import BeladyPolicy, LRUPolicy
+from angel_ptm.schedule.planner import Op, Plan, plan_step
+from angel_ptm.schedule.trace import StepRecorder, StepTrace
+from angel_ptm.trace.recorder import TraceRecorder
+
+RESYNC_WINDOW = 64  # accesses searched ahead of the plan's position for an unexpected access
+
+
+class Communicator(Protocol):
+    """Collectives of sharded pages (ZeRO): implemented by the data-parallel layer."""
+
+    def all_gather(self, page: Page) -> None: ...
+
+    def reduce_scatter(self, page: Page) -> None: ...
+
+
+@dataclass
+class StepStats:
+    """What one step's scheduling did."""
+
+    accesses: int = 0
+    stall_s: float = 0.0  # compute waiting in acquire for pages that were not in place
+    stalls: int = 0  # accesses that waited
+    schedule_s: float = 0.0  # time spent recording, matching and issuing moves
+    deviations: int = 0
+    issued: int = 0  # planned moves started
+    skipped: int = 0  # planned moves with nothing to do (the page already where the plan wanted it)
+    dropped: int = 0  # planned moves that could not start (the state differed from the plan)
+    replanned: bool = False
+
+    def as_dict(self) -> dict:
+        return {"accesses": self.accesses, "stall_s": round(self.stall_s, 6), "stalls": self.stalls,
+                "schedule_s": round(self.schedule_s, 6), "deviations": self.deviations, "issued": self.issued,
+                "skipped": self.skipped, "dropped": self.dropped, "replanned": self.replanned}
+
+
+class Executor:
+    """Issues planned ops on the manager's queues (moves) and a communication thread (collectives).
+
+    Fetches are issued in plan order. One whose page is still on its way up (the previous hop) is passed over
+    for the moment, so disk reads stay many deep; the first one that finds no free slot stops the scan: it starts
+    the eviction that will free one (a page used after the access the fetch serves: Belady) and is retried on the
+    next pump. Evictions are the manager's, made to room for fetches, so a step whose residency differs from the
+    plan's simulation (after an evaluation pass, say) still evicts correctly. A fetch for an access already past
+    is dropped: acquire fetched that page on demand.
+    """
+
+    SCAN = 64  # queued fetches looked at per pump
+
+    def __init__(self, manager: PageManager, communicator: Communicator | None = None):
+        self.manager = manager
+        self.communicator = communicator
+        self.moves: list[Op] = []
+        self._comm_pool = ThreadPoolExecutor(1, thread_name_prefix="angel-comm") if communicator else None
+        self._comm_futures: dict[int, Future] = {}
+        self.counts: Counter = Counter()
+
+    def submit(self, ops: Sequence[Op]) -> None:
+        for op in ops:
+            if op.kind == "fetch":
+                self.moves.append(op)
+            elif op.kind in ("all_gather", "reduce_scatter") and self._comm_pool is not None:
+                page = self.manager.pages[op.page]
+                call = self.communicator.all_gather if op.kind == "all_gather" else self.communicator.reduce_scatter
+                self._comm_futures[op.page] = self._comm_pool.submit(call, page)
+                self.counts["issued"] += 1
+
+    def pump(self, now: int = 0, need_of: Callable[[int], float] | None = None) -> None:
+        """Settle finished moves, then start queued fetches. `now`: the plan index of the next access;
+        `need_of(serves)`: the policy position of an access (for making room)."""
+        manager = self.manager
+        if manager.moves_in_flight:
+            manager.poll()
+        kept: list[Op] = []
+        moves, i = self.moves, 0
+        while i < len(moves) and i - len(kept) < self.SCAN and len(kept) < self.SCAN:
+            op = moves[i]
+            i += 1
+            if 0 <= op.serves < now:
+                self.counts["dropped"] += 1  # its access has come and gone
+                continue
+            page = manager.pages[op.page]
+            if page.state.in_flight and not manager._moves[page.id].done():
+                kept.append(op)  # the previous hop is still under way; later fetches go ahead
+                continue
+            result = manager.try_hop(page, op.dst, need_of(op.serves) if need_of else None)
+            if result is Hop.BLOCKED:
+                kept.append(op)
+                break  # no slot yet: the eviction that frees one is under way; keep plan order for slots
+            self.counts["issued" if result is Hop.STARTED else "skipped"] += 1
+        self.moves = kept + moves[i:]
+
+    def next_step(self, n: int) -> None:
+        """A new step starts: fetches for the next step's accesses now serve this one; the rest are stale."""
+        self.counts["dropped"] += sum(1 for op in self.moves if op.serves < n)
+        self.moves = [dataclasses.replace(op, serves=op.serves - n) for op in self.moves if op.serves >= n]
+
+    def wait_comm(self, page: Page) -> None:
+        future = self._comm_futures.pop(page.id, None)
+        if future is not None:
+            future.result()
+
+    def clear(self) -> None:
+        self.moves.clear()
+        for future in self._comm_futures.values():
+            future.result()
+        self._comm_futures.clear()
+
+    def close(self) -> None:
+        self.clear()
+        if self._comm_pool is not None:
+            self._comm_pool.shutdown(wait=True)
+
+
+class Scheduler:
+    """The unified scheduler: trace -> plan -> execute, one training step at a time."""
+
+    def __init__(self, manager: PageManager, planned: bool = True, lookahead: int = 0,
+                 activation_bytes: Callable[[], int] | None = None, trace: TraceRecorder | None = None,
+                 communicator: Communicator | None = None, sharded: Sequence[int] = ()):
+        self.manager, self.planned, self.lookahead = manager, planned, lookahead
+        self.activation_bytes = activation_bytes or (lambda: 0)
+        self.trace = trace or TraceRecorder(None)
+        self.sharded = tuple(sharded)
+        self.executor = Executor(manager, communicator)
+        self.recorder = StepRecorder()
+        self.plan: Plan | None = None
+        self.last_trace: StepTrace | None = None
+        self.paused = False
+        self.step = 0
+        self.stats = StepStats()
+        self.last_stats = StepStats()
+        self.plan_s = 0.0
+        self._keys: list[tuple] = []
+        self._positions: dict[tuple, list[int]] = {}
+        self._offsets: list[int] = []
+        self._cursor = 0
+        self._matched: int | None = None
+        self._t_acquire = 0.0
+        manager.observer = self
+
+    # ------------------------------------------------------------------ the observer
+    def before_acquire(self, pages: Sequence[Page], tier: Tier, label: str) -> None:
+        if self.paused:
+            return
+        t0 = time.perf_counter()
+        ids = tuple(p.id for p in pages)
+        self.recorder.record(label, ids, tier, self.manager._pinned, self.activation_bytes())
+        self.stats.accesses += 1
+        self._matched = None
+        if self.plan is not None:
+            self._matched = self._match((ids, tier))
+            if self._matched is None:
+                self.stats.deviations += 1
+            elif isinstance(self.manager.policy, BeladyPolicy):
+                self.manager.policy.seek(self._offsets[self._matched])
+        self.executor.pump(self._cursor, self._need_of)
+        self._t_acquire = time.perf_counter()
+        self.stats.schedule_s += self._t_acquire - t0
+
+    def after_acquire(self, pages: Sequence[Page], tier: Tier, label: str, waited: bool) -> None:
+        if self.paused:
+            return
+        t1 = time.perf_counter()
+        if waited:
+            self.stats.stall_s += t1 - self._t_acquire
+            self.stats.stalls += 1
+            if self.trace.enabled:
+                end = self.trace.now()
+                self.trace.interval("stall", label, end - (t1 - self._t_acquire), end)
+        if self._matched is not None:
+            self.executor.submit(self.plan.ops_after[self._matched])
+            self._cursor = self._matched + 1
+        self.executor.pump(self._cursor, self._need_of)
+        self.stats.schedule_s += time.perf_counter() - t1
+
+    def _need_of(self, serves: int) -> float:
+        """The Belady clock's position of plan access `serves` (>= n: in the next step)."""
+        n = len(self._keys)
+        return self._offsets[serves] if serves < n else self._offsets[n] + self._offsets[serves - n]
+
+    def on_dirty(self, pages: Sequence[Page]) -> None:
+        if not self.paused:
+            self.recorder.wrote(p.id for p in pages)
+
+    def _match(self, key: tuple) -> int | None:
+        """The plan's index of this access: the next expected one, or one a little further on (the step
+        skipped some accesses); None when the plan does not know it."""
+        cursor = self._cursor
+        if cursor < len(self._keys) and self._keys[cursor] == key:
+            return cursor
+        positions = self._positions.get(key)
+        if not positions:
+            return None
+        i = bisect.bisect_left(positions, cursor)
+        if i < len(positions) and positions[i] - cursor <= RESYNC_WINDOW:
+            self.stats.deviations += 1  # skipped accesses
+            return positions[i]
+        return None
+
+    # ------------------------------------------------------------------ steps
+    def end_step(self) -> StepStats:
+        """The training step is over (after the optimizer): plan the next one if needed; this step's stats."""
+        t0 = time.perf_counter()
+        trace = self.recorder.finish()
+        stats = self.stats
+        if self.plan is not None and self._cursor != len(self._keys):
+            stats.deviations += 1  # the step ended before (or after) the plan did
+        counts = self.executor.counts
+        stats.issued, stats.skipped, stats.dropped = counts["issued"], counts["skipped"], counts["dropped"]
+        counts.clear()
+        if self.planned and len(trace) and (self.plan is None or stats.deviations):
+            self._replan(trace)
+            stats.replanned = True
+        self.last_trace = trace
+        self._cursor = 0
+        self.executor.next_step(len(self._keys))
+        if isinstance(self.manager.policy, BeladyPolicy):
+            self.manager.policy.seek(0)
+        self.step += 1
+        stats.schedule_s += time.perf_counter() - t0
+        self.last_stats, self.stats = stats, StepStats()
+        return stats
+
+    def _replan(self, trace: StepTrace) -> None:
+        t0 = time.perf_counter()
+        manager = self.manager
+        residency, dirty = {}, []
+        for page in manager.pages:
+            residency[page.id] = _planning_tier(page)
+            if not page.clean_on_disk:
+                dirty.append(page.id)
+        capacity = {tier: manager.pools[tier].capacity for tier in (Tier.DEVICE, Tier.HOST)}
+        self.plan = plan_step(trace, residency, capacity, manager.page_bytes, dirty=dirty,
+                              has_disk=manager.disk is not None, lookahead=self.lookahead, sharded=self.sharded)
+        trace = self.plan.trace  # the optimizer's accesses in the plan's order
+        self._keys = trace.keys()
+        self._positions = {}
+        for index, key in enumerate(self._keys):
+            self._positions.setdefault(key, []).append(index)
+        self._offsets = trace.flat_offsets()
+        sequence = trace.page_sequence()
+        policy = BeladyPolicy(sequence + sequence)  # this step, then the next: the future wraps around
+        policy._lru = manager.policy._lru if isinstance(manager.policy, BeladyPolicy) else _as_lru(manager.policy)
+        manager.policy = policy
+        self.executor.clear()
+        self.plan_s = time.perf_counter() - t0
+        if self.trace.enabled:
+            self.trace.event("mark", name="plan", step=self.step, accesses=len(trace), plan_s=round(self.plan_s, 6),
+                             planned_fetches=self.plan.stats["planned_fetches"],
+                             demand_fetches=self.plan.stats["demand_fetches"])
+
+    def update_order(self) -> list[int] | None:
+        """Page ids in the order their gradients become final (the optimizer's order), when planned."""
+        return self.plan.update_order if self.plan is not None else None
+
+    def close(self) -> None:
+        self.executor.close()
+        if self.manager.observer is self:
+            self.manager.observer = None
+
+
+def _planning_tier(page: Page) -> Tier:
+    """Where a page will rest once its move in flight lands (the planner's starting point)."""
+    return {PageState.TO_DEVICE: Tier.DEVICE, PageState.TO_HOST: Tier.HOST, PageState.TO_DISK: Tier.DISK,
+            PageState.FROM_DISK: Tier.HOST}.get(page.state) or page.tier
+
+
+def _as_lru(policy) -> LRUPolicy:
+    return policy if isinstance(policy, LRUPolicy) else LRUPolicy()

@@ -1,0 +1,238 @@
+"""The unified scheduler: plans for hand-built traces, Belady against LRU on recorded traces, deviations."""
+
+import pytest
+import torch
+from torch import nn
+
+import angel_ptm
+from angel_ptm.errors import ScheduleError
+from angel_ptm.memory import Tier
+from angel_ptm.schedule import Access, Executor, StepTrace, plan_step
+from angel_ptm.schedule.planner import order_updates
+
+from test_engine_equivalence import (PLACEMENTS, MLP, TiedAutoencoder, assert_same_losses, gpt, gpt_batches,
+                                     gpt_loss, mlp_loss, regression_batches, tied_loss, train_engine, train_plain)
+
+D, H, K = Tier.DEVICE, Tier.HOST, Tier.DISK
+PAGE = 4096
+
+
+def ops(plan):
+    return [[str(op) for op in after] for after in plan.ops_after]
+
+
+def test_plan_of_a_four_layer_forward_is_the_textbook_prefetch():
+    # Four pages read in turn on a device of 2 slots and a host of 2, all clean on disk at first. In the steady
+    # state each access drops the page used farthest ahead, brings the next page up from the host and starts the
+    # disk read of the one after it.
+    trace = StepTrace([Access(f"fwd:layer{i}", (i,), D) for i in range(4)])
+    plan = plan_step(trace, {i: K for i in range(4)}, {D: 2, H: 2}, PAGE)
+    assert ops(plan) == [
+        ["evict(3 device->disk)", "fetch(1 host->device)", "fetch(2 disk->host)"],
+        ["evict(0 device->disk)", "fetch(2 host->device)", "fetch(3 disk->host)"],
+        ["evict(1 device->disk)", "fetch(3 host->device)", "fetch(0 disk->host)"],
+        ["evict(2 device->disk)", "fetch(0 host->device)", "fetch(1 disk->host)"],
+    ]
+    assert [op.serves for op in plan.ops_after[3]] == [-1, 4, 5]  # the next step's first two accesses
+    assert plan.demand == []
+    assert dict(plan.moved_bytes) == {"host->device": 4 * PAGE, "disk->host": 4 * PAGE}  # drops move nothing
+
+
+def test_plan_writes_back_dirty_pages_and_leaves_what_cannot_be_planned_to_demand():
+    # One device slot, two host slots; page 0 is written (a gradient) at access 0. Nothing can be prefetched to
+    # the device (its one slot is pinned), so those moves are demand moves; the disk read is planned.
+    trace = StepTrace([Access("grad:w", (0,), D, writes={0}), Access("fwd:x", (1,), D)])
+    plan = plan_step(trace, {0: D, 1: K}, {D: 1, H: 2}, PAGE, dirty=[0])
+    assert ops(plan) == [["fetch(1 disk->host)"], []]
+    assert [str(op) for op in plan.demand] == [
+        "evict(1 device->disk)", "fetch(0 host->device)", "evict(0 device->host)", "fetch(1 host->device)"]
+    assert dict(plan.moved_bytes) == {"disk->host": PAGE, "host->device": 2 * PAGE, "device->host": PAGE}
+    assert plan.grad_final_after == [[0], []] and plan.update_order == [0]
+
+
+def test_lookahead_bounds_how_far_ahead_pages_move():
+    trace = StepTrace([Access(f"fwd:layer{i}", (i,), D) for i in range(6)])
+    far = plan_step(trace, {i: K for i in range(6)}, {D: 3, H: 3}, PAGE)
+    near = plan_step(trace, {i: K for i in range(6)}, {D: 3, H: 3}, PAGE, lookahead=1)
+    assert max(op.serves - op.at for op in far.ops if op.kind == "fetch") > 1
+    assert all(op.serves - op.at <= 1 for op in near.ops if op.kind == "fetch")
+
+
+def test_updates_follow_the_order_gradients_become_final():
+    # Backward writes the gradient of page 12 first, then 11, then 10: the optimizer updates them in that order.
+    accesses = [Access("fwd:a", (0,), D), Access("fwd:b", (1,), D), Access("fwd:c", (2,), D),
+                Access("grad:c", (12,), D, writes={12}), Access("grad:b", (11,), D, writes={11}),
+                Access("grad:a", (10,), D, writes={10}),
+                Access("opt:update", (0, 10), H), Access("opt:update", (1, 11), H), Access("opt:update", (2, 12), H)]
+    ordered = order_updates(StepTrace(accesses))
+    assert [a.pages for a in ordered.accesses[6:]] == [(2, 12), (1, 11), (0, 10)]
+    plan = plan_step(StepTrace(accesses), {p: H for p in (0, 1, 2, 10, 11, 12)}, {D: 8, H: 8}, PAGE)
+    assert plan.update_order == [12, 11, 10]
+
+
+def test_sharded_pages_get_collectives_before_use_and_after_their_gradient():
+    accesses = [Access("fwd:a", (0,), D), Access("fwd:b", (1,), D), Access("grad:b", (3,), D, writes={3}),
+                Access("grad:a", (2,), D, writes={2})]
+    plan = plan_step(StepTrace(accesses), {0: H, 1: H, 2: H, 3: H}, {D: 4, H: 4}, PAGE, sharded=[0, 2, 3])
+    kinds = [(op.kind, op.page) for op in plan.ops]
+    assert ("all_gather", 0) in kinds and ("reduce_scatter", 2) in kinds and ("reduce_scatter", 3) in kinds
+    assert ("all_gather", 1) not in kinds  # page 1 is replicated
+    scatter_at = {op.page: op.at for op in plan.ops if op.kind == "reduce_scatter"}
+    assert scatter_at == {3: 2, 2: 3}  # right after the access that finished each gradient
+
+    calls = []
+
+    class Recorder:
+        def all_gather(self, page):
+            calls.append(("all_gather", page.id))
+
+        def reduce_scatter(self, page):
+            calls.append(("reduce_scatter", page.id))
+
+    class FakePage:
+        def __init__(self, pid):
+            self.id = pid
+
+    manager = type("M", (), {"pages": [FakePage(i) for i in range(4)], "moves_in_flight": 0})()
+    executor = Executor(manager, Recorder())
+    executor.submit([op for op in plan.ops if op.kind != "fetch"])
+    executor.close()
+    assert sorted(calls) == sorted((op.kind, op.page) for op in plan.ops if op.kind != "fetch")
+
+
+def test_an_access_pinning_more_than_the_tier_holds_is_refused():
+    trace = StepTrace([Access("fwd:big", (0, 1, 2), D)])
+    with pytest.raises(ScheduleError, match="holds 2"):
+        plan_step(trace, {0: K, 1: K, 2: K}, {D: 2, H: 4}, PAGE)
+
+
+# ---------------------------------------------------------------------------------------------------- recorded
+def recorded_trace(model_fn, batches, loss_fn, memory):
+    config = {"optimizer": {"lr": 1e-2}, "memory": memory, "trainer": {"device": "cpu"}}
+    engine = angel_ptm.initialize(model_fn(), config)
+    try:
+        for batch in batches[:2]:
+            loss = loss_fn(engine, *batch)
+            engine.backward(loss)
+            engine.step()
+        manager = engine.manager
+        residency = {p.id: p.tier or Tier.HOST for p in manager.pages}
+        dirty = [p.id for p in manager.pages if not p.clean_on_disk]
+        capacity = {t: manager.pools[t].capacity for t in (D, H)}
+        return engine.scheduler.last_trace, residency, dirty, capacity
+    finally:
+        engine.close()
+
+
+CASES = {
+    "gpt": (gpt, gpt_batches, gpt_loss),
+    "mlp": (MLP, lambda: regression_batches(24), mlp_loss),
+    "tied": (TiedAutoencoder, lambda: regression_batches(96), tied_loss),
+}
+BUDGETS = [("48KiB", "24KiB"), ("64KiB", "40KiB"), ("96KiB", "64KiB"), ("48KiB", "4MiB")]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_belady_plan_never_moves_more_bytes_than_lru_on_recorded_traces(case, tmp_path):
+    model_fn, batches_fn, loss_fn = CASES[case]
+    lru_bytes = []
+    for device_budget, host_budget in BUDGETS:
+        memory = {"page_bytes": "4KiB", "device_budget": device_budget, "host_budget": host_budget,
+                  "disk_dir": str(tmp_path), "scheduler": "on_demand"}
+        trace, residency, dirty, capacity = recorded_trace(model_fn, batches_fn(), loss_fn, memory)
+        assert len(trace) >= 8 and {a.phase for a in trace.accesses} >= {"fwd", "grad", "opt"}
+        has_disk = any(t is K for t in residency.values()) or sum(capacity.values()) < len(residency)
+        belady = plan_step(trace, residency, capacity, PAGE, dirty=dirty, has_disk=has_disk)
+        lru = plan_step(trace, residency, capacity, PAGE, dirty=dirty, has_disk=has_disk, policy="lru")
+        no_prefetch = plan_step(trace, residency, capacity, PAGE, dirty=dirty, has_disk=has_disk, prefetch=False)
+        assert belady.total_moved_bytes <= lru.total_moved_bytes, (device_budget, host_budget)
+        assert no_prefetch.total_moved_bytes <= lru.total_moved_bytes
+        assert lru.ops == []  # LRU cannot look ahead: everything it moves, it moves on demand
+        lru_bytes.append(lru.total_moved_bytes)
+    assert max(lru_bytes) > 0  # the budgets are tight enough that pages move
+
+
+# ---------------------------------------------------------------------------------------------------- engine
+class Branchy(nn.Module):
+    """Data-dependent control flow: the branch taken depends on the batch, so steps differ from the trace."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(24, 48)
+        self.left = nn.Linear(48, 48)
+        self.right = nn.Sequential(nn.Linear(48, 96), nn.GELU(), nn.Linear(96, 48))
+        self.out = nn.Linear(48, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = self.left(h) if float(x[0, 0]) > 0 else self.right(h)
+        return self.out(h)
+
+
+def branchy_loss(model, x):
+    return (model(x) - x.sum(dim=1, keepdim=True).sin()).pow(2).mean()
+
+
+@pytest.mark.parametrize("placement", ["device+host", "device+host+disk"])
+def test_data_dependent_branches_train_like_torch_and_count_deviations(placement, tmp_path):
+    batches = regression_batches(24)
+    assert len({float(b[0][0, 0]) > 0 for b in batches}) == 2  # both branches are taken
+    expected = train_plain(Branchy(), batches, branchy_loss)
+    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path), scheduler="planned")
+    config = {"optimizer": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+              "memory": memory, "trainer": {"device": "cpu"}}
+    engine = angel_ptm.initialize(Branchy(), config)
+    losses, deviations, replans = [], 0, 0
+    try:
+        for (x,) in batches:
+            loss = branchy_loss(engine, x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            stats = engine.memory_stats()["schedule"]
+            deviations += stats["deviations"]
+            replans += stats["replanned"]
+    finally:
+        engine.close()
+    assert_same_losses(expected, losses)
+    assert deviations > 0 and replans > 1  # each branch switch deviates and the plan is rebuilt
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_planned_steps_follow_the_plan(placement, tmp_path):
+    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path), scheduler="planned")
+    config = {"optimizer": {"lr": 1e-2}, "memory": memory, "trainer": {"device": "cpu"}}
+    engine = angel_ptm.initialize(gpt(), config)
+    per_step = []
+    try:
+        for x, y in gpt_batches()[:6]:
+            engine.backward(engine(x, y))
+            engine.step()
+            per_step.append(engine.memory_stats()["schedule"])
+    finally:
+        engine.close()
+    assert per_step[0]["replanned"] and per_step[0]["issued"] == 0  # warm-up: record, then plan
+    for stats in per_step[1:]:
+        assert stats["deviations"] == 0 and not stats["replanned"]
+        assert stats["accesses"] == per_step[0]["accesses"]
+    if placement != "device":
+        assert sum(s["issued"] for s in per_step[1:]) > 0  # pages moved ahead of need
+
+
+def test_evaluation_passes_do_not_disturb_the_plan(tmp_path):
+    memory = dict(PLACEMENTS["device+host+disk"], disk_dir=str(tmp_path), scheduler="planned")
+    config = {"optimizer": {"lr": 1e-2}, "memory": memory, "trainer": {"device": "cpu"}}
+    engine = angel_ptm.initialize(gpt(), config)
+    try:
+        for i, (x, y) in enumerate(gpt_batches()[:5]):
+            engine.backward(engine(x, y))
+            engine.step()
+            if i >= 1:
+                assert engine.memory_stats()["schedule"]["deviations"] == 0
+            engine.eval()
+            with torch.no_grad():
+                engine(x, y)
+            engine.train()
+    finally:
+        engine.close()
