@@ -1,18 +1,23 @@
 """The ``angel-ptm`` command line.
 
     angel-ptm train [CONFIG.yaml] [--set section.field=value ...] [--no-progress]
+    angel-ptm viz RUN_DIR [-o REPORT.html] [--chrome-trace PATH]
 
 With no CONFIG, ``train`` runs the packaged default job (configs/default.yaml: a small GPT on the Python standard
-library's source text, on the CPU, with budgets small enough that pages live on all three tiers). A user mistake
-(bad key or value, missing file, budget too small) prints one line, ``angel-ptm: error: <message>``, and exits 2.
+library's source text, on the CPU, with budgets small enough that pages live on all three tiers). ``viz`` reads a
+run directory's trace.jsonl and metrics.jsonl and writes a self-contained HTML report (default RUN_DIR/report.html)
+and a Chrome trace-event JSON for Perfetto (default RUN_DIR/trace.chrome.json). A user mistake (bad key or value,
+missing file or run directory, budget too small) prints one line, ``angel-ptm: error: <message>``, and exits 2.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 from angel_ptm.errors import AngelError
 
@@ -29,7 +34,12 @@ def default_config_path() -> Path:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Pretraining with model states paged over GPU, host and SSD.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    add_train_command(commands)
+    add_viz_command(commands)
+    return parser
 
+
+def add_train_command(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser("train", help="train a model", description="Train a model from a YAML config.")
     train.add_argument("config", nargs="?", metavar="CONFIG",
                        help="YAML config file (default: the packaged configs/default.yaml)")
@@ -37,7 +47,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="override one config value, e.g. --set optimizer.lr=3e-4 (repeatable)")
     train.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     train.set_defaults(handler=run_train)
-    return parser
+
+
+def add_viz_command(commands: argparse._SubParsersAction) -> None:
+    viz = commands.add_parser(
+        "viz", help="HTML report and Chrome trace of a run's memory trace",
+        description="Read RUN_DIR/trace.jsonl (as a stream, any size) and metrics.jsonl; write a self-contained HTML "
+                    "report (tier usage, page residency, bytes moved, lanes, per-step table) and a Chrome "
+                    "trace-event JSON that Perfetto and chrome://tracing open.")
+    viz.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by angel-ptm train")
+    viz.add_argument("-o", "--output", metavar="REPORT.html", help="the HTML report (default: RUN_DIR/report.html)")
+    viz.add_argument("--chrome-trace", metavar="PATH",
+                     help="the Chrome trace-event JSON (default: RUN_DIR/trace.chrome.json)")
+    viz.set_defaults(handler=run_viz)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -72,6 +94,36 @@ def run_train(args: argparse.Namespace) -> int:
         print(f"final val loss: {result.final_val_loss:.4f}")
     print(f"throughput: {result.tokens_per_s:,.0f} tokens/s")
     return 0
+
+
+def run_viz(args: argparse.Namespace) -> int:
+    from angel_ptm.config import format_bytes
+    from angel_ptm.viz import build_report
+
+    with warnings_to_stderr("angel_ptm.viz"):
+        result = build_report(args.run_dir, args.output, args.chrome_trace)
+    print(f"report: {result.html_path} ({format_bytes(result.html_bytes)})")
+    print(f"chrome trace: {result.chrome_path} ({format_bytes(result.chrome_bytes)}, {result.chrome_events:,} events)")
+    print(f"read {result.events:,} events ({format_bytes(result.trace_bytes)}) in {result.seconds:.1f} s"
+          + (f"; {len(result.warnings)} warning(s)" if result.warnings else ""))
+    return 0
+
+
+@contextlib.contextmanager
+def warnings_to_stderr(logger_name: str) -> Iterator[None]:
+    """While active, warnings logged under `logger_name` print as ``angel-ptm: warning: <message>`` lines."""
+    logger = logging.getLogger(logger_name)
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter(f"{PROG}: warning: %(message)s"))
+    handler.setLevel(logging.WARNING)
+    propagate = logger.propagate
+    logger.addHandler(handler)
+    logger.propagate = False  # printed once, here, not again by a root handler
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
 
 
 def fail(message: str) -> int:
