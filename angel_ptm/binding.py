@@ -67,6 +67,7 @@ class ParamBinder:
         self._handles = []
         self._has_grad: set[str] = set()
         self.without_grad: set[str] = set()  # tensors no gradient reached in the step being settled
+        self.on_grad_ready = None  # called with a TensorSlot once its gradient of this backward is in its pages
         self._settled = False
         # Outside its module's forward a parameter holds no memory: one NaN broadcast to its shape. Autograd's
         # AccumulateGrad needs the right sizes (stride 0 makes it clone gradients contiguously), and NaN makes a
@@ -183,6 +184,8 @@ class ParamBinder:
         self.manager.release(pages, dirty=True)
         self._has_grad.add(slot.name)
         param.grad = None
+        if self.on_grad_ready is not None:
+            self.on_grad_ready(slot)
 
     def settle_grads(self) -> None:
         """Make every grad slot hold this step's gradient: zero the slots no gradient reached."""

@@ -20,7 +20,7 @@ from torch import nn
 
 from angel_ptm.binding import ParamBinder
 from angel_ptm.config import Config, format_bytes, load_config
-from angel_ptm.errors import BudgetError
+from angel_ptm.errors import BudgetError, ConfigValueError
 from angel_ptm.io import create_engine
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
 from angel_ptm.memory.budgets import resolve_budgets
@@ -72,6 +72,15 @@ class Engine:
         self.binder = ParamBinder(model, self.layout, self.manager, self.pages["param"], self.pages["grad"],
                                   self.device)
         self.binder.attach()
+        tcfg = config.trainer
+        self._grad_accum = tcfg.grad_accum
+        self._eager_allowed = (mem.scheduler == "planned" and config.optimizer.overlap_updates
+                               and not tcfg.grad_clip)
+        self._micro = 0  # backward passes since the last optimizer step
+        self._eager_now = False
+        self._pending_slots: list[int] = []
+        self._ready_slots: set[str] = set()
+        self.binder.on_grad_ready = self._grad_ready
         self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
                                    activation_bytes=lambda: self.binder.activation_bytes, trace=self.trace)
         opt = config.optimizer
@@ -131,12 +140,40 @@ class Engine:
             return self.model(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
+        """Backward of one micro-batch. In the last one (trainer.grad_accum of them per step), with the planned
+        scheduler and no clipping, each page group is updated as soon as all its gradients are in."""
+        self._micro += 1
+        if self._micro > self._grad_accum and self.optimizer.updated_this_step:
+            raise ConfigValueError(
+                f"trainer.grad_accum: backward called {self._micro} times before step(), but trainer.grad_accum "
+                f"is {self._grad_accum} and parameters were already updated at that boundary; set it to the "
+                f"number of micro-batches per step (or optimizer.overlap_updates: false)")
+        self._eager_now = self._eager_allowed and self._micro == self._grad_accum and self.model.training
+        if self._eager_now:
+            self.optimizer.begin_step()
+            self._pending_slots = [len(set(names)) for names in self.optimizer.slot_names_on_page]
+            self._ready_slots = set()
         try:
             loss.backward()
         finally:
+            self._eager_now = False
             self.binder.end_backward()
 
+    def _grad_ready(self, slot) -> None:
+        """A tensor's gradient is final (last micro-batch): update each of its pages whose gradients all are."""
+        if not self._eager_now or slot.name in self._ready_slots:
+            return
+        self._ready_slots.add(slot.name)
+        for index in dict.fromkeys(seg.page for seg in slot.segments):
+            self._pending_slots[index] -= 1
+            if self._pending_slots[index] == 0:
+                self.optimizer.update_group(index)
+
     def clip_grad_norm(self, max_norm: float) -> float:
+        if self.optimizer.updated_this_step:
+            raise ConfigValueError(
+                "trainer.grad_clip: clip_grad_norm was called after pages were already updated during backward; "
+                "set trainer.grad_clip so the engine waits for the norm (or optimizer.overlap_updates: false)")
         self.binder.settle_grads()
         total = self.optimizer.grad_norm()
         clip_coef = max_norm / (total + 1e-6)
@@ -152,6 +189,7 @@ class Engine:
         self.binder.settle_grads()
         self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)
         self.binder.start_new_step()
+        self._micro = 0
         self.scheduler.end_step()
 
     def _update_order(self) -> list[int] | None:
@@ -169,7 +207,11 @@ class Engine:
         return order
 
     def zero_grad(self) -> None:
+        if self.optimizer.updated_this_step:
+            raise ConfigValueError("zero_grad: pages were already updated during this step's backward; "
+                                   "call step() to finish it")
         self.binder.start_new_step()
+        self._micro = 0
 
     def train(self, mode: bool = True) -> "Engine":
         """Training mode; evaluation passes (mode False) are not part of the scheduled step."""

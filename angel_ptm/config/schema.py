@@ -110,6 +110,9 @@ class OptimizerConfig(_Section):
     weight_decay: float = 0.1
     # 1: the optimizer step of one iteration may overlap the next forward (parameters one step stale).
     staleness: Literal[0, 1] = 0
+    # With the planned scheduler and no gradient clipping, update each page group as soon as every gradient on it
+    # is final (in the last micro-batch's backward), so the updates overlap the rest of backward.
+    overlap_updates: bool = True
 
     def validate(self) -> None:
         self._require_positive("lr", "eps")

@@ -210,6 +210,8 @@ class PageManager:
         if here == there:
             return Hop.NOTHING
         if here < there:  # up
+            if page.pin_count:
+                return Hop.BLOCKED  # in use where it is: its holder's views must stay valid
             step_to = order[here + 1]
             if self.pools[step_to].free_slots == 0:
                 if need is not None:
@@ -282,8 +284,8 @@ class PageManager:
         """Bring every page up to `tier`: disk reads overlap each other, host slots are recycled as we go."""
         reads: list[Page] = []
         for page in pages:
-            if page.state is PageState.TO_DISK or page.state is PageState.TO_HOST:
-                self._wait_move(page)  # finish the eviction before bringing it back
+            if page.state in (PageState.TO_DISK, PageState.TO_HOST, PageState.TO_DEVICE):
+                self._wait_move(page)  # land the move under way (an eviction, or a prefetch to the device)
             if page.state in (PageState.DISK, PageState.FROM_DISK) and tier is not Tier.DISK:
                 if page.state is PageState.DISK:
                     while not self._host_room_for_read():

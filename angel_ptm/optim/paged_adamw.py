@@ -30,6 +30,10 @@ class PagedAdamW:
             for seg in slot.segments:
                 self._segments_on_page[seg.page].append((seg.offset, seg.numel))
                 self._slots_on_page[seg.page].append((slot.name, seg.offset, seg.numel))
+        self.slot_names_on_page = [[name for name, _, _ in slots] for slots in self._slots_on_page]
+        self._in_step = False
+        self._updated: set[int] = set()
+        self._stepped: set[str] = set()
         self.slot_steps = {slot.name: 0 for slot in layout.slots}  # steps each tensor took (torch's state["step"])
 
     def _scratch(self, like: torch.Tensor) -> torch.Tensor:
@@ -60,7 +64,7 @@ class PagedAdamW:
             self.manager.release([grad_page], dirty=True)
 
     def step(self, order: list[int] | None = None, without_grad: frozenset[str] | set[str] = frozenset()) -> None:
-        """One AdamW step over every page group.
+        """Finish the optimizer step: update every page group not updated yet this step, then close the step.
 
         `order`: page indices in the order to update them (the scheduler's: the order gradients became final),
         each index once; default: layout order. `without_grad`: tensors that got no gradient this step (a branch
@@ -69,28 +73,52 @@ class PagedAdamW:
         indices = range(self.layout.n_pages) if order is None else order
         if order is not None and sorted(order) != list(range(self.layout.n_pages)):
             raise ValueError(f"order must list each of the {self.layout.n_pages} page indices once")
-        self.step_count += 1
-        for name in self.slot_steps:
-            if name not in without_grad:
-                self.slot_steps[name] += 1
+        self.begin_step()
         for index in indices:
-            group = [self.pages[kind][index] for kind in ("param", "grad", "exp_avg", "exp_avg_sq")]
-            self.manager.acquire(group, self.update_tier, label="opt:update")
-            dtype = self.page_dtypes[index]
-            if dtype.is_floating_point:
-                param, grad, exp_avg, exp_avg_sq = (p.view(dtype) for p in group)
-                slots = self._slots_on_page[index]
-                steps = {self.slot_steps[name] for name, _, _ in slots}
-                if len(steps) == 1 and not any(name in without_grad for name, _, _ in slots):
-                    self._update(param, grad, exp_avg, exp_avg_sq, steps.pop())  # the whole page at once
-                else:
-                    for name, offset, numel in slots:
-                        if name not in without_grad:
-                            part = slice(offset, offset + numel)
-                            self._update(param[part], grad[part], exp_avg[part], exp_avg_sq[part],
-                                         self.slot_steps[name])
-            self.manager.release(group[:1] + group[2:], dirty=True)
-            self.manager.release(group[1:2])
+            if index not in self._updated:
+                self.update_group(index, without_grad)
+        self._in_step = False
+
+    def begin_step(self) -> None:
+        """Open an optimizer step (idempotent until `step` closes it); groups may then be updated one by one."""
+        if not self._in_step:
+            self._in_step = True
+            self.step_count += 1
+            self._updated: set[int] = set()
+            self._stepped: set[str] = set()
+
+    @property
+    def updated_this_step(self) -> int:
+        return len(self._updated) if self._in_step else 0
+
+    def update_group(self, index: int, without_grad: frozenset[str] | set[str] = frozenset()) -> None:
+        """Update page group `index` (param, grad, exp_avg, exp_avg_sq of page `index`) for the open step. The
+        scheduler calls this as soon as every gradient on the page is final, so updates overlap backward."""
+        self.begin_step()
+        if index in self._updated:
+            raise ValueError(f"page group {index} was already updated in optimizer step {self.step_count}")
+        self._updated.add(index)
+        slots = self._slots_on_page[index]
+        for name, _, _ in slots:  # a tensor spanning pages counts its step once
+            if name not in without_grad and name not in self._stepped:
+                self._stepped.add(name)
+                self.slot_steps[name] += 1
+        group = [self.pages[kind][index] for kind in ("param", "grad", "exp_avg", "exp_avg_sq")]
+        self.manager.acquire(group, self.update_tier, label="opt:update")
+        dtype = self.page_dtypes[index]
+        if dtype.is_floating_point:
+            param, grad, exp_avg, exp_avg_sq = (p.view(dtype) for p in group)
+            steps = {self.slot_steps[name] for name, _, _ in slots}
+            if len(steps) == 1 and not any(name in without_grad for name, _, _ in slots):
+                self._update(param, grad, exp_avg, exp_avg_sq, steps.pop())  # the whole page at once
+            else:
+                for name, offset, numel in slots:
+                    if name not in without_grad:
+                        part = slice(offset, offset + numel)
+                        self._update(param[part], grad[part], exp_avg[part], exp_avg_sq[part],
+                                     self.slot_steps[name])
+        self.manager.release(group[:1] + group[2:], dirty=True)
+        self.manager.release(group[1:2])
 
     def _update(self, param, grad, exp_avg, exp_avg_sq, step: int) -> None:
         beta1, beta2 = self.betas

@@ -108,8 +108,8 @@ class Executor:
                 self.counts["dropped"] += 1  # its access has come and gone
                 continue
             page = manager.pages[op.page]
-            if page.state.in_flight and not manager._moves[page.id].done():
-                kept.append(op)  # the previous hop is still under way; later fetches go ahead
+            if page.pin_count or (page.state.in_flight and not manager._moves[page.id].done()):
+                kept.append(op)  # in use, or the previous hop is still under way: later fetches go ahead
                 continue
             result = manager.try_hop(page, op.dst, need_of(op.serves) if need_of else None)
             if result is Hop.BLOCKED:

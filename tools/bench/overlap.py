@@ -45,7 +45,7 @@ def make_engine(args, device_budget, host_budget, scheduler: str, disk_dir: str)
               "memory": {"page_bytes": args.page_mib << 20, "device_budget": device_budget,
                          "host_budget": host_budget, "disk_dir": disk_dir, "scheduler": scheduler,
                          "io_threads": args.io_threads},
-              "trainer": {"device": args.device}}
+              "trainer": {"device": args.device, "grad_clip": 0}}  # no clipping: updates overlap backward
     return angel_ptm.initialize(make_model(args), config)
 
 
