@@ -21,41 +21,56 @@ def ops(plan):
     return [[str(op) for op in after] for after in plan.ops_after]
 
 
-def test_plan_of_a_four_layer_forward_is_the_textbook_prefetch():
-    # Four pages read in turn on a device of 2 slots and a host of 2, all clean on disk at first. In the steady
-    # state each access drops the page used farthest ahead, brings the next page up from the host and starts the
-    # disk read of the one after it.
+def test_plan_of_a_four_layer_forward_is_belady_issued_early():
+    # Four pages read in turn, a device of 2 slots and a host of 2, all clean on disk at first. In the steady
+    # state the plan makes Belady's (MIN's) moves: page 3 stays on the device, the others rotate through the
+    # second slot; a clean page leaving the device goes to a free host slot, else it is dropped (no write). Each
+    # group of moves is issued right after the last use of the page it evicts, one access ahead of need.
     trace = StepTrace([Access(f"fwd:layer{i}", (i,), D) for i in range(4)])
     plan = plan_step(trace, {i: K for i in range(4)}, {D: 2, H: 2}, PAGE)
     assert ops(plan) == [
-        ["evict(3 device->disk)", "fetch(1 host->device)", "fetch(2 disk->host)"],
-        ["evict(0 device->disk)", "fetch(2 host->device)", "fetch(3 disk->host)"],
-        ["evict(1 device->disk)", "fetch(3 host->device)", "fetch(0 disk->host)"],
-        ["evict(2 device->disk)", "fetch(0 host->device)", "fetch(1 disk->host)"],
+        ["evict(0 device->host)", "fetch(1 host->device)"],
+        ["fetch(2 disk->host)", "evict(1 device->disk)", "fetch(2 host->device)"],
+        [],
+        ["evict(3 device->host)", "fetch(0 host->device)"],
     ]
-    assert [op.serves for op in plan.ops_after[3]] == [-1, 4, 5]  # the next step's first two accesses
+    assert [op.serves for op in plan.ops_after[3] if op.kind == "fetch"] == [4]  # the next step's first access
     assert plan.demand == []
-    assert dict(plan.moved_bytes) == {"host->device": 4 * PAGE, "disk->host": 4 * PAGE}  # drops move nothing
+    assert dict(plan.moved_bytes) == {"device->host": PAGE, "host->device": 2 * PAGE, "disk->host": PAGE}
 
 
-def test_plan_writes_back_dirty_pages_and_leaves_what_cannot_be_planned_to_demand():
-    # One device slot, two host slots; page 0 is written (a gradient) at access 0. Nothing can be prefetched to
-    # the device (its one slot is pinned), so those moves are demand moves; the disk read is planned.
-    trace = StepTrace([Access("grad:w", (0,), D, writes={0}), Access("fwd:x", (1,), D)])
-    plan = plan_step(trace, {0: D, 1: K}, {D: 1, H: 2}, PAGE, dirty=[0])
-    assert ops(plan) == [["fetch(1 disk->host)"], []]
-    assert [str(op) for op in plan.demand] == [
-        "evict(1 device->disk)", "fetch(0 host->device)", "evict(0 device->host)", "fetch(1 host->device)"]
-    assert dict(plan.moved_bytes) == {"disk->host": PAGE, "host->device": 2 * PAGE, "device->host": PAGE}
-    assert plan.grad_final_after == [[0], []] and plan.update_order == [0]
+def test_plan_keeps_a_written_page_off_the_disk_while_a_clean_one_can_be_dropped():
+    # One device slot and two host slots for three pages; page 0 is written (a gradient) at access 0. The dirty
+    # page moves between device and host; clean pages are dropped (no write) when the host is full.
+    trace = StepTrace([Access("grad:w", (0,), D, writes={0}), Access("fwd:x", (1,), D), Access("fwd:y", (2,), D)])
+    plan = plan_step(trace, {0: D, 1: K, 2: K}, {D: 1, H: 2}, PAGE, dirty=[0])
+    assert ops(plan) == [
+        ["fetch(1 disk->host)", "evict(2 host->disk)", "evict(0 device->host)", "fetch(1 host->device)"],
+        ["fetch(2 disk->host)", "evict(1 device->disk)", "fetch(2 host->device)"],
+        ["evict(2 device->host)", "fetch(0 host->device)"],
+    ]
+    assert dict(plan.moved_bytes) == {"disk->host": 2 * PAGE, "host->device": 3 * PAGE, "device->host": 2 * PAGE}
+    assert "host->disk" not in plan.moved_bytes  # only clean pages left the host: dropped, not written
+    assert plan.grad_final_after == [[0], [], []] and plan.update_order == [0]
 
 
-def test_lookahead_bounds_how_far_ahead_pages_move():
-    trace = StepTrace([Access(f"fwd:layer{i}", (i,), D) for i in range(6)])
-    far = plan_step(trace, {i: K for i in range(6)}, {D: 3, H: 3}, PAGE)
-    near = plan_step(trace, {i: K for i in range(6)}, {D: 3, H: 3}, PAGE, lookahead=1)
-    assert max(op.serves - op.at for op in far.ops if op.kind == "fetch") > 1
-    assert all(op.serves - op.at <= 1 for op in near.ops if op.kind == "fetch")
+def test_a_dead_page_is_created_where_it_is_needed_not_read():
+    # Page 0 (a gradient) is discarded after access 1 (its update); access 2 writes it again from scratch.
+    trace = StepTrace([Access("fwd:a", (1,), D), Access("opt:update", (0, 1), H, discards={0}),
+                       Access("grad:a", (0,), D, writes={0})])
+    plan = plan_step(trace, {0: K, 1: K}, {D: 2, H: 2}, PAGE)
+    assert [str(op) for op in plan.demand] == ["fetch(0 disk->device)"]  # created zeroed when the gradient lands
+    assert plan.total_moved_bytes == 0  # never read from or written to disk
+
+
+def test_lookahead_bounds_how_far_ahead_moves_are_issued_not_which_moves():
+    sweep = list(range(6)) + list(range(5, -1, -1))  # a forward then a backward over six layers
+    trace = StepTrace([Access(f"layer{i}", (p,), D) for i, p in enumerate(sweep)])
+    far = plan_step(trace, {i: K for i in range(6)}, {D: 3, H: 2}, PAGE)
+    near = plan_step(trace, {i: K for i in range(6)}, {D: 3, H: 2}, PAGE, lookahead=2)
+    assert max(op.serves - op.at for op in far.ops if op.kind == "fetch") == 3
+    assert max(op.serves - op.at for op in near.ops if op.kind == "fetch") == 2
+    assert near.moved_bytes == far.moved_bytes and near.demand == far.demand == []
 
 
 def test_updates_follow_the_order_gradients_become_final():
@@ -102,7 +117,7 @@ def test_sharded_pages_get_collectives_before_use_and_after_their_gradient():
 
 def test_an_access_pinning_more_than_the_tier_holds_is_refused():
     trace = StepTrace([Access("fwd:big", (0, 1, 2), D)])
-    with pytest.raises(ScheduleError, match="holds 2"):
+    with pytest.raises(ScheduleError, match="no room to bring page 2 to the device tier .*device 2 slots"):
         plan_step(trace, {0: K, 1: K, 2: K}, {D: 2, H: 4}, PAGE)
 
 

@@ -62,6 +62,8 @@ class AccessObserver(Protocol):
 
     def on_dirty(self, pages: Sequence[Page]) -> None: ...
 
+    def on_discard(self, pages: Sequence[Page]) -> None: ...
+
 
 class Hop(enum.Enum):
     """What `try_hop` did with one page: started a move, had nothing to do, or must wait for room / a move."""
@@ -160,7 +162,8 @@ class PageManager:
         """Start moving `pages` toward `tier` without waiting (disk reads are issued now)."""
         pages = list(pages)
         for page in pages:
-            if page.state is PageState.DISK and tier is not Tier.DISK and self.pools[Tier.HOST].free_slots:
+            if (page.state is PageState.DISK and not page.dead and tier is not Tier.DISK
+                    and self.pools[Tier.HOST].free_slots):
                 self._start_up(page)
         return Prefetch(self, pages, tier)
 
@@ -171,7 +174,7 @@ class PageManager:
         if tier is Tier.DISK or (tier is Tier.HOST and page.tier is Tier.DEVICE):
             self._wait_move(page)
             while page.tier is not tier:
-                self._start_down(page, wait_for_room=True)
+                self._start_down(page, wait_for_room=True, target=tier)
                 self._wait_move(page)
         else:
             self._bring([page], tier)
@@ -187,7 +190,7 @@ class PageManager:
         for hop_from in order[: order.index(tier)]:
             movers = [p for p in pages if p.tier is hop_from]
             for page in movers:
-                self._start_down(page, wait_for_room=True)
+                self._start_down(page, wait_for_room=True, target=tier)
             for page in movers:
                 self._wait_move(page)
 
@@ -212,20 +215,23 @@ class PageManager:
         if here < there:  # up
             if page.pin_count:
                 return Hop.BLOCKED  # in use where it is: its holder's views must stay valid
-            step_to = order[here + 1]
+            step_to = dst if page.dead and page.state is PageState.DISK else order[here + 1]
             if self.pools[step_to].free_slots == 0:
                 if need is not None:
                     self._make_room_async(step_to, need, keep=page)
                 return Hop.BLOCKED
-            self._start_up(page)
+            if page.dead and page.state is PageState.DISK:
+                self._materialize(page, step_to)
+            else:
+                self._start_up(page)
             return Hop.STARTED
         if page.pin_count:  # down, but in use: the plan and the step disagree; leave it
             return Hop.NOTHING
-        if page.tier is Tier.DEVICE and not page.clean_on_disk and self.pools[Tier.HOST].free_slots == 0:
+        if page.tier is Tier.DEVICE and not page.droppable and self.pools[Tier.HOST].free_slots == 0:
             return Hop.BLOCKED
         if page.tier is Tier.HOST and self.disk is None:
             return Hop.NOTHING
-        self._start_down(page, wait_for_room=False)
+        self._start_down(page, wait_for_room=False, target=dst)
         return Hop.STARTED
 
     def _make_room_async(self, tier: Tier, need: float, keep: Page) -> bool:
@@ -242,9 +248,9 @@ class PageManager:
         victim = self.pages[self.policy.victim(candidates)]
         if next_use(victim.id) <= need:
             return False  # everything here is needed sooner than the page we would make room for
-        if tier is Tier.DEVICE and not victim.clean_on_disk and self.pools[Tier.HOST].free_slots == 0:
+        if tier is Tier.DEVICE and not victim.droppable and self.pools[Tier.HOST].free_slots == 0:
             return self._make_room_async(Tier.HOST, need, keep)  # the victim needs a host slot first
-        if tier is Tier.HOST and not victim.clean_on_disk and self.disk is None:
+        if tier is Tier.HOST and not victim.droppable and self.disk is None:
             return False
         self._emit("evict", victim, tier, Tier.HOST if tier is Tier.DEVICE else Tier.DISK)
         self._start_down(victim, wait_for_room=False)
@@ -286,6 +292,9 @@ class PageManager:
         for page in pages:
             if page.state in (PageState.TO_DISK, PageState.TO_HOST, PageState.TO_DEVICE):
                 self._wait_move(page)  # land the move under way (an eviction, or a prefetch to the device)
+            if page.dead and page.state is PageState.DISK and tier is not Tier.DISK:
+                self._materialize(page, tier)
+                continue
             if page.state in (PageState.DISK, PageState.FROM_DISK) and tier is not Tier.DISK:
                 if page.state is PageState.DISK:
                     while not self._host_room_for_read():
@@ -316,6 +325,37 @@ class PageManager:
             self._start_up(page)
             self._wait_move(page)
 
+    def _materialize(self, page: Page, tier: Tier) -> None:
+        """A dead page's new working copy: a zeroed slot on `tier`, nothing read (its old contents are dead)."""
+        buffer = self._alloc(tier)
+        buffer.zero_()
+        page.transition(PageState.FROM_DISK)
+        page.transition(PageState.HOST)
+        if tier is Tier.DEVICE:
+            page.transition(PageState.TO_DEVICE)
+            page.transition(PageState.DEVICE)
+        page.buffer, page.dead = buffer, False
+        page.mark_dirty()  # any disk copy is stale now
+        self._emit("alloc", page, None, tier)
+
+    def discard(self, pages: Iterable[Page]) -> None:
+        """The contents of `pages` are no longer needed (a gradient already applied): free their slots now, and
+        never write them back or read them again; the next acquire gets a zeroed page."""
+        pages = list(pages)
+        for page in pages:
+            if page.pin_count:
+                raise ValueError(f"page {page.name} is pinned ({page.pin_count}); release it before discarding it")
+            self._wait_move(page)
+            page.dead = True
+            if page.state is not PageState.DISK:
+                src = page.tier
+                self.pools[src].free(page.buffer)
+                page.buffer = None
+                page.transition(PageState.DISK)
+                self._emit("drop", page, src, Tier.DISK)
+        if self.observer is not None:
+            self.observer.on_discard(pages)
+
     def _start_up(self, page: Page) -> None:
         """Issue one upward move: disk -> host (read) or host -> device (copy)."""
         if page.state is PageState.DISK:
@@ -330,10 +370,14 @@ class PageManager:
             self._begin(Move(page, Tier.HOST, Tier.DEVICE, handle, buffer, self._finish_copy))
 
     # ------------------------------------------------------------------ internals: evicting pages down
-    def _start_down(self, page: Page, wait_for_room: bool) -> None:
+    def _start_down(self, page: Page, wait_for_room: bool, target: Tier | None = None) -> None:
         """Issue one downward move: drop (clean on disk), device -> host (copy) or host -> disk (write)."""
         src = page.tier
-        if page.clean_on_disk:
+        # A clean page leaving the device is dropped, unless the host has a free slot: keeping it there costs a
+        # copy and may save a disk read later. A dead page is always dropped.
+        # (`target`: where the caller wants the page; an explicit move to disk drops a clean page at once.)
+        keep_on_host = src is Tier.DEVICE and target is not Tier.DISK and self.pools[Tier.HOST].free_slots > 0
+        if page.dead or (page.clean_on_disk and not keep_on_host):
             self.pools[src].free(page.buffer)
             page.buffer = None
             page.transition(PageState.DISK)

@@ -75,6 +75,7 @@ class Page:
     disk_slot: int | None = None
     disk_version: int = -1  # version of the copy in disk_slot; -1 = none
     disk_checksum: int | None = None
+    dead: bool = False  # contents no longer needed (a gradient already applied): dropped, never written or read
 
     @property
     def name(self) -> str:
@@ -87,6 +88,11 @@ class Page:
     @property
     def clean_on_disk(self) -> bool:
         return self.disk_slot is not None and self.disk_version == self.version
+
+    @property
+    def droppable(self) -> bool:
+        """Leaving this tier needs no write: a clean copy is on disk, or the contents are dead."""
+        return self.dead or self.clean_on_disk
 
     def transition(self, new_state: PageState) -> None:
         if new_state not in TRANSITIONS[self.state]:

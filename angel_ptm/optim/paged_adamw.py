@@ -119,6 +119,7 @@ class PagedAdamW:
                                      self.slot_steps[name])
         self.manager.release(group[:1] + group[2:], dirty=True)
         self.manager.release(group[1:2])
+        self.manager.discard(group[1:2])  # the gradient is applied: its page is dead until the next backward
 
     def _update(self, param, grad, exp_avg, exp_avg_sq, step: int) -> None:
         beta1, beta2 = self.betas

@@ -211,6 +211,10 @@ class Scheduler:
         if not self.paused:
             self.recorder.wrote(p.id for p in pages)
 
+    def on_discard(self, pages: Sequence[Page]) -> None:
+        if not self.paused:
+            self.recorder.discarded(p.id for p in pages)
+
     def _match(self, key: tuple) -> int | None:
         """The plan's index of this access: the next expected one, or one a little further on (the step
         skipped some accesses); None when the plan does not know it."""
@@ -253,13 +257,15 @@ class Scheduler:
     def _replan(self, trace: StepTrace) -> None:
         t0 = time.perf_counter()
         manager = self.manager
-        residency, dirty = {}, []
+        residency, dirty, dead = {}, [], []
         for page in manager.pages:
             residency[page.id] = _planning_tier(page)
-            if not page.clean_on_disk:
+            if page.dead:
+                dead.append(page.id)
+            elif not page.clean_on_disk:
                 dirty.append(page.id)
         capacity = {tier: manager.pools[tier].capacity for tier in (Tier.DEVICE, Tier.HOST)}
-        self.plan = plan_step(trace, residency, capacity, manager.page_bytes, dirty=dirty,
+        self.plan = plan_step(trace, residency, capacity, manager.page_bytes, dirty=dirty, dead=dead,
                               has_disk=manager.disk is not None, lookahead=self.lookahead, sharded=self.sharded)
         trace = self.plan.trace  # the optimizer's accesses in the plan's order
         self._keys = trace.keys()

@@ -32,7 +32,7 @@ from angel_ptm.schedule.trace import StepTrace
 
 _RANK = {Tier.DISK: 0, Tier.HOST: 1, Tier.DEVICE: 2}
 _UP = {Tier.DISK: Tier.HOST, Tier.HOST: Tier.DEVICE}
-_PASSES = 3  # warm-up pass, planned pass, next step (lookahead target)
+_PASSES = 3  # warm-up pass, planned pass, next step (what the planned step's last moves serve)
 
 
 @dataclass(frozen=True)
@@ -82,9 +82,10 @@ class _Tiers:
     """The simulated residency: where each page's working copy is, which are dirty, free slots per tier."""
 
     def __init__(self, residency: Mapping[int, Tier], dirty: Iterable[int], capacity: Mapping[Tier, int],
-                 has_disk: bool):
+                 has_disk: bool, dead: Iterable[int] = ()):
         self.loc = dict(residency)
         self.dirty = set(dirty)
+        self.dead = set(dead)  # contents not needed: dropped when evicted, created zeroed (no read) when used
         self.has_disk = has_disk
         self.resident: dict[Tier, set[int]] = {Tier.DEVICE: set(), Tier.HOST: set()}
         for pid, tier in self.loc.items():
@@ -133,12 +134,14 @@ def order_updates(trace: StepTrace) -> StepTrace:
 
 def plan_step(trace: StepTrace, residency: Mapping[int, Tier], capacity: Mapping[Tier, int], page_bytes: int,
               *, dirty: Iterable[int] = (), has_disk: bool = True, policy: str = "belady", prefetch: bool = True,
-              lookahead: int | None = None, sharded: Iterable[int] = ()) -> Plan:
+              lookahead: int | None = None, sharded: Iterable[int] = (), dead: Iterable[int] = ()) -> Plan:
     """Plan one steady-state step of `trace` starting from `residency` (page id -> tier of its working copy).
 
-    `dirty`: pages whose working copy differs from their disk copy (or have none); `capacity`: slots of the
-    device and host tiers; `policy`: "belady" (the plan) or "lru" (the on-demand baseline, which cannot look
-    ahead, so it never prefetches); `sharded`: pages owned in shards across data-parallel ranks."""
+    `dirty`: pages whose working copy differs from their disk copy (or have none); `dead`: pages whose contents
+    are not needed (an applied gradient: dropped, never read back; so are the pages an access `discards`);
+    `capacity`: slots of the device and host tiers; `policy`: "belady" (the plan) or "lru" (the on-demand
+    baseline, which cannot look ahead, so it never prefetches); `lookahead`: how many accesses ahead a move may
+    be issued (default: a whole step); `sharded`: pages owned in shards across data-parallel ranks."""
     if policy not in ("belady", "lru"):
         raise ValueError(f"policy must be 'belady' or 'lru', got {policy!r}")
     trace = order_updates(trace)
@@ -146,14 +149,19 @@ def plan_step(trace: StepTrace, residency: Mapping[int, Tier], capacity: Mapping
     lookahead = n if lookahead is None or lookahead <= 0 else lookahead
     prefetch = prefetch and policy == "belady" and n > 0
     sharded = frozenset(sharded)
-    sim = _Tiers(residency, dirty, capacity, has_disk)
+    sim = _Tiers(residency, dirty, capacity, has_disk, dead)
     for pid in {p for a in trace.accesses for p in a.pages}:
         sim.loc.setdefault(pid, Tier.DISK)
     horizon = _PASSES * n
     uses: dict[int, list[int]] = {}
+    busy: dict[int, list[int]] = {}  # times each page is taken or held (pinned): it cannot leave then
     for t in range(horizon):
-        for pid in trace[t % n].pages:
+        access = trace[t % n]
+        for pid in access.pages:
             uses.setdefault(pid, []).append(t)
+            busy.setdefault(pid, []).append(t)
+        for pid in access.held:
+            busy.setdefault(pid, []).append(t)
 
     def next_use(pid: int, t: int) -> float:
         times = uses.get(pid)
@@ -162,89 +170,120 @@ def plan_step(trace: StepTrace, residency: Mapping[int, Tier], capacity: Mapping
         i = bisect.bisect_right(times, t)
         return times[i] if i < len(times) else float("inf")
 
+    def last_busy_before(pid: int, t: int) -> int:
+        times = busy.get(pid, ())
+        i = bisect.bisect_left(times, t)
+        return times[i - 1] if i else -1
+
+    # 1. The demand simulation (MIN: Belady's optimal replacement, or LRU): the moves each access needs.
     last_used: dict[int, int] = {}
-    planned: list[list[Op]] = [[] for _ in range(n)]
-    demand: list[Op] = []
-    moved: Counter = Counter()
-    recording = False
-    frontier = 1  # every access before it (and after now) has its pages in place
+    groups: list[tuple[int, list[tuple[Op, int]]]] = []  # (access time, [(op, bytes)]) in order
 
-    def emit(op: Op, is_demand: bool, nbytes: int) -> None:
-        if not recording:
-            return
-        (demand if is_demand else planned[op.at]).append(op)
-        if nbytes:
-            moved[f"{op.src.value}->{op.dst.value}"] += nbytes
-
-    def victim_of(tier: Tier, t: int, protected: set[int], need: float) -> int | None:
+    def victim_of(tier: Tier, t: int, protected: set[int]) -> int | None:
         candidates = [q for q in sim.resident[tier] if q not in protected]
+        if not candidates:
+            return None
         if policy == "lru":
-            return min(candidates, key=lambda q: (last_used.get(q, -1), q)) if candidates else None
-        best, best_key = None, None
-        for q in candidates:
-            key = (next_use(q, t), -last_used.get(q, -1), -q)
-            if best_key is None or key > best_key:
-                best, best_key = q, key
-        if best is None or best_key[0] <= need:
-            return None  # everything here is needed before the access we would make room for
-        return best
+            return min(candidates, key=lambda q: (last_used.get(q, -1), q))
+        # Farthest next use; among equals the least recently used, then the lowest id (as BeladyPolicy).
+        return max(candidates, key=lambda q: (next_use(q, t), -last_used.get(q, -1), -q))
 
-    def make_room(tier: Tier, t: int, protected: set[int], need: float, is_demand: bool) -> bool:
-        nonlocal frontier
-        victim = victim_of(tier, t, protected, need)
+    def make_room(tier: Tier, t: int, protected: set[int], out: list) -> bool:
+        victim = victim_of(tier, t, protected)
         if victim is None:
             return False
-        clean = sim.has_disk and victim not in sim.dirty
-        dst = Tier.DISK if tier is Tier.HOST or clean else Tier.HOST
-        if dst is Tier.DISK and not sim.has_disk:
+        clean = victim in sim.dead or (sim.has_disk and victim not in sim.dirty)
+        # As the manager does: a clean page leaving the device goes to a free host slot if there is one.
+        keep = tier is Tier.DEVICE and victim not in sim.dead and sim.free[Tier.HOST] > 0
+        dst = Tier.DISK if tier is Tier.HOST or (clean and not keep) else Tier.HOST
+        if dst is Tier.DISK and not clean and not sim.has_disk:
             return False
-        if dst is Tier.HOST and sim.free[Tier.HOST] == 0:
-            if not make_room(Tier.HOST, t, protected | {victim}, need, is_demand):
-                return False
-        nbytes = 0 if clean else page_bytes
+        if dst is Tier.HOST and sim.free[Tier.HOST] == 0 and not make_room(Tier.HOST, t, protected | {victim}, out):
+            return False
         if dst is Tier.DISK:
             sim.dirty.discard(victim)
         sim.place(victim, dst)
-        emit(Op("evict", victim, tier, dst, t % n), is_demand, nbytes)
-        frontier = min(frontier, int(next_use(victim, t)) if next_use(victim, t) != float("inf") else frontier)
+        out.append((Op("evict", victim, tier, dst, t % n), 0 if clean and dst is Tier.DISK else page_bytes))
         return True
 
-    def bring(pid: int, tier: Tier, t: int, protected: set[int], need: float, serves: int, is_demand: bool) -> bool:
+    def bring(pid: int, tier: Tier, t: int, protected: set[int], out: list) -> bool:
         protected = protected | {pid}
+        if pid in sim.dead and sim.loc[pid] is Tier.DISK:  # created zeroed where it is needed: nothing to read
+            if sim.free[tier] == 0 and not make_room(tier, t, protected, out):
+                return False
+            sim.place(pid, tier)
+            sim.dead.discard(pid)
+            sim.dirty.add(pid)
+            out.append((Op("fetch", pid, Tier.DISK, tier, t % n, t - n), 0))
+            return True
         while _RANK[sim.loc[pid]] < _RANK[tier]:
             src = sim.loc[pid]
             dst = _UP[src]
-            if sim.free[dst] == 0 and not make_room(dst, t, protected, need, is_demand):
+            if sim.free[dst] == 0 and not make_room(dst, t, protected, out):
                 return False
             sim.place(pid, dst)
-            emit(Op("fetch", pid, src, dst, t % n, serves), is_demand, page_bytes)
+            out.append((Op("fetch", pid, src, dst, t % n, t - n), page_bytes))
         return True
 
-    for t in range(2 * n):
-        recording = t >= n
+    for t in range(horizon):
         access = trace[t % n]
         pinned = set(access.pages) | set(access.held)
+        out: list[tuple[Op, int]] = []
         for pid in access.pages:
-            if not bring(pid, access.tier, t, pinned, float("-inf"), t - n, is_demand=True):
-                raise ScheduleError(f"access {t % n} ({access.label}) needs {len(pinned)} pinned pages; the "
-                                    f"{access.tier.value} tier holds {capacity[access.tier]}")
+            if not bring(pid, access.tier, t, pinned, out):
+                raise ScheduleError(
+                    f"access {t % n} ({access.label}): no room to bring page {pid} to the {access.tier.value} tier "
+                    f"with {len(pinned)} pages pinned (device {capacity[Tier.DEVICE]} slots, host "
+                    f"{capacity[Tier.HOST]} slots)")
+        if out:
+            groups.append((t, out))
         for pid in access.pages:
             last_used[pid] = t
         sim.dirty.update(access.writes)
-        if not prefetch:
+        for pid in access.discards:
+            if sim.loc[pid] is not Tier.DISK:
+                sim.place(pid, Tier.DISK)
+            sim.dirty.discard(pid)
+            sim.dead.add(pid)
+
+    # 2. Conservative prefetching (Cao et al.): the same moves, each group issued as early as is safe: after the
+    # last access that takes or holds a page it evicts (so nothing it removes is needed before the access it
+    # serves), after the group before it (slots are freed and filled in the same order), within the lookahead.
+    planned: list[list[Op]] = [[] for _ in range(n)]
+    demand: list[Op] = []
+    moved: Counter = Counter()
+    issue_floor = -1
+    for t, out in groups:
+        earliest = max(issue_floor, t - lookahead - 1)
+        for op, _ in out:
+            if op.kind == "evict":
+                earliest = max(earliest, last_busy_before(op.page, t))
+        materialize = any(op.kind == "fetch" and not nbytes for op, nbytes in out)  # a dead page: no read to hide
+        if not prefetch or earliest >= t or materialize:
+            issue = t  # on demand, by acquire
+        else:
+            issue = max(earliest, t - lookahead)
+        issue_floor = max(issue_floor, issue)
+        if n <= t < 2 * n:  # the measured step: the moves it makes, however early they are issued
+            for op, nbytes in out:
+                if nbytes:
+                    moved[f"{op.src.value}->{op.dst.value}"] += nbytes
+        if not n <= issue < 2 * n:
             continue
-        frontier = max(frontier, t + 1)
-        while frontier < min(horizon, t + 1 + lookahead):
-            target = trace[frontier % n]
-            serves = frontier - n
-            if not all(bring(pid, target.tier, t, pinned, frontier, serves, is_demand=False)
-                       for pid in target.pages):
-                break
-            if recording and sharded:
-                for pid in target.pages:
-                    if pid in sharded:
-                        planned[t % n].append(Op("all_gather", pid, None, None, t % n, serves))
-            frontier += 1
+        at = issue - n
+        if issue == t:
+            demand.extend(op for op, _ in out)
+            continue
+        for op, _ in out:
+            planned[at].append(Op(op.kind, op.page, op.src, op.dst, at, op.serves if op.kind == "fetch" else -1))
+
+    # Collectives of sharded pages: each use is preceded by an all-gather issued one access ahead (it overlaps
+    # the access before), and a gradient is reduce-scattered as soon as it is final.
+    if sharded:
+        for at in range(n):
+            serves = at + 1
+            for pid in dict.fromkeys(p for p in trace[serves % n].pages if p in sharded):
+                planned[at].append(Op("all_gather", pid, None, None, at, serves))
 
     grad_final_after: list[list[int]] = [[] for _ in range(n)]
     for pid, i in sorted(grad_final_times(trace).items(), key=lambda item: (item[1], item[0])):

@@ -21,6 +21,7 @@ class Access:
     tier: Tier
     held: tuple[int, ...] = ()  # other pages pinned while this access is granted
     writes: set[int] = field(default_factory=set)  # pages this access's holder wrote (released dirty)
+    discards: set[int] = field(default_factory=set)  # pages whose contents died after this access
     activation_bytes: int = 0
 
     @property
@@ -63,12 +64,14 @@ class StepTrace:
 
     def to_records(self) -> list[dict]:
         return [{"label": a.label, "pages": list(a.pages), "tier": a.tier.value, "held": list(a.held),
-                 "writes": sorted(a.writes), "activation_bytes": a.activation_bytes} for a in self.accesses]
+                 "writes": sorted(a.writes), "discards": sorted(a.discards),
+                 "activation_bytes": a.activation_bytes} for a in self.accesses]
 
     @classmethod
     def from_records(cls, records: Iterable[dict]) -> "StepTrace":
         return cls([Access(r["label"], tuple(r["pages"]), Tier(r["tier"]), tuple(r.get("held", ())),
-                           set(r.get("writes", ())), int(r.get("activation_bytes", 0))) for r in records])
+                           set(r.get("writes", ())), set(r.get("discards", ())), int(r.get("activation_bytes", 0)))
+                    for r in records])
 
 
 class StepRecorder:
@@ -95,6 +98,13 @@ class StepRecorder:
             access = self._last_access_of.get(pid)
             if access is not None:
                 access.writes.add(pid)
+
+    def discarded(self, page_ids: Iterable[int]) -> None:
+        """Pages whose contents died: after the last access that took each of them."""
+        for pid in page_ids:
+            access = self._last_access_of.get(pid)
+            if access is not None:
+                access.discards.add(pid)
 
     def finish(self) -> StepTrace:
         trace, self._trace, self._last_access_of = self._trace, StepTrace(), {}

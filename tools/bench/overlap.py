@@ -148,6 +148,8 @@ def main(argv=None) -> dict:
 
     med = {name: statistics.median(values) for name, values in times.items()}
     per_step_gb = {name: round(statistics.median(sum(m.values()) for m in moved[name]) / 1e9, 3) for name in moved}
+    pairs_gb = {pair: round(statistics.median(m.get(pair, 0) for m in moved["scheduled"]) / 1e9, 3)
+                for pair in sorted({pair for m in moved["scheduled"] for pair in m})}
     report = {
         "device": args.device, "params": n_params, "states_bytes": states, "page_bytes": page_bytes,
         "device_budget": device_budget, "host_budget": host_budget, "steps": args.steps,
@@ -156,7 +158,7 @@ def main(argv=None) -> dict:
         "overlap": round(max(med["compute"], med["io"]) / med["scheduled"], 3),
         "speedup_vs_on_demand": round(med["on_demand"] / med["scheduled"], 3),
         "stall_fraction": round(statistics.median(stall), 3),
-        "moved_gb_per_step": per_step_gb, "plan_s": round(plan_s, 4), "deviations": deviations,
+        "moved_gb_per_step": per_step_gb, "scheduled_moved_gb_by_pair": pairs_gb, "plan_s": round(plan_s, 4), "deviations": deviations,
     }
     print(json.dumps(report))
     return report
