@@ -132,16 +132,56 @@ def order_updates(trace: StepTrace) -> StepTrace:
     return StepTrace(accesses)
 
 
+def _fit(residency: Mapping[int, Tier], capacity: Mapping[Tier, int]) -> dict[int, Tier]:
+    """The starting residency squeezed into `capacity` (pages over it start one tier down, highest ids first)."""
+    fitted = dict(residency)
+    for tier, below in ((Tier.DEVICE, Tier.HOST), (Tier.HOST, Tier.DISK)):
+        on_tier = sorted(pid for pid, t in fitted.items() if t is tier)
+        for pid in on_tier[capacity[tier]:]:
+            fitted[pid] = below
+    return fitted
+
+
 def plan_step(trace: StepTrace, residency: Mapping[int, Tier], capacity: Mapping[Tier, int], page_bytes: int,
-              *, dirty: Iterable[int] = (), has_disk: bool = True, policy: str = "belady", prefetch: bool = True,
-              lookahead: int | None = None, sharded: Iterable[int] = (), dead: Iterable[int] = ()) -> Plan:
+              **options) -> Plan:
+    """Plan one steady-state step of `trace` (see `plan_with_reserve` for the options). Without an explicit
+    `reserve`, the prefetch buffers are as large as they can be (up to a third of a tier, at most 8 slots) while
+    the plan still moves no more bytes than on-demand LRU and at most 10% more than with no buffers at all."""
+    if options.get("reserve") is not None or not options.get("prefetch", True) or options.get("policy") == "lru":
+        return plan_with_reserve(trace, residency, capacity, page_bytes, **options)
+    options.pop("reserve", None)
+    best = plan_with_reserve(trace, residency, capacity, page_bytes, reserve={Tier.DEVICE: 0, Tier.HOST: 0},
+                             **options)
+    if best.total_moved_bytes == 0:
+        return best
+    lru_options = {k: v for k, v in options.items() if k not in ("prefetch", "lookahead")}
+    lru = plan_with_reserve(trace, residency, capacity, page_bytes, policy="lru", **lru_options)
+    limit = min(lru.total_moved_bytes, 1.10 * best.total_moved_bytes)
+    top = {tier: min(8, capacity[tier] // 3) for tier in (Tier.DEVICE, Tier.HOST)}
+    for k in range(max(top.values()), 0, -1):
+        reserve = {tier: min(k, top[tier]) for tier in top}
+        try:
+            plan = plan_with_reserve(trace, residency, capacity, page_bytes, reserve=reserve, **options)
+        except ScheduleError:
+            continue  # the reduced tiers cannot serve some access: a smaller buffer
+        if plan.total_moved_bytes <= limit:
+            return plan
+    return best
+
+
+def plan_with_reserve(trace: StepTrace, residency: Mapping[int, Tier], capacity: Mapping[Tier, int],
+                      page_bytes: int, *, dirty: Iterable[int] = (), has_disk: bool = True, policy: str = "belady", prefetch: bool = True,
+              lookahead: int | None = None, sharded: Iterable[int] = (), dead: Iterable[int] = (),
+              reserve: Mapping[Tier, int] | None = None) -> Plan:
     """Plan one steady-state step of `trace` starting from `residency` (page id -> tier of its working copy).
 
     `dirty`: pages whose working copy differs from their disk copy (or have none); `dead`: pages whose contents
     are not needed (an applied gradient: dropped, never read back; so are the pages an access `discards`);
     `capacity`: slots of the device and host tiers; `policy`: "belady" (the plan) or "lru" (the on-demand
     baseline, which cannot look ahead, so it never prefetches); `lookahead`: how many accesses ahead a move may
-    be issued (default: a whole step); `sharded`: pages owned in shards across data-parallel ranks."""
+    be issued (default: a whole step); `sharded`: pages owned in shards across data-parallel ranks; `reserve`:
+    slots per tier kept out of the replacement simulation as prefetch buffers (default none), which let moves
+    start before the pages they replace are done with."""
     if policy not in ("belady", "lru"):
         raise ValueError(f"policy must be 'belady' or 'lru', got {policy!r}")
     trace = order_updates(trace)
@@ -149,7 +189,13 @@ def plan_step(trace: StepTrace, residency: Mapping[int, Tier], capacity: Mapping
     lookahead = n if lookahead is None or lookahead <= 0 else lookahead
     prefetch = prefetch and policy == "belady" and n > 0
     sharded = frozenset(sharded)
-    sim = _Tiers(residency, dirty, capacity, has_disk, dead)
+    if reserve is None or not prefetch:
+        reserve = {Tier.DEVICE: 0, Tier.HOST: 0}
+    sim_capacity = {tier: capacity[tier] - reserve.get(tier, 0) for tier in (Tier.DEVICE, Tier.HOST)}
+    if sum(1 for pid, tier in residency.items() if tier is Tier.DEVICE) > sim_capacity[Tier.DEVICE] or \
+            sum(1 for pid, tier in residency.items() if tier is Tier.HOST) > sim_capacity[Tier.HOST]:
+        residency = _fit(residency, sim_capacity)
+    sim = _Tiers(residency, dirty, sim_capacity, has_disk, dead)
     for pid in {p for a in trace.accesses for p in a.pages}:
         sim.loc.setdefault(pid, Tier.DISK)
     horizon = _PASSES * n
@@ -249,20 +295,32 @@ def plan_step(trace: StepTrace, residency: Mapping[int, Tier], capacity: Mapping
     # 2. Conservative prefetching (Cao et al.): the same moves, each group issued as early as is safe: after the
     # last access that takes or holds a page it evicts (so nothing it removes is needed before the access it
     # serves), after the group before it (slots are freed and filled in the same order), within the lookahead.
+    # A group may start earlier still by borrowing a reserved slot on each tier it fills, until its victims go.
     planned: list[list[Op]] = [[] for _ in range(n)]
     demand: list[Op] = []
     moved: Counter = Counter()
     issue_floor = -1
+    borrowing: dict[Tier, list[int]] = {Tier.DEVICE: [], Tier.HOST: []}  # when each borrowed slot is given back
     for t, out in groups:
-        earliest = max(issue_floor, t - lookahead - 1)
+        safe = issue_floor
         for op, _ in out:
             if op.kind == "evict":
-                earliest = max(earliest, last_busy_before(op.page, t))
+                safe = max(safe, last_busy_before(op.page, t))
+        issue = max(issue_floor, t - lookahead)
+        fills = {op.dst for op, _ in out if op.kind == "fetch"}
+        if issue < safe:
+            for tier in fills:
+                active = sorted(e for e in borrowing[tier] if e > issue)
+                if len(active) >= reserve.get(tier, 0):
+                    # wait until enough borrowed slots are back (all of them, with no reserve: the safe time)
+                    issue = max(issue, active[len(active) - reserve.get(tier, 0)] if reserve.get(tier, 0) else safe)
+            issue = min(max(issue, t - lookahead), safe) if issue < safe else safe
+            if issue < safe:
+                for tier in fills:
+                    borrowing[tier].append(safe)
         materialize = any(op.kind == "fetch" and not nbytes for op, nbytes in out)  # a dead page: no read to hide
-        if not prefetch or earliest >= t or materialize:
+        if not prefetch or issue >= t or materialize:
             issue = t  # on demand, by acquire
-        else:
-            issue = max(earliest, t - lookahead)
         issue_floor = max(issue_floor, issue)
         if n <= t < 2 * n:  # the measured step: the moves it makes, however early they are issued
             for op, nbytes in out:
@@ -295,4 +353,5 @@ def plan_step(trace: StepTrace, residency: Mapping[int, Tier], capacity: Mapping
     return Plan(n_accesses=n, ops_after=planned, demand=demand, moved_bytes=moved, trace=trace,
                 grad_final_after=grad_final_after, policy=policy, lookahead=lookahead,
                 activation_peak=trace.activation_peak,
-                stats={"planned_fetches": fetches, "demand_fetches": sum(1 for o in demand if o.kind == "fetch")})
+                stats={"planned_fetches": fetches, "demand_fetches": sum(1 for o in demand if o.kind == "fetch"),
+                       "reserve": {tier.value: k for tier, k in reserve.items()}})
