@@ -4,7 +4,8 @@
 
 A run directory holds everything one run writes:
   config.yaml    the resolved config (run.dir filled in); ``load_config`` reads it back
-  metrics.jsonl  one JSON line per logged step (step, loss, lr, grad_norm, tokens_per_s, step_s, in_use, moved)
+  metrics.jsonl  one JSON line per logged step (step, loss, lr, grad_norm, tokens_per_s, step_s, in_use, moved,
+                 and the scheduler's stall_s, deviations, planned_moves, replanned)
                  and one per evaluation (step, val_loss); written line by line, so a crash keeps what was logged
   trace.jsonl    the memory trace (page events from the engine; a ``step`` event and a compute interval per step)
 """
@@ -132,6 +133,7 @@ class Trainer:
                         "grad_norm": None if grad_norm is None else float(grad_norm),
                         "tokens_per_s": tokens_per_step / step_s, "step_s": step_s,
                         "in_use": dict(stats["in_use"]), "moved": moved,
+                        **schedule_metrics(stats.get("schedule")),
                     })
                 bar.update(1)
                 bar.set_postfix_str(progress_text(step_loss, tokens_per_step / step_s, stats["in_use"]))
@@ -207,6 +209,14 @@ def make_run_dir(requested: Optional[str]) -> Path:
         raise ConfigValueError(f"run.dir: no free name for a new run directory next to {base}")
     except OSError as err:
         raise ConfigValueError(f"run.dir: cannot create {err.filename or requested}: {err.strerror}") from None
+
+
+def schedule_metrics(schedule: dict | None) -> dict[str, Any]:
+    """The scheduler's figures for the step just finished (an engine without a scheduler reports none)."""
+    if not schedule:
+        return {}
+    return {"stall_s": schedule["stall_s"], "deviations": schedule["deviations"],
+            "planned_moves": schedule["issued"], "replanned": schedule["replanned"]}
 
 
 def write_metrics(file: Any, record: dict[str, Any]) -> None:

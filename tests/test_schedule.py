@@ -251,3 +251,31 @@ def test_evaluation_passes_do_not_disturb_the_plan(tmp_path):
             engine.train()
     finally:
         engine.close()
+
+
+def test_trainer_logs_stall_moves_and_deviations_per_step(tmp_path):
+    import json
+
+    from angel_ptm.config import load_config
+    from angel_ptm.trainer import Trainer
+
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 400)
+    config = load_config({
+        "model": {"dim": 32, "n_layer": 2, "n_head": 2, "seq_len": 16},
+        "data": {"path": str(tmp_path), "batch_size": 4, "val_fraction": 0.1},
+        "memory": {"page_bytes": "4KiB", "device_budget": "48KiB", "host_budget": "24KiB", "scheduler": "planned"},
+        "trainer": {"steps": 4, "eval_every": 0, "grad_clip": 0, "device": "cpu"},
+        "run": {"dir": str(tmp_path / "run")},
+    })
+    Trainer(config, progress=False).run()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps = [line for line in lines if "loss" in line]
+    assert len(steps) == 4
+    assert all(line["stall_s"] >= 0 and line["deviations"] == 0 for line in steps[1:])
+    assert steps[0]["replanned"] and sum(line["planned_moves"] for line in steps[1:]) > 0
+    assert all(line["moved"]["disk->host"] > 0 for line in steps)
+    events = [json.loads(line) for line in (tmp_path / "run" / "trace.jsonl").read_text().splitlines()]
+    lanes = {e["lane"] for e in events if e["event"] == "interval"}
+    assert {"compute", "disk", "copy"} <= lanes
+    assert any(e["event"] == "mark" and e.get("name") == "plan" for e in events)

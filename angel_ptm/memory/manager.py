@@ -297,7 +297,10 @@ class PageManager:
                 continue
             if page.state in (PageState.DISK, PageState.FROM_DISK) and tier is not Tier.DISK:
                 if page.state is PageState.DISK:
-                    while not self._host_room_for_read():
+                    # Bound to the device, every read staged on the host must leave a host slot for the device
+                    # page it will displace: finish staged reads before the host fills with pinned pages.
+                    spare = 1 if tier is Tier.DEVICE and reads else 0
+                    while not self._host_room_for_read(spare):
                         if not reads:
                             raise BudgetError("host", self.page_bytes, 0,
                                               what=f"staging page {page.name} (every host page is pinned)")
@@ -313,11 +316,13 @@ class PageManager:
                     self._start_up(page)
                 self._wait_move(page)
 
-    def _host_room_for_read(self) -> bool:
-        """A host slot is free, can be freed by an eviction, or will be once a move in flight lands."""
-        return (self.pools[Tier.HOST].free_slots > 0 or bool(self._candidates(Tier.HOST))
-                or any(m.src is Tier.HOST or (m.dst is Tier.HOST and m.page.pin_count == 0)
-                       for m in self._moves.values()))
+    def _host_room_for_read(self, spare: int = 0) -> bool:
+        """More than `spare` host slots are free, can be freed by an eviction, or will be once a move in flight
+        lands."""
+        room = self.pools[Tier.HOST].free_slots + len(self._candidates(Tier.HOST))
+        room += sum(1 for m in self._moves.values()
+                    if m.src is Tier.HOST or (m.dst is Tier.HOST and m.page.pin_count == 0))
+        return room > spare
 
     def _finish_up(self, page: Page, tier: Tier) -> None:
         self._wait_move(page)
