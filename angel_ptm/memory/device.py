@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 
@@ -60,7 +61,9 @@ class Copier:
             if self._pool is None or wait:
                 dst.copy_(src)
                 return _DONE
-            return CopyHandle(future=self._pool.submit(dst.copy_, src))
+            # One plain memcpy on the copy thread (numpy releases the GIL and uses no thread team of its own, so
+            # it does not contend with compute's intra-op threads the way a second torch parallel copy would).
+            return CopyHandle(future=self._pool.submit(np.copyto, dst.numpy(), src.numpy()))
         stream = self.host_to_device_stream if dst.device.type == "cuda" else self.device_to_host_stream
         # The copy must see everything compute has written to `src` (or still reads from `dst`) so far.
         stream.wait_stream(torch.cuda.current_stream(self.device))

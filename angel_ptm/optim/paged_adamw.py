@@ -34,10 +34,11 @@ class PagedAdamW:
         self._in_step = False
         self._updated: set[int] = set()
         self._stepped: set[str] = set()
-        self.slot_steps = {slot.name: 0 for slot in layout.slots}  # steps each tensor took (torch's state["step"])
+        self.slot_steps = {slot.name: 0 for slot in layout.slots}
+        self.grad_scale = 1.0  # applied to every gradient this step (clipping), reset when the step closes  # steps each tensor took (torch's state["step"])
 
-    def _scratch(self, like: torch.Tensor) -> torch.Tensor:
-        key = (like.device, like.dtype)
+    def _scratch(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
+        key = (like.device, like.dtype, slot)
         buffer = self._scratch_buffers.get(key)
         if buffer is None or buffer.numel() < like.numel():
             buffer = self._scratch_buffers[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
@@ -58,10 +59,9 @@ class PagedAdamW:
         return float(torch.linalg.vector_norm(torch.stack([n.to(torch.float32).cpu() for n in norms]), 2.0))
 
     def scale_grads(self, factor: float) -> None:
-        for index, grad_page in enumerate(self.pages["grad"]):
-            self.manager.acquire([grad_page], self.update_tier, label="opt:scale")
-            grad_page.view(self.page_dtypes[index]).mul_(factor)
-            self.manager.release([grad_page], dirty=True)
+        """Scale this step's gradients by `factor` (gradient clipping). Folded into the update, which reads the
+        gradient anyway: no extra pass over the gradient pages."""
+        self.grad_scale *= factor
 
     def step(self, order: list[int] | None = None, without_grad: frozenset[str] | set[str] = frozenset()) -> None:
         """Finish the optimizer step: update every page group not updated yet this step, then close the step.
@@ -78,6 +78,7 @@ class PagedAdamW:
             if index not in self._updated:
                 self.update_group(index, without_grad)
         self._in_step = False
+        self.grad_scale = 1.0
 
     def begin_step(self) -> None:
         """Open an optimizer step (idempotent until `step` closes it); groups may then be updated one by one."""
@@ -126,6 +127,8 @@ class PagedAdamW:
         bias_correction1 = 1 - beta1**step
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
         step_size = self.lr / bias_correction1
+        if self.grad_scale != 1.0:  # as clip_grad_norm_ does: the gradient times the coefficient, then AdamW
+            grad = torch.mul(grad, self.grad_scale, out=self._scratch(grad, slot=1))
         if self.weight_decay != 0:
             param.mul_(1 - self.lr * self.weight_decay)
         exp_avg.lerp_(grad, 1 - beta1)
