@@ -217,9 +217,9 @@ class PageManager:
                 return Hop.BLOCKED  # in use where it is: its holder's views must stay valid
             step_to = dst if page.dead and page.state is PageState.DISK else order[here + 1]
             if self.pools[step_to].free_slots == 0:
-                if need is not None:
-                    self._make_room_async(step_to, need, keep=page)
-                return Hop.BLOCKED
+                if need is None or not self.make_room_async(step_to, need, keep=page) or \
+                        self.pools[step_to].free_slots == 0:
+                    return Hop.BLOCKED  # the eviction under way frees the slot later (a drop frees it at once)
             if page.dead and page.state is PageState.DISK:
                 self._materialize(page, step_to)
             else:
@@ -234,22 +234,24 @@ class PageManager:
         self._start_down(page, wait_for_room=False, target=dst)
         return Hop.STARTED
 
-    def _make_room_async(self, tier: Tier, need: float, keep: Page) -> bool:
-        """Start evicting one page from `tier` whose next use is after `need`; False if there is none (or the
-        slot it would free is already on its way)."""
-        if any(m.src is tier for m in self._moves.values()):
-            return False  # a slot is already being freed here
+    def leaving(self, tier: Tier) -> int:
+        """Moves under way out of `tier` (each frees a slot there when it lands)."""
+        return sum(1 for m in self._moves.values() if m.src is tier)
+
+    def make_room_async(self, tier: Tier, need: float, keep: Page | None = None) -> bool:
+        """Start evicting one page from `tier` whose next use is after `need` (Belady's choice among them);
+        False if there is none."""
         next_use = getattr(self.policy, "next_use", None)
         if next_use is None:
             return False
-        candidates = [pid for pid in self._candidates(tier) if pid != keep.id]
+        candidates = [pid for pid in self._candidates(tier) if keep is None or pid != keep.id]
         if not candidates:
             return False
         victim = self.pages[self.policy.victim(candidates)]
         if next_use(victim.id) <= need:
             return False  # everything here is needed sooner than the page we would make room for
         if tier is Tier.DEVICE and not victim.droppable and self.pools[Tier.HOST].free_slots == 0:
-            return self._make_room_async(Tier.HOST, need, keep)  # the victim needs a host slot first
+            return self.make_room_async(Tier.HOST, need, keep)  # the victim needs a host slot first
         if tier is Tier.HOST and not victim.droppable and self.disk is None:
             return False
         self._emit("evict", victim, tier, Tier.HOST if tier is Tier.DEVICE else Tier.DISK)

@@ -85,7 +85,7 @@ class Executor:
 
     def submit(self, ops: Sequence[Op]) -> None:
         for op in ops:
-            if op.kind == "fetch":
+            if op.kind in ("fetch", "evict"):
                 self.moves.append(op)
             elif op.kind in ("all_gather", "reduce_scatter") and self._comm_pool is not None:
                 page = self.manager.pages[op.page]
@@ -94,27 +94,43 @@ class Executor:
                 self.counts["issued"] += 1
 
     def pump(self, now: int = 0, need_of: Callable[[int], float] | None = None) -> None:
-        """Settle finished moves, then start queued fetches. `now`: the plan index of the next access;
+        """Settle finished moves, then start queued ones. `now`: the plan index of the next access;
         `need_of(serves)`: the policy position of an access (for making room)."""
         manager = self.manager
         if manager.moves_in_flight:
             manager.poll()
+        next_use = getattr(manager.policy, "next_use", None)
         kept: list[Op] = []
+        waiting: Counter = Counter()  # fetches held back for room, per tier: each may have one eviction under way
         moves, i = self.moves, 0
-        while i < len(moves) and i - len(kept) < self.SCAN and len(kept) < self.SCAN:
+        while i < len(moves) and len(kept) < self.SCAN:
             op = moves[i]
             i += 1
             if 0 <= op.serves < now:
                 self.counts["dropped"] += 1  # its access has come and gone
                 continue
             page = manager.pages[op.page]
-            if page.pin_count or (page.state.in_flight and not manager._moves[page.id].done()):
-                kept.append(op)  # in use, or the previous hop is still under way: later fetches go ahead
+            need = need_of(op.serves) if need_of is not None and op.serves >= 0 else None
+            if op.kind == "evict":  # write-behind: free the slot as soon as the plan says the page is done
+                if page.pin_count or page.state.in_flight or page.tier is not op.src or \
+                        (need is not None and next_use is not None and next_use(page.id) <= need):
+                    self.counts["skipped"] += 1  # in use, gone already, or needed sooner than planned
+                    continue
+                result = manager.try_hop(page, op.dst)
+                if result is Hop.BLOCKED:
+                    kept.append(op)  # a device page waiting for a host slot
+                else:
+                    self.counts["issued" if result is Hop.STARTED else "skipped"] += 1
                 continue
-            result = manager.try_hop(page, op.dst, need_of(op.serves) if need_of else None)
+            if page.pin_count or (page.state.in_flight and not manager._moves[page.id].done()):
+                kept.append(op)  # in use, or the previous hop is still under way: later moves go ahead
+                continue
+            may_evict = need is not None and manager.leaving(op.dst) <= waiting[op.dst]
+            result = manager.try_hop(page, op.dst, need if may_evict else None)
             if result is Hop.BLOCKED:
                 kept.append(op)
-                break  # no slot yet: the eviction that frees one is under way; keep plan order for slots
+                waiting[op.dst] += 1
+                continue
             self.counts["issued" if result is Hop.STARTED else "skipped"] += 1
         self.moves = kept + moves[i:]
 

@@ -32,6 +32,7 @@ from angel_ptm.schedule.trace import StepTrace
 
 _RANK = {Tier.DISK: 0, Tier.HOST: 1, Tier.DEVICE: 2}
 _UP = {Tier.DISK: Tier.HOST, Tier.HOST: Tier.DEVICE}
+RESERVE_EXTRA_BYTES = 1.10  # prefetch buffers may cost at most this factor over the plan without them
 _PASSES = 3  # warm-up pass, planned pass, next step (what the planned step's last moves serve)
 
 
@@ -156,7 +157,7 @@ def plan_step(trace: StepTrace, residency: Mapping[int, Tier], capacity: Mapping
         return best
     lru_options = {k: v for k, v in options.items() if k not in ("prefetch", "lookahead")}
     lru = plan_with_reserve(trace, residency, capacity, page_bytes, policy="lru", **lru_options)
-    limit = min(lru.total_moved_bytes, 1.10 * best.total_moved_bytes)
+    limit = min(lru.total_moved_bytes, RESERVE_EXTRA_BYTES * best.total_moved_bytes)
     top = {tier: min(8, capacity[tier] // 3) for tier in (Tier.DEVICE, Tier.HOST)}
     for k in range(max(top.values()), 0, -1):
         reserve = {tier: min(k, top[tier]) for tier in top}
@@ -333,7 +334,7 @@ def plan_with_reserve(trace: StepTrace, residency: Mapping[int, Tier], capacity:
             demand.extend(op for op, _ in out)
             continue
         for op, _ in out:
-            planned[at].append(Op(op.kind, op.page, op.src, op.dst, at, op.serves if op.kind == "fetch" else -1))
+            planned[at].append(Op(op.kind, op.page, op.src, op.dst, at, t - n))  # an eviction serves its group
 
     # Collectives of sharded pages: each use is preceded by an all-gather issued one access ahead (it overlaps
     # the access before), and a gradient is reduce-scattered as soon as it is final.
