@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 
 from angel_ptm.memory import Page, PageLayout, PageManager, Tier
+from angel_ptm.optim.fused_adam import fused_adamw_
 
 
 class PagedAdamW:
     def __init__(self, manager: PageManager, layout: PageLayout, pages: dict[str, list[Page]], lr: float,
-                 betas: tuple[float, float], eps: float, weight_decay: float, update_tier: Tier):
+                 betas: tuple[float, float], eps: float, weight_decay: float, update_tier: Tier,
+                 fused: bool = True):
         self.manager, self.layout, self.pages = manager, layout, pages
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.update_tier = update_tier
@@ -35,7 +37,8 @@ class PagedAdamW:
         self._updated: set[int] = set()
         self._stepped: set[str] = set()
         self.slot_steps = {slot.name: 0 for slot in layout.slots}
-        self.grad_scale = 1.0  # applied to every gradient this step (clipping), reset when the step closes  # steps each tensor took (torch's state["step"])
+        self.grad_scale = 1.0  # applied to every gradient this step (clipping), reset when the step closes
+        self.use_fused = fused  # CPU-resident groups: the fused native Adam (angel_ptm.optim.fused_adam)  # steps each tensor took (torch's state["step"])
 
     def _scratch(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
         key = (like.device, like.dtype, slot)
@@ -124,6 +127,11 @@ class PagedAdamW:
 
     def _update(self, param, grad, exp_avg, exp_avg_sq, step: int) -> None:
         beta1, beta2 = self.betas
+        if self.use_fused and param.device.type == "cpu" and param.dtype == torch.float32:
+            # One pass over master, gradient and both moments in the native kernel (clip coefficient folded in).
+            fused_adamw_(param, grad, exp_avg, exp_avg_sq, lr=self.lr, beta1=beta1, beta2=beta2, eps=self.eps,
+                         weight_decay=self.weight_decay, step=step, grad_scale=self.grad_scale)
+            return
         bias_correction1 = 1 - beta1**step
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
         step_size = self.lr / bias_correction1
