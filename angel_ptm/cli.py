@@ -1,13 +1,17 @@
 """The ``angel-ptm`` command line.
 
     angel-ptm train [CONFIG.yaml] [--set section.field=value ...] [--no-progress]
+    angel-ptm estimate [CONFIG.yaml] [--set section.field=value ...] [--json]
     angel-ptm viz RUN_DIR [-o REPORT.html] [--chrome-trace PATH]
 
 With no CONFIG, ``train`` runs the packaged default job (configs/default.yaml: a small GPT on the Python standard
-library's source text, on the CPU, with budgets small enough that pages live on all three tiers). ``viz`` reads a
-run directory's trace.jsonl and metrics.jsonl and writes a self-contained HTML report (default RUN_DIR/report.html)
-and a Chrome trace-event JSON for Perfetto (default RUN_DIR/trace.chrome.json). A user mistake (bad key or value,
-missing file or run directory, budget too small) prints one line, ``angel-ptm: error: <message>``, and exits 2.
+library's source text, on the CPU, with budgets small enough that pages live on all three tiers). ``estimate``
+prints, before anything is allocated, the bytes each tier needs per rank and whether the job fits its budgets
+(exit 0 if it does, 2 with the one-line reason if not); ``--json`` prints one JSON object instead of the table.
+``viz`` reads a run directory's trace.jsonl and metrics.jsonl and writes a self-contained HTML report (default
+RUN_DIR/report.html) and a Chrome trace-event JSON for Perfetto (default RUN_DIR/trace.chrome.json). A user mistake
+(bad key or value, missing file or run directory, budget too small) prints one line, ``angel-ptm: error:
+<message>``, and exits 2.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog=PROG, description="Pretraining with model states paged over GPU, host and SSD.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     add_train_command(commands)
+    add_estimate_command(commands)
     add_viz_command(commands)
     return parser
 
@@ -47,6 +52,20 @@ def add_train_command(commands: argparse._SubParsersAction) -> None:
                        help="override one config value, e.g. --set optimizer.lr=3e-4 (repeatable)")
     train.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     train.set_defaults(handler=run_train)
+
+
+def add_estimate_command(commands: argparse._SubParsersAction) -> None:
+    estimate = commands.add_parser(
+        "estimate", help="memory each tier needs, and whether the job fits",
+        description="Before anything is allocated: per rank, the pages and bytes of each state kind, the resolved "
+                    "budgets, the activation peak, pinned host memory, disk space, and per tier the bytes needed, "
+                    "the budget and the expected peak in use. Exits 0 if the job fits, 2 with the reason if not.")
+    estimate.add_argument("config", nargs="?", metavar="CONFIG",
+                          help="YAML config file (default: the packaged configs/default.yaml)")
+    estimate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                          help="override one config value, e.g. --set memory.host_budget=8GiB (repeatable)")
+    estimate.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    estimate.set_defaults(handler=run_estimate)
 
 
 def add_viz_command(commands: argparse._SubParsersAction) -> None:
@@ -73,10 +92,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return EXIT_INTERRUPTED
 
 
-def run_train(args: argparse.Namespace) -> int:
+def load_job_config(args: argparse.Namespace):
+    """The job's Config: CONFIG (default configs/default.yaml, else the built-in defaults) with --set overrides."""
     # Imported here so `angel-ptm --help` stays fast (no torch import).
     from angel_ptm.config import load_config
-    from angel_ptm.trainer import Trainer
 
     source = args.config
     if source is None:
@@ -84,7 +103,13 @@ def run_train(args: argparse.Namespace) -> int:
         if not source.is_file():
             print(f"{PROG}: warning: {source} not found; using the built-in defaults", file=sys.stderr)
             source = None
-    config = load_config(source, args.overrides)
+    return load_config(source, args.overrides)
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from angel_ptm.trainer import Trainer
+
+    config = load_job_config(args)
     result = Trainer(config, progress=args.progress).run()
 
     print(f"run dir: {result.run_dir}")
@@ -93,6 +118,16 @@ def run_train(args: argparse.Namespace) -> int:
     if result.final_val_loss is not None:
         print(f"final val loss: {result.final_val_loss:.4f}")
     print(f"throughput: {result.tokens_per_s:,.0f} tokens/s")
+    return 0
+
+
+def run_estimate(args: argparse.Namespace) -> int:
+    from angel_ptm.estimate import estimate_job
+
+    estimate = estimate_job(load_job_config(args))
+    print(estimate.to_json() if args.json else estimate.format_table())
+    sys.stdout.flush()  # the numbers first, then (on stderr) the one-line reason it does not fit
+    estimate.check()
     return 0
 
 

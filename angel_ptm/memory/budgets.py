@@ -19,24 +19,37 @@ class Budgets:
     disk: int
 
 
-def resolve_budgets(device_budget, host_budget, disk_budget, states_bytes: int, device: torch.device,
-                    disk_dir: str, page_bytes: int) -> Budgets:
-    """Bytes per tier. "auto": device = everything (CPU) or 80% of free GPU memory; host = the rest of the states,
-    up to half the available RAM; disk = a slot for every page when some must live there."""
+def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, device: torch.device, page_bytes: int,
+                 *, gpu_free: int | None = None, ram_available: int | None = None, slack_bytes: int = 0) -> Budgets:
+    """Bytes per tier, no checks, no side effects. "auto": device = everything (CPU) or 80% of free GPU memory;
+    host = the rest of the states plus `slack_bytes` (room to rotate the largest layer through the device), up to
+    half the available RAM; disk = a slot for every page when some must live there."""
     if device_budget == "auto":
         if device.type == "cuda":
-            device_budget = int(0.8 * torch.cuda.mem_get_info(device)[0])
+            gpu_free = int(torch.cuda.mem_get_info(device)[0]) if gpu_free is None else gpu_free
+            device_budget = int(0.8 * gpu_free)
         else:
             device_budget = states_bytes
     device_budget = min(int(device_budget), states_bytes)
     if host_budget == "auto":
+        ram_available = psutil.virtual_memory().available if ram_available is None else ram_available
+        rest = states_bytes - device_budget
         # At least the four pages one optimizer update needs (and room to stage disk reads).
-        host_budget = min(max(states_bytes - device_budget, 4 * page_bytes), psutil.virtual_memory().available // 2)
+        host_budget = min(max(rest + slack_bytes if rest > 0 else 0, 4 * page_bytes), ram_available // 2)
     host_budget = int(host_budget)
     needed_on_disk = max(0, states_bytes - device_budget - host_budget)
     if disk_budget == "auto":  # room for a home slot per page, so clean copies are dropped, never rewritten
         disk_budget = states_bytes if needed_on_disk else 0
-    disk_budget = int(disk_budget)
+    return Budgets(device_budget, host_budget, int(disk_budget))
+
+
+def resolve_budgets(device_budget, host_budget, disk_budget, states_bytes: int, device: torch.device,
+                    disk_dir: str, page_bytes: int, slack_bytes: int = 0) -> Budgets:
+    """`plan_budgets`, then refuse budgets that cannot hold the states, before anything is allocated."""
+    budgets = plan_budgets(device_budget, host_budget, disk_budget, states_bytes, device, page_bytes,
+                           slack_bytes=slack_bytes)
+    device_budget, host_budget, disk_budget = budgets.device, budgets.host, budgets.disk
+    needed_on_disk = max(0, states_bytes - device_budget - host_budget)
     if needed_on_disk:
         if disk_budget < needed_on_disk:
             raise BudgetError("disk", needed_on_disk, disk_budget,
@@ -45,4 +58,4 @@ def resolve_budgets(device_budget, host_budget, disk_budget, states_bytes: int, 
         free = shutil.disk_usage(disk_dir).free
         if free < needed_on_disk:
             raise BudgetError("disk", needed_on_disk, free, what=f"model states in {disk_dir}")
-    return Budgets(device_budget, host_budget, disk_budget)
+    return budgets

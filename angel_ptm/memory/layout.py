@@ -162,3 +162,15 @@ def build_layout(module: nn.Module, page_bytes: int, dp_world_size: int = 1,
     if missing:
         raise ValueError(f"order leaves out parameters: {sorted(missing)[:5]}")
     return PageLayout.build(((n, params[n]) for n in names), page_bytes, dp_world_size)
+
+
+def largest_module(model: nn.Module, layout: PageLayout) -> tuple[str, int]:
+    """The module whose own parameters span the most pages, and that count: the device tier must hold that many
+    pages at once (the module's forward pins them all)."""
+    largest, name = 0, ""
+    param_names = {id(p): n for n, p in model.named_parameters()}
+    for module_name, module in model.named_modules():
+        pages = {p for param in module.parameters(recurse=False) for p in layout.slot(param_names[id(param)]).pages}
+        if len(pages) > largest:
+            largest, name = len(pages), module_name or "<root>"
+    return name, largest

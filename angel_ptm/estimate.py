@@ -1,0 +1,367 @@
+"""The memory estimate of a job, per rank, before anything is allocated.
+
+    estimate = estimate_job(load_config("configs/default.yaml"))   # the model is built on the meta device
+    print(estimate.format_table())
+    estimate.check()                                                 # BudgetError naming tier and bytes
+
+It answers, from the config alone (or from an existing nn.Module): how many pages each state kind takes, what the
+budgets resolve to ("auto" included), the activation peak, the pinned host bytes, the disk space the page files
+reserve, and for each tier the peak bytes in use the memory trace will record (`PageManager.in_use()`). The Engine
+runs the same estimate at start and refuses a job that cannot fit, with these numbers.
+
+The peaks follow how the engine fills its tiers. Pages are created kind by kind (`CREATION_ORDER`), on the host
+while it has room, then on the device (which keeps the largest layer's pages free), then on the host again, each
+new page evicting the oldest host page to disk; `place_pages` replays that exactly, so the host peaks at its budget
+(or at every page). The step then brings every parameter and gradient page (and the optimizer states, when the
+update runs on the device) up to the device, which fills up to its budget. A page written to disk keeps its home
+slot there (a clean copy is dropped, not rewritten), so the disk's bytes in use count the pages that ever went
+down: those spilled at creation and, when the live states (parameters and both Adam moments; a gradient page lives
+only from its backward to its update, then is discarded unwritten) exceed the device and host together, all the
+live states, which every step cycles through the disk. When the live states fit, later steps may still spill a
+few pages: the estimate then counts the creation spill only, a lower bound.
+Activations are ordinary tensors on the compute device, outside the page pools: they count toward the machine's
+memory, not toward any tier budget.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import psutil
+import torch
+from torch import nn
+
+from angel_ptm.config import Config, format_bytes, load_config
+from angel_ptm.errors import BudgetError, ConfigValueError
+from angel_ptm.memory import PageLayout, build_layout, compute_device, largest_module
+from angel_ptm.memory.budgets import plan_budgets
+from angel_ptm.models import GPT, build_model, estimate_activation_bytes
+
+CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # engine.STATE_KINDS: the order pages are created in
+UPDATE_GROUP = 4  # pages one optimizer update pins at once: param, grad, exp_avg, exp_avg_sq of one index
+DISK_GROWTH_SLOTS = 16  # DiskTier.growth_slots: slots a kind's page file grows by past its reservation
+TIERS = ("device", "host", "disk")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One reason the job cannot run: the arguments of the BudgetError that `Estimate.check` raises."""
+
+    tier: str
+    requested: int
+    available: int
+    what: str
+
+    def error(self) -> BudgetError:
+        return BudgetError(self.tier, self.requested, self.available, what=self.what)
+
+
+@dataclass(frozen=True)
+class TierEstimate:
+    """One tier, in bytes. `needed`: the least this tier must hold for the job to run; `budget`: the resolved
+    budget; `pool`: what the tier really allocates (whole pages; for the disk, the slots reserved up front);
+    `peak`: the expected peak of the bytes in use that trace.jsonl records; `available`: what the machine has for
+    it now (free GPU memory, free disk space; None where the host RAM check covers it)."""
+
+    tier: str
+    needed: int
+    budget: int
+    pool: int
+    peak: int
+    available: Optional[int]
+    fits: bool
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-rank memory of a job. Byte counts are ints; `tiers` holds one TierEstimate per tier."""
+
+    rank: int
+    world_size: int
+    compute_device: str
+    params: int  # distinct parameter elements (a tied weight once)
+    page_bytes: int
+    n_pages: int  # pages per state kind (PageLayout.n_pages)
+    kind_bytes: dict  # state kind -> bytes of its pages
+    master_extra_bytes: int  # master weights beyond the parameter pages (0: parameters are fp32, they are the master)
+    states_bytes: int
+    largest_layer: str
+    largest_layer_pages: int
+    update_tier: str  # where an optimizer update pins its four pages
+    activation_bytes: Optional[int]  # saved for backward, on the compute device outside the pools; None: unknown
+    pinned_host_bytes: int  # the host pool is pinned when the compute device is CUDA
+    host_ram_needed: int  # CPU memory the pools (and, on a CPU device, activations) take
+    host_ram_available: int
+    disk_dir: str
+    start_pages: dict  # tier -> pages resting there once every page is created
+    tiers: dict  # tier -> TierEstimate
+    problems: tuple = field(default=())
+
+    @property
+    def fits(self) -> bool:
+        return not self.problems
+
+    def check(self) -> None:
+        """Raise the BudgetError of the first problem found (one line: tier, bytes needed, bytes available)."""
+        if self.problems:
+            raise self.problems[0].error()
+
+    def peaks(self) -> dict[str, int]:
+        return {tier: self.tiers[tier].peak for tier in TIERS}
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out["fits"] = self.fits
+        out["problems"] = [dict(asdict(p), message=str(p.error())) for p in self.problems]
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=2)
+
+    def format_table(self) -> str:
+        lines = [f"memory estimate, rank {self.rank} of {self.world_size}, compute device {self.compute_device}",
+                 f"  parameters {self.params:,}: {self.n_pages} pages of {format_bytes(self.page_bytes)} "
+                 f"per state kind"]
+        for kind in ("param", "grad", "exp_avg", "exp_avg_sq"):
+            lines.append(f"    {kind:<11} {self.n_pages:>6} pages  {format_bytes(self.kind_bytes[kind]):>10}")
+        lines.append(f"    {'master':<11} {0:>6} extra  {format_bytes(self.master_extra_bytes):>10}"
+                     f"  (fp32 parameters are the master weights)")
+        lines.append(f"    {'states':<11} {4 * self.n_pages:>6} pages  {format_bytes(self.states_bytes):>10}")
+        lines.append(f"  largest layer '{self.largest_layer}': {self.largest_layer_pages} pages on the device at once;"
+                     f" optimizer updates on the {self.update_tier}")
+        act = "unknown (not a GPT)" if self.activation_bytes is None else format_bytes(self.activation_bytes)
+        lines.append(f"  activation peak {act}, on the {self.compute_device} outside the page pools")
+        lines.append(f"  pinned host memory {format_bytes(self.pinned_host_bytes)}; host RAM needed "
+                     f"{format_bytes(self.host_ram_needed)} of {format_bytes(self.host_ram_available)} available")
+        lines.append(f"  page files in {self.disk_dir}: {format_bytes(self.tiers['disk'].pool)} reserved up front")
+        header = f"  {'tier':<7}{'needed':>12}{'budget':>12}{'expected peak':>15}{'available':>12}  fits"
+        lines += ["", header]
+        for tier in TIERS:
+            t = self.tiers[tier]
+            available = "-" if t.available is None else format_bytes(t.available)
+            lines.append(f"  {tier:<7}{format_bytes(t.needed):>12}{format_bytes(t.budget):>12}"
+                         f"{format_bytes(t.peak):>15}{available:>12}  {'yes' if t.fits else 'NO'}")
+        lines.append("")
+        if self.fits:
+            lines.append("fits: yes")
+        else:
+            lines += [f"fits: no: {p.error()}" for p in self.problems]
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------------- the estimate
+def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Optional[PageLayout] = None,
+                 disk_dir: Optional[str] = None, device: Optional[torch.device] = None) -> Estimate:
+    """The memory estimate of the job `config` describes (a Config, dict, YAML path or None).
+
+    `model`: an existing module to estimate (default: the config's model, built on the meta device, so nothing
+    is allocated). `layout`: its PageLayout if already built. `disk_dir`: where the page files go (default:
+    memory.disk_dir, else run.dir/pages, else runs/pages, as the trainer picks). `device`: the compute device
+    (default: trainer.device resolved)."""
+    if not isinstance(config, Config):
+        config = load_config(config)
+    mem = config.memory
+    page_bytes = mem.page_bytes
+    device = device or compute_device(config.trainer.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigValueError('trainer.device: "cuda" requested but no CUDA device is available')
+    if model is None:
+        with torch.device("meta"):  # shapes and dtypes only: no parameter memory is allocated
+            model = build_model(config.model)
+    if layout is None:
+        layout = build_layout(model, page_bytes)
+    n_pages = layout.n_pages
+    n_states = len(CREATION_ORDER) * n_pages
+    states_bytes = n_states * page_bytes
+    disk_dir = disk_dir or mem.disk_dir or str(Path(config.run.dir or "runs") / "pages")
+
+    gpu_free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+    ram_available = int(psutil.virtual_memory().available)
+    largest_name, largest = largest_module(model, layout)
+    planned = plan_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes, device, page_bytes,
+                           gpu_free=gpu_free, ram_available=ram_available, slack_bytes=largest * page_bytes)
+    budgets = {"device": planned.device, "host": planned.host, "disk": planned.disk}
+    slots = {tier: budgets[tier] // page_bytes for tier in TIERS}
+    update = update_tier(device, slots["device"], slots["host"], n_states)
+    disk_reserved = min(n_pages, slots["disk"] // len(CREATION_ORDER)) * len(CREATION_ORDER) if slots["disk"] else 0
+    start = place_pages(n_pages, slots, largest, page_bytes)
+    problems: list[Problem] = []
+
+    # 1. the budgets themselves (as resolve_budgets refuses them)
+    needed_on_disk = max(0, states_bytes - budgets["device"] - budgets["host"])
+    if needed_on_disk and budgets["disk"] < needed_on_disk:
+        problems.append(Problem("disk", needed_on_disk, budgets["disk"],
+                                "the model states that fit neither the device nor the host budget"))
+    disk_free = free_disk_bytes(disk_dir) if disk_reserved else None
+    if disk_free is not None and disk_free < disk_reserved * page_bytes:
+        problems.append(Problem("disk", disk_reserved * page_bytes, disk_free,
+                                f"page files in {disk_dir} ({disk_reserved} page slots reserved up front)"))
+    # 2. the largest layer on the device (Engine._check_largest_layer)
+    if largest * page_bytes > budgets["device"]:
+        problems.append(Problem("device", largest * page_bytes, budgets["device"],
+                                f"layer '{largest_name}' ({largest} pages of {format_bytes(page_bytes)})"))
+    # 3. creating every page: the host must take what the device and disk cannot
+    if start.failure is not None:
+        problems.append(start.failure)
+    # 4. one optimizer update pins four pages on its tier
+    if slots[update] < UPDATE_GROUP:
+        problems.append(Problem(update, UPDATE_GROUP * page_bytes, slots[update] * page_bytes,
+                                "the optimizer update (one page each of param, grad, exp_avg, exp_avg_sq)"))
+
+    # The machine: activations live on the compute device, outside the pools; on a CPU the device pool is RAM too.
+    activation = activation_bytes(model, config)
+    pools = {tier: slots[tier] * page_bytes for tier in ("device", "host")}
+    host_ram = pools["host"] + (0 if device.type == "cuda" else pools["device"] + (activation or 0))
+    device_memory = pools["device"] + (activation or 0)
+    if gpu_free is not None and device_memory > gpu_free:
+        problems.append(Problem("device", device_memory, gpu_free,
+                                f"the device pool ({format_bytes(pools['device'])}) and activations "
+                                f"({format_bytes(activation or 0)}) in free GPU memory"))
+    if host_ram > ram_available:
+        problems.append(Problem("host", host_ram, ram_available,
+                                "the page pools" + ("" if device.type == "cuda" else " and activations")
+                                + " in available RAM"))
+
+    peaks = expected_peaks(n_pages, slots, start, update)
+    needed = {
+        "device": max(largest, UPDATE_GROUP if update == "device" else 0) * page_bytes,
+        "host": max(start.host_needed, UPDATE_GROUP if update == "host" else 0,
+                    1 if needed_on_disk else 0) * page_bytes,
+        "disk": needed_on_disk,
+    }
+    available = {"device": gpu_free, "host": None, "disk": disk_free}
+    tiers = {
+        tier: TierEstimate(tier, needed[tier], budgets[tier],
+                           (disk_reserved if tier == "disk" else slots[tier]) * page_bytes,
+                           peaks[tier] * page_bytes, available[tier],
+                           fits=not any(p.tier == tier for p in problems))
+        for tier in TIERS
+    }
+    params = sum(p.numel() for p in model.parameters())
+    return Estimate(
+        rank=0, world_size=1, compute_device=device.type, params=params, page_bytes=page_bytes, n_pages=n_pages,
+        kind_bytes={kind: n_pages * page_bytes for kind in ("param", "grad", "exp_avg", "exp_avg_sq")},
+        master_extra_bytes=0, states_bytes=states_bytes, largest_layer=largest_name, largest_layer_pages=largest,
+        update_tier=update, activation_bytes=activation,
+        pinned_host_bytes=pools["host"] if device.type == "cuda" else 0,
+        host_ram_needed=host_ram, host_ram_available=ram_available, disk_dir=disk_dir,
+        start_pages={"device": start.device, "host": start.host, "disk": start.disk},
+        tiers=tiers, problems=tuple(problems),
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- the parts
+def update_tier(device: torch.device, device_slots: int, host_slots: int, n_state_pages: int) -> str:
+    """Engine._update_tier: the device on a GPU or when every state fits it, else the host (CPU)."""
+    if device.type == "cuda" or device_slots >= n_state_pages:
+        return "device" if device_slots >= UPDATE_GROUP else "host"
+    return "host" if host_slots >= UPDATE_GROUP else "device"
+
+
+@dataclass
+class StartPlacement:
+    """Where pages rest once all are created, per tier (pages), and what creating them needs of the host."""
+
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+    device_kinds: dict = field(default_factory=dict)  # kind -> pages of that kind created on the device
+    disk_kinds: dict = field(default_factory=dict)  # kind -> pages of that kind evicted to disk
+    host_needed: int = 0  # host slots needed to create every page (what the device and disk cannot take)
+    failure: Optional[Problem] = None
+
+
+def place_pages(n_pages: int, slots: dict[str, int], reserve_on_device: int, page_bytes: int) -> StartPlacement:
+    """Replay Engine._tier_with_room over the creation order: the host while it has room, then the device while
+    it has more than `reserve_on_device` free slots, then the host again, each new page evicting the oldest host
+    page to its disk slot (DiskTier: `min(n_pages, disk_slots // 4)` reserved per kind, then grown in steps)."""
+    place = StartPlacement()
+    n_kinds = len(CREATION_ORDER)
+    per_kind = min(n_pages, slots["disk"] // n_kinds) if slots["disk"] else 0
+    disk_free = {kind: per_kind for kind in CREATION_ORDER}
+    disk_reserved = per_kind * n_kinds
+    host_queue: list[str] = []  # kinds of the pages resting on the host, oldest first (LRU: never accessed yet)
+    oldest = 0
+    device_room = max(0, slots["device"] - reserve_on_device)
+    for kind in CREATION_ORDER:
+        for _ in range(n_pages):
+            if place.host == slots["host"] and place.device < device_room:
+                place.device += 1
+                place.device_kinds[kind] = place.device_kinds.get(kind, 0) + 1
+                continue
+            host_queue.append(kind)
+            if place.host < slots["host"]:
+                place.host += 1
+                continue
+            # The host is full: its oldest page goes to disk.
+            victim = host_queue[oldest]
+            oldest += 1
+            if place.failure is None and (not slots["host"] or not slots["disk"] or not disk_free[victim]):
+                room = slots["disk"] - disk_reserved
+                if not slots["host"] or not slots["disk"] or room <= 0:
+                    place.failure = _placement_failure(n_pages, slots, reserve_on_device, page_bytes)
+                else:
+                    grow = min(DISK_GROWTH_SLOTS, room)
+                    disk_reserved += grow
+                    disk_free[victim] += grow
+            if place.failure is None:
+                disk_free[victim] -= 1
+            place.disk += 1
+            place.disk_kinds[victim] = place.disk_kinds.get(victim, 0) + 1
+    place.host_needed = max(0, n_kinds * n_pages - device_room - slots["disk"])
+    return place
+
+
+def _placement_failure(n_pages: int, slots: dict[str, int], reserve_on_device: int, page_bytes: int) -> Problem:
+    states = len(CREATION_ORDER) * n_pages
+    device_takes = max(0, min(states, slots["device"] - reserve_on_device))
+    disk_takes = slots["disk"]
+    needed = max(1, states - device_takes - disk_takes)  # at least one host slot: pages are created there
+    where = f"a disk tier of {disk_takes} pages" if disk_takes else "no disk tier"
+    return Problem("host", needed * page_bytes, slots["host"] * page_bytes,
+                   f"the {states} state pages at start: the device takes {device_takes} (it keeps "
+                   f"{reserve_on_device} free for the largest layer), {where}")
+
+
+def expected_peaks(n_pages: int, slots: dict[str, int], start: StartPlacement, update: str) -> dict[str, int]:
+    """Peak pages in use per tier over the first steps, as PageManager.in_use() reports them."""
+    n_states = len(CREATION_ORDER) * n_pages
+    # Host: filled first, to its budget or with every page.
+    host = min(slots["host"], n_states)
+    # Device: the pages created there, plus every page a step acquires on it (parameters and gradients; the
+    # optimizer states too when the update runs there), up to its budget.
+    up_kinds = ("param", "grad", "exp_avg", "exp_avg_sq") if update == "device" else ("param", "grad")
+    reaching = len(up_kinds) * n_pages + sum(n for kind, n in start.device_kinds.items() if kind not in up_kinds)
+    device = min(slots["device"], reaching)
+    # Disk: a page keeps its home slot once written there, so the bytes in use are the pages that ever went
+    # down. The pages spilled while creating them are known exactly. A gradient page is live only from its
+    # backward to its update (then discarded, never written), so the live states are the other three kinds;
+    # when they exceed the device and host together, every step cycles them through the disk.
+    live = (len(CREATION_ORDER) - 1) * n_pages
+    if not slots["disk"]:
+        disk = 0
+    elif live > slots["device"] + slots["host"]:
+        disk = min(slots["disk"], live + start.disk_kinds.get("grad", 0))
+    else:  # only the start spills for sure; churn in later steps may add some (this is a lower bound)
+        disk = min(slots["disk"], start.disk)
+    return {"device": device, "host": host, "disk": disk}
+
+
+def activation_bytes(model: nn.Module, config: Config) -> Optional[int]:
+    """models.estimate_activation_bytes for a GPT at data.batch_size (one micro-batch); None for other models."""
+    if not isinstance(model, GPT):
+        return None
+    dtype_bytes = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    return estimate_activation_bytes(model.cfg, config.data.batch_size, dtype_bytes)
+
+
+def free_disk_bytes(path: str) -> int:
+    """Free bytes on the filesystem that holds (or will hold) `path`: its nearest existing ancestor."""
+    probe = Path(path).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return int(shutil.disk_usage(probe).free)

@@ -1,0 +1,278 @@
+"""The memory estimate: what each tier needs per rank, from the config alone, checked against the engine it predicts
+and against the peaks a short training run records in its trace.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from types import SimpleNamespace
+
+import psutil
+import pytest
+import torch
+
+import angel_ptm
+from angel_ptm import cli
+from angel_ptm import estimate as estimate_module
+from angel_ptm.config import load_config
+from angel_ptm.errors import BudgetError
+from angel_ptm.estimate import CREATION_ORDER, estimate_job
+from angel_ptm.memory import build_layout
+from angel_ptm.memory.budgets import plan_budgets, resolve_budgets
+from angel_ptm.models import build_model, estimate_activation_bytes
+from angel_ptm.trace import TraceRecorder
+from angel_ptm.trainer import Trainer
+from angel_ptm.viz.reader import ReadIssues, iter_events
+
+KiB, MiB = 1 << 10, 1 << 20
+TIERS = ("device", "host", "disk")
+DEFAULT = cli.default_config_path()
+SMALL_GPT = ["model.dim=128", "model.n_layer=2", "model.n_head=4", "model.seq_len=64"]
+SHORT_RUN = [f"data.path={os.__file__}", "data.batch_size=4"]
+
+# The default job and three others: different model sizes, page sizes and budgets.
+JOBS = {
+    "default": (DEFAULT, []),  # 60 pages of 1 MiB per kind; device 56 MiB, host 72 MiB, the rest on disk
+    "device": (None, [*SMALL_GPT, *SHORT_RUN, "memory.page_bytes=64KiB"]),  # "auto": every state on the device
+    "device+host": (None, ["model.dim=192", "model.n_layer=3", "model.n_head=6", "model.seq_len=64", *SHORT_RUN,
+                           "memory.page_bytes=256KiB", "memory.device_budget=2MiB", "memory.host_budget=64MiB"]),
+    "device+host+disk": (None, ["model.dim=256", "model.n_layer=4", "model.n_head=4", "model.seq_len=64",
+                                *SHORT_RUN, "memory.page_bytes=128KiB", "memory.device_budget=1MiB",
+                                "memory.host_budget=4MiB"]),  # a tiny device: 8 pages, 6 of them the largest layer
+}
+
+
+def job(name: str, *extra: str):
+    source, overrides = JOBS[name]
+    return load_config(source, [*overrides, *extra])
+
+
+def measured_peaks(trace_path) -> dict[str, int]:
+    """The highest bytes in use per tier over every page event of the trace (its `in_use` fields)."""
+    peaks = dict.fromkeys(TIERS, 0)
+    for event in iter_events(trace_path, ReadIssues()):
+        for tier, value in (event.get("in_use") or {}).items():
+            peaks[tier] = max(peaks.get(tier, 0), value)
+    return peaks
+
+
+def relative_error(estimated: int, measured: int) -> float:
+    if measured == estimated:
+        return 0.0
+    return abs(estimated - measured) / max(measured, 1)
+
+
+# --- estimated vs measured --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(JOBS))
+def test_estimated_peak_of_each_tier_is_within_10_percent_of_the_trace(name, tmp_path):
+    config = job(name, "trainer.steps=2", "trainer.eval_every=0", f"run.dir={tmp_path}")
+    estimate = estimate_job(config)
+    assert estimate.fits
+    Trainer(config, progress=False).run()
+    measured = measured_peaks(tmp_path / "trace.jsonl")
+    estimated = estimate.peaks()
+    for tier in TIERS:
+        assert relative_error(estimated[tier], measured[tier]) <= 0.10, (tier, estimated, measured)
+
+
+def test_the_default_job_uses_all_three_tiers_and_the_others_the_tiers_they_name():
+    used = {name: {tier for tier, peak in estimate_job(job(name)).peaks().items() if peak} for name in JOBS}
+    assert used == {"default": set(TIERS), "device": {"device", "host"}, "device+host": {"device", "host"},
+                    "device+host+disk": set(TIERS)}
+    assert estimate_job(job("device")).start_pages["host"] == 4  # "auto" host: the four pages created first
+
+
+# --- what the estimate counts -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(JOBS))
+def test_page_counts_equal_the_real_layout(name):
+    config = job(name)
+    model = build_model(config.model)
+    layout = build_layout(model, config.memory.page_bytes)
+    estimate = estimate_job(config)
+    assert estimate.n_pages == layout.n_pages
+    assert estimate.params == model.num_params()
+    assert estimate.kind_bytes == dict.fromkeys(("param", "grad", "exp_avg", "exp_avg_sq"),
+                                                layout.n_pages * config.memory.page_bytes)
+    assert estimate.states_bytes == 4 * layout.n_pages * config.memory.page_bytes
+
+
+def test_the_default_job_in_numbers():
+    estimate = estimate_job(job("default"))
+    assert (estimate.params, estimate.page_bytes, estimate.n_pages) == (10_720_128, MiB, 60)
+    assert estimate.master_extra_bytes == 0  # fp32 parameter pages are the master weights
+    assert (estimate.largest_layer, estimate.largest_layer_pages) == ("layers.0.feed_forward.w1", 2)
+    assert estimate.update_tier == "host"  # CPU, states larger than the device tier
+    assert estimate.activation_bytes == estimate_activation_bytes(build_model(job("default").model).cfg, 8)
+    assert estimate.pinned_host_bytes == 0  # pinned only with CUDA
+    assert {t: estimate.tiers[t].budget for t in TIERS} == {"device": 56 * MiB, "host": 72 * MiB, "disk": 240 * MiB}
+    assert estimate.tiers["disk"].needed == 112 * MiB  # 240 MiB of states - 56 - 72
+    assert estimate.start_pages == {"device": 54, "host": 72, "disk": 114}  # the device keeps 2 pages free
+
+
+def test_config_alone_builds_the_model_on_the_meta_device(monkeypatch):
+    built = []
+
+    def build_and_keep(model_cfg):
+        built.append(build_model(model_cfg))
+        return built[-1]
+
+    monkeypatch.setattr(estimate_module, "build_model", build_and_keep)
+    estimate_job(job("default"))
+    assert {p.device.type for p in built[0].parameters()} == {"meta"}
+
+
+def test_estimate_of_a_module_equals_the_estimate_of_its_config():
+    config = job("device+host+disk")
+    from_config, from_module = estimate_job(config), estimate_job(config, build_model(config.model))
+    for field in ("n_pages", "params", "largest_layer", "largest_layer_pages", "activation_bytes", "start_pages"):
+        assert getattr(from_module, field) == getattr(from_config, field), field
+    assert from_module.peaks() == from_config.peaks()
+
+
+def test_a_module_that_is_not_a_gpt_has_no_activation_estimate():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64, bias=False), torch.nn.Linear(64, 8, bias=False))
+    estimate = estimate_job({"memory": {"page_bytes": "4KiB"}}, model)
+    assert estimate.activation_bytes is None
+    assert estimate.n_pages == build_layout(model, 4 * KiB).n_pages == 5
+    assert (estimate.largest_layer, estimate.largest_layer_pages) == ("0", 4)  # 64 x 64 fp32 = 16 KiB
+    assert estimate.fits
+
+
+@pytest.mark.parametrize("budgets", [("auto", "auto", "auto"), (256 * KiB, "auto", "auto"),
+                                     (64 * KiB, 128 * KiB, "auto"), (64 * KiB, 64 * KiB, 8 * MiB)])
+def test_auto_host_budget_leaves_room_to_rotate_the_largest_layer(budgets, tmp_path):
+    device, host, disk = budgets
+    states, page, slack = 2 * MiB, 16 * KiB, 3 * 16 * KiB
+    cpu = torch.device("cpu")
+    resolved = resolve_budgets(device, host, disk, states, cpu, str(tmp_path), page, slack_bytes=slack)
+    assert resolved == plan_budgets(device, host, disk, states, cpu, page, slack_bytes=slack)
+    if host == "auto":
+        rest = states - resolved.device
+        assert resolved.host == (max(rest + slack, 4 * page) if rest > 0 else 4 * page)
+
+
+def test_an_explicit_device_budget_with_auto_host_and_no_disk_trains(tmp_path):
+    # The device keeps the largest layer's pages free while pages are created; the auto host budget covers them.
+    config = {"model": {"dim": 32, "n_layer": 1, "n_head": 2, "seq_len": 16, "vocab_size": 64},
+              "memory": {"page_bytes": "4KiB", "device_budget": "24KiB", "host_budget": "auto", "disk_budget": 0,
+                         "disk_dir": str(tmp_path)},
+              "trainer": {"device": "cpu"}}
+    model = build_model(load_config(config).model)
+    estimate = estimate_job(config, model)
+    assert estimate.fits and estimate.tiers["disk"].budget == 0
+    engine = angel_ptm.initialize(model, config)
+    try:
+        x = torch.randint(0, 64, (2, 16))
+        engine.backward(engine(x, x))
+        engine.step()
+    finally:
+        engine.close()
+
+
+def test_creation_order_is_the_engines():
+    from angel_ptm.engine import STATE_KINDS
+
+    assert CREATION_ORDER == STATE_KINDS
+
+
+def test_estimate_agrees_with_the_engine_it_predicts(tmp_path):
+    config = load_config(None, [*SMALL_GPT, "memory.page_bytes=16KiB", "memory.device_budget=256KiB",
+                                "memory.host_budget=512KiB", f"memory.disk_dir={tmp_path}", "trainer.device=cpu"])
+    model = build_model(config.model)
+    estimate = estimate_job(config, model, disk_dir=str(tmp_path))
+    trace = TraceRecorder(tmp_path / "trace.jsonl")
+    engine = angel_ptm.initialize(model, config, trace=trace)
+    try:
+        assert engine.layout.n_pages == estimate.n_pages
+        assert vars(engine.budgets) == {t: estimate.tiers[t].budget for t in TIERS}
+        assert engine._min_device_pages == estimate.largest_layer_pages
+        assert engine.optimizer.update_tier.value == estimate.update_tier
+        for tier in ("device", "host"):
+            pool = engine.manager.pools[angel_ptm.memory.Tier(tier)]
+            assert pool.capacity * pool.page_bytes == estimate.tiers[tier].pool
+        assert engine.manager.disk.reserved_bytes == estimate.tiers["disk"].pool
+    finally:
+        engine.close()
+        trace.close()
+    allocs = [e for e in iter_events(tmp_path / "trace.jsonl", ReadIssues()) if e["event"] == "alloc"]
+    after_creation = allocs[4 * estimate.n_pages - 1]["in_use"]
+    assert after_creation == {t: n * config.memory.page_bytes for t, n in estimate.start_pages.items()}
+
+
+# --- jobs that cannot fit ---------------------------------------------------------------------------------------
+def test_disk_budget_below_the_spill_is_a_budget_error_with_the_numbers():
+    estimate = estimate_job(job("default", "memory.disk_budget=10MiB"))
+    assert not estimate.fits and not estimate.tiers["disk"].fits
+    with pytest.raises(BudgetError) as info:
+        estimate.check()
+    assert (info.value.tier, info.value.requested, info.value.available) == ("disk", 112 * MiB, 10 * MiB)
+
+
+def test_device_smaller_than_the_largest_layer_is_refused_like_the_engine_refuses_it():
+    config = load_config(None, ["model.dim=32", "model.n_layer=1", "model.n_head=2", "model.seq_len=16",
+                                "memory.page_bytes=4KiB", "memory.device_budget=8KiB"])
+    with pytest.raises(BudgetError) as info:
+        estimate_job(config).check()
+    assert str(info.value) == ("device tier budget exceeded for layer 'tok_embeddings' (8 pages of 4.0 KiB): "
+                               "requested 32768 bytes, 8192 bytes available")
+
+
+def test_too_little_free_disk_space_for_the_page_files_is_refused(monkeypatch):
+    monkeypatch.setattr(estimate_module, "free_disk_bytes", lambda path: 100 * MiB)
+    with pytest.raises(BudgetError) as info:
+        estimate_job(job("default")).check()
+    assert (info.value.tier, info.value.requested, info.value.available) == ("disk", 240 * MiB, 100 * MiB)
+
+
+def test_optimizer_update_needs_four_pages_on_its_tier(tmp_path):
+    config = load_config(None, ["model.dim=32", "model.n_layer=1", "model.n_head=2", "model.seq_len=16",
+                                "memory.page_bytes=16KiB", "memory.device_budget=48KiB", "memory.host_budget=32KiB",
+                                f"memory.disk_dir={tmp_path}", "trainer.device=cpu"])
+    estimate = estimate_job(config)
+    assert estimate.largest_layer_pages == 2 and estimate.update_tier == "device"  # neither tier has 4 pages
+    with pytest.raises(BudgetError) as info:
+        estimate.check()
+    assert (info.value.tier, info.value.requested, info.value.available) == ("device", 64 * KiB, 48 * KiB)
+    with pytest.raises(BudgetError) as engine_info:
+        angel_ptm.initialize(build_model(config.model), config).close()
+    assert str(engine_info.value) == str(info.value)
+
+
+def test_pools_and_activations_beyond_available_ram_are_refused(monkeypatch):
+    monkeypatch.setattr(estimate_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=200 * MiB))
+    estimate = estimate_job(job("default"))
+    # On a CPU the device pool is RAM too: 56 + 72 MiB of pools and the activation peak.
+    assert estimate.host_ram_needed == 128 * MiB + estimate.activation_bytes
+    with pytest.raises(BudgetError) as info:
+        estimate.check()
+    assert (info.value.tier, info.value.requested, info.value.available) == ("host", estimate.host_ram_needed,
+                                                                             200 * MiB)
+
+
+# --- the command line -------------------------------------------------------------------------------------------
+def test_cli_estimate_prints_the_table_and_exits_0(capsys):
+    assert cli.main(["estimate"]) == 0
+    out = capsys.readouterr().out
+    assert "needed" in out and "expected peak" in out and "fits: yes" in out
+    rows = [line.split()[0] for line in out.splitlines() if line.strip().split(" ")[0] in TIERS]
+    assert rows == list(TIERS)
+
+
+def test_cli_estimate_with_a_too_small_budget_exits_2_with_one_line(capsys):
+    assert cli.main(["estimate", "--set", "memory.device_budget=512KiB"]) == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in captured.err
+    assert lines[0] == ("angel-ptm: error: device tier budget exceeded for layer 'layers.0.feed_forward.w1' "
+                        "(2 pages of 1.0 MiB): requested 2097152 bytes, 524288 bytes available")
+    assert "fits: no" in captured.out  # the numbers are still printed
+
+
+def test_cli_estimate_json_is_one_object(capsys):
+    assert cli.main(["estimate", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["fits"] is True and data["problems"] == []
+    assert data["n_pages"] == 60 and data["master_extra_bytes"] == 0
+    assert set(data["tiers"]) == set(TIERS)
+    assert set(data["tiers"]["disk"]) == {"tier", "needed", "budget", "pool", "peak", "available", "fits"}
