@@ -21,6 +21,7 @@ from torch import nn
 from angel_ptm.binding import ParamBinder
 from angel_ptm.config import Config, format_bytes, load_config
 from angel_ptm.errors import BudgetError, ConfigValueError
+from angel_ptm.estimate import estimate_job
 from angel_ptm.io import create_engine
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
 from angel_ptm.memory.budgets import resolve_budgets
@@ -33,6 +34,24 @@ STATE_KINDS = ("exp_avg_sq", "exp_avg", "grad", "param")  # creation order: para
 
 class Engine:
     def __init__(self, model: nn.Module, config: Config, trace: TraceRecorder | None = None):
+        try:
+            self._set_up(model, config, trace)
+        except BaseException:
+            self._abandon()  # a refused or failed start leaves no threads, pools or page files behind
+            raise
+
+    def _abandon(self) -> None:
+        manager, io = getattr(self, "manager", None), getattr(self, "io", None)
+        if manager is not None:
+            manager.close(remove_files=True)
+        if io is not None:
+            io.close()
+        if getattr(self, "_page_dir", None):
+            shutil.rmtree(self._page_dir, ignore_errors=True)
+        if getattr(self, "_own_disk_dir", False) and getattr(self, "_disk_dir", None):
+            shutil.rmtree(self._disk_dir, ignore_errors=True)
+
+    def _set_up(self, model: nn.Module, config: Config, trace: TraceRecorder | None) -> None:
         self.model, self.config = model, config
         self.trace = trace or TraceRecorder(None)
         mem = config.memory
@@ -41,10 +60,16 @@ class Engine:
         page_bytes, n_pages = mem.page_bytes, self.layout.n_pages
         states_bytes = len(STATE_KINDS) * n_pages * page_bytes
         self._own_disk_dir = mem.disk_dir is None
+        # The estimate (angel-ptm estimate) runs first: a job that cannot fit is refused with the numbers, before
+        # any allocation. It includes the largest layer's pages, which the device must hold at once.
+        self.estimate = estimate_job(config, model, layout=self.layout, disk_dir=mem.disk_dir, device=self.device)
+        self.estimate.check()
+        self._min_device_pages = self.estimate.largest_layer_pages
         disk_dir = mem.disk_dir or tempfile.mkdtemp(prefix="angel-ptm-pages-")
+        self._disk_dir = disk_dir
         self.budgets = resolve_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes,
-                                       self.device, disk_dir, page_bytes)
-        self._check_largest_layer(page_bytes)
+                                       self.device, disk_dir, page_bytes,
+                                       slack_bytes=self._min_device_pages * page_bytes)
 
         self.io = create_engine(mem.io_threads, mem.queue_depth)
         pin = self.device.type == "cuda"
@@ -65,6 +90,9 @@ class Engine:
                                                       tier=self._tier_with_room())
                              for i in range(n_pages)] for kind in STATE_KINDS}
         self._copy_parameters_into_pages()
+        from angel_ptm.memory.materialize import materialize_buffers  # (local import: engine.py is shared)
+
+        materialize_buffers(model, self.device)  # buffers built on the meta device (GPT's RoPE tables)
         for buffer_name, buffer in list(model.named_buffers()):
             module_name, _, leaf = buffer_name.rpartition(".")
             model.get_submodule(module_name)._buffers[leaf] = buffer.to(self.device)
@@ -109,29 +137,28 @@ class Engine:
             return Tier.DEVICE
         return Tier.HOST
 
-    def _check_largest_layer(self, page_bytes: int) -> None:
-        """The device tier must hold the pages of the largest module at once."""
-        largest, name = 0, ""
-        param_names = {id(p): n for n, p in self.model.named_parameters()}
-        for module_name, module in self.model.named_modules():
-            pages = {p for param in module.parameters(recurse=False)
-                     for p in self.layout.slot(param_names[id(param)]).pages}
-            if len(pages) > largest:
-                largest, name = len(pages), module_name or "<root>"
-        self._min_device_pages = largest
-        if largest * page_bytes > self.budgets.device:
-            raise BudgetError("device", largest * page_bytes, self.budgets.device,
-                              what=f"layer '{name}' ({largest} pages of {format_bytes(page_bytes)})")
-
     def _copy_parameters_into_pages(self) -> None:
-        names = dict(self.model.named_parameters())
-        for slot in self.layout.slots:
-            flat = names[slot.name].detach().reshape(-1)
+        """Parameter values into their param pages. A model built on the meta device is materialized straight into
+        them, a module at a time (memory/materialize.py says with which values); `meta_init` reports how."""
+        from angel_ptm.memory.layout import TensorSlot
+        from angel_ptm.memory.materialize import MaterializeReport, has_meta_parameters, materialize_parameters
+
+        def write(slot: TensorSlot, flat: torch.Tensor) -> None:
             for seg in slot.segments:
                 page = self.pages["param"][seg.page]
                 self.manager.acquire([page], Tier.HOST)
                 page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].copy_(flat[seg.start : seg.start + seg.numel])
                 self.manager.release([page], dirty=True)
+
+        self.meta_init: MaterializeReport | None = None
+        if has_meta_parameters(self.model):
+            # Every param page is rewritten: those already evicted to disk need not be read back (they are zeros).
+            self.manager.discard([page for page in self.pages["param"] if page.tier is Tier.DISK])
+            self.meta_init = materialize_parameters(self.model, {s.name: s for s in self.layout.slots}, write)
+            return
+        names = dict(self.model.named_parameters())
+        for slot in self.layout.slots:
+            write(slot, names[slot.name].detach().reshape(-1))
 
     # ------------------------------------------------------------------ the step
     def __call__(self, *args, **kwargs):

@@ -192,18 +192,26 @@ class GPT(nn.Module):
     def init_weights(self) -> None:
         """Deterministic given torch's global RNG: N(0, init_std) for every Linear / Embedding weight, with the
         residual-branch output projections (wo, w2) scaled by 1/sqrt(2 * n_layer) as in GPT-2; norms = 1."""
-        std = self.cfg.init_std
         seen: set[int] = set()
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
                 if id(module.weight) in seen:  # tied output weight: initialised once, as the embedding
                     continue
                 seen.add(id(module.weight))
-                scale = 1 / math.sqrt(2 * self.cfg.n_layer) if name.endswith((".wo", ".w2")) else 1.0
-                nn.init.normal_(module.weight, mean=0.0, std=std * scale)
-            elif isinstance(module, RMSNorm):
-                nn.init.ones_(module.weight)
+            self.init_module(name, module)
         self.rope.reset_buffers()
+
+    @torch.no_grad()
+    def init_module(self, name: str, module: nn.Module) -> None:
+        """The init_weights rule for the parameters `module` (called `name` in this model) owns directly.
+
+        init_weights applies it to every module in turn; a runtime that materialises a model built on the meta
+        device applies it to one module at a time, in the same order, so it draws the same random numbers."""
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            scale = 1 / math.sqrt(2 * self.cfg.n_layer) if name.endswith((".wo", ".w2")) else 1.0
+            nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std * scale)
+        elif isinstance(module, RMSNorm):
+            nn.init.ones_(module.weight)
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [batch, seq, vocab] for token ids ``idx`` [batch, seq]; with ``targets`` the mean

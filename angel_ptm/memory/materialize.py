@@ -1,0 +1,176 @@
+"""Materializing a model built on the meta device straight into its pages, one module at a time.
+
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(cfg)                                  # shapes only: no memory, no random numbers drawn
+    engine = angel_ptm.initialize(model, config)          # every parameter written into its pages here
+
+A 4-billion-parameter model's fp32 weights alone are 16 GB, so it cannot be built in memory and then copied into
+pages. Here each module's own parameters get a working copy in one scratch buffer (sized for the largest module
+and reused), are initialized there, written into their pages, and the scratch moves on to the next module.
+
+Which values. A model built normally draws from torch's global CPU generator twice over: while it is constructed,
+every layer runs its own `reset_parameters()` (nn.Linear, nn.Embedding, ...), in construction order; then a
+model-wide rule may overwrite them (GPT.init_weights). Materialization replays both:
+  1. construction: for every module in registration order (`named_modules`), `reset_parameters()` on the working
+     copy, recording the generator state before each one;
+  2. the model's rule, if the model defines `init_module(name, module)` (GPT does): per module, in the same order,
+     the working copy is reset again from the state recorded in (1) — the same values as then — and
+     `init_module` runs on it, drawing from where the previous `init_module` stopped. A module whose parameters
+     were all materialized already (a tied weight) is skipped, as GPT.init_weights skips it.
+Guarantee: `torch.manual_seed(s)`, build on meta, `initialize` gives parameters bit-identical to
+`torch.manual_seed(s)`, build normally — and leaves the generator in the same state — provided
+  - the whole model was built on meta, with no random draws between building it and `initialize`;
+  - each module's construction-time randomness is its own `reset_parameters()` (true of torch's layers), called
+    in registration order (true when submodules are created as they are assigned);
+  - the model's post-construction rule is `init_module` applied per module in registration order (GPT's is).
+Otherwise each parameter still follows its layer's or model's init rule, deterministically, but with other draws.
+A parameter that neither step sets (its module has no `reset_parameters()` and `init_module` leaves it alone) is
+an error that names it, never uninitialized memory: working copies start as NaN and are checked. Parameters built
+off the meta device keep their values (their modules still replay their draws, as their constructors made them).
+
+Cost: one scratch buffer of the largest module's own parameters; the generator runs twice over the
+construction-time draws (once to reach the state in which the model's rule starts, once to regenerate values).
+
+Buffers on the meta device (GPT's RoPE tables) are materialized on the compute device and filled by their
+module's `reset_buffers()`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from angel_ptm.errors import ConfigValueError
+from angel_ptm.memory.layout import ALIGN_BYTES, TensorSlot
+
+WriteSlot = Callable[[TensorSlot, torch.Tensor], None]  # (slot, the tensor's values, flat) -> into its pages
+
+
+@dataclass(frozen=True)
+class MaterializeReport:
+    modules: int  # modules that own parameters
+    parameters: int  # distinct tensors written
+    bytes_written: int
+    scratch_bytes: int  # the only parameter memory held at once: the largest module's own parameters
+    seconds: float
+
+
+def has_meta_parameters(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN_BYTES) * ALIGN_BYTES
+
+
+def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    return [(key, p) for key, p in module._parameters.items() if p is not None]
+
+
+def _working_copy(module: nn.Module, scratch: torch.Tensor, fill: bool = True) -> nn.Module:
+    """A shallow copy of `module` whose own parameters (and meta buffers) are real CPU tensors, the parameters
+    views of `scratch` filled with NaN (so a value nobody sets is caught). Its children are the real ones."""
+    work = copy.copy(module)
+    work._parameters = dict(module._parameters)
+    offset = 0
+    for key, p in _own_parameters(module):
+        nbytes = p.numel() * p.element_size()
+        view = scratch[offset : offset + nbytes].view(p.dtype).view(p.shape)
+        if fill:
+            view.fill_(float("nan") if p.dtype.is_floating_point else 0)
+        work._parameters[key] = nn.Parameter(view, requires_grad=p.requires_grad)
+        offset += _aligned(nbytes)
+    work._buffers = {key: torch.empty(b.shape, dtype=b.dtype) if b is not None and b.is_meta else b
+                     for key, b in module._buffers.items()}
+    return work
+
+
+def _has_reset(module: nn.Module) -> bool:
+    return callable(getattr(module, "reset_parameters", None))
+
+
+def materialize_parameters(model: nn.Module, slots: dict[str, TensorSlot], write: WriteSlot) -> MaterializeReport:
+    """Initialize every parameter of `model` one module at a time (see the module docstring for which values),
+    hand each to `write` with its slot, then leave the meta parameters as empty CPU placeholders of their shape
+    (the same Parameter objects, so ties and outside references hold)."""
+    t0 = time.perf_counter()
+    names = {id(p): name for name, p in model.named_parameters()}  # a shared parameter: its first name
+    owners = [(name, module) for name, module in model.named_modules() if _own_parameters(module)]
+    scratch_bytes = max((sum(_aligned(p.numel() * p.element_size()) for _, p in _own_parameters(m))
+                         for _, m in owners), default=0)
+    scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
+    init_module = getattr(model, "init_module", None)
+    written: set[int] = set()
+    bytes_written = 0
+
+    def emit(name: str, module: nn.Module, work: nn.Module) -> None:
+        nonlocal bytes_written
+        for key, p in _own_parameters(module):
+            if id(p) in written:
+                continue
+            value = work._parameters[key] if p.is_meta else p.detach()
+            if p.is_meta and value.dtype.is_floating_point and torch.isnan(value).any():
+                raise ConfigValueError(
+                    f"model: parameter '{names[id(p)]}' is on the meta device and nothing initializes it: neither "
+                    f"{type(module).__name__}.reset_parameters() nor the model's init_module(name, module) sets "
+                    f"it; build module '{name}' off the meta device or give the model an init_module")
+            write(slots[names[id(p)]], value.detach().reshape(-1))
+            written.add(id(p))
+            bytes_written += p.numel() * p.element_size()
+
+    with torch.no_grad():
+        if init_module is None:  # the values are the construction-time ones: one pass
+            for name, module in owners:
+                work = _working_copy(module, scratch)
+                if _has_reset(work):  # a tied module too: its constructor drew before the weight was tied
+                    work.reset_parameters()
+                emit(name, module, work)
+        else:
+            construction_states = []
+            for _, module in owners:  # pass 1: replay construction, to know where each module's draws start
+                construction_states.append(torch.get_rng_state())
+                if _has_reset(module):
+                    _working_copy(module, scratch, fill=False).reset_parameters()
+            rule_state = torch.get_rng_state()  # where the model's rule starts drawing
+            for (name, module), state in zip(owners, construction_states):
+                if all(id(p) in written for _, p in _own_parameters(module)):
+                    continue  # tied: the model's rule initializes a shared weight once
+                work = _working_copy(module, scratch)
+                if _has_reset(work):
+                    torch.set_rng_state(state)
+                    work.reset_parameters()
+                    torch.set_rng_state(rule_state)
+                init_module(name, work)
+                rule_state = torch.get_rng_state()
+                emit(name, module, work)
+            torch.set_rng_state(rule_state)
+    del scratch
+
+    for p in [p for p in model.parameters() if p.is_meta]:  # their values live in pages now
+        empty = torch.zeros((), dtype=p.dtype).expand(p.shape)
+        torch.utils.swap_tensors(p, nn.Parameter(empty, requires_grad=p.requires_grad))
+    return MaterializeReport(len(owners), len(written), bytes_written, scratch_bytes, time.perf_counter() - t0)
+
+
+def materialize_buffers(model: nn.Module, device: torch.device) -> None:
+    """Give every buffer on the meta device real memory on `device`, filled by its module's `reset_buffers()`."""
+    for name, module in model.named_modules():
+        meta = [key for key, b in module._buffers.items() if b is not None and b.is_meta]
+        if not meta:
+            continue
+        reset = getattr(module, "reset_buffers", None)
+        if not callable(reset):
+            raise ConfigValueError(
+                f"model: buffer '{name + '.' if name else ''}{meta[0]}' is on the meta device and "
+                f"{type(module).__name__} has no reset_buffers() to compute it; build that module off the meta device")
+        for key in meta:
+            b = module._buffers[key]
+            module._buffers[key] = torch.empty(b.shape, dtype=b.dtype, device=device)
+        with torch.no_grad():
+            reset()
