@@ -37,6 +37,26 @@ class PackedPageTensor:
         self.page, self.offset, self.size, self.stride, self.dtype = page, offset, size, stride, dtype
 
 
+def _padding_ranges(layout: PageLayout) -> list[list[tuple[int, int]]]:
+    """Per page, the element ranges no tensor segment covers."""
+    covered: list[list[tuple[int, int]]] = [[] for _ in range(layout.n_pages)]
+    for slot in layout.slots:
+        for seg in slot.segments:
+            covered[seg.page].append((seg.offset, seg.offset + seg.numel))
+    ranges = []
+    for index, spans in enumerate(covered):
+        numel = layout.page_bytes // torch.empty(0, dtype=layout.page_dtypes[index]).element_size()
+        gaps, cursor = [], 0
+        for start, end in sorted(spans):
+            if start > cursor:
+                gaps.append((cursor, start))
+            cursor = max(cursor, end)
+        if cursor < numel:
+            gaps.append((cursor, numel))
+        ranges.append(gaps)
+    return ranges
+
+
 class _Saved:
     """A saved activation (not in a page), counted while autograd holds it."""
 
@@ -68,6 +88,10 @@ class ParamBinder:
         self._has_grad: set[str] = set()
         self.without_grad: set[str] = set()  # tensors no gradient reached in the step being settled
         self.on_grad_ready = None  # called with a TensorSlot once its gradient of this backward is in its pages
+        # A dead gradient page comes back with only its padding zeroed: every tensor's region is overwritten by
+        # its first gradient (or zeroed by settle_grads) before anything reads it.
+        self._padding = _padding_ranges(layout)
+        manager.clearers["grad"] = self._clear_grad_padding
         self._settled = False
         # Outside its module's forward a parameter holds no memory: one NaN broadcast to its shape. Autograd's
         # AccumulateGrad needs the right sizes (stride 0 makes it clone gradients contiguously), and NaN makes a
@@ -186,6 +210,11 @@ class ParamBinder:
         param.grad = None
         if self.on_grad_ready is not None:
             self.on_grad_ready(slot)
+
+    def _clear_grad_padding(self, index: int, buffer: torch.Tensor) -> None:
+        view = buffer.view(self.layout.page_dtypes[index])
+        for start, end in self._padding[index]:
+            view[start:end].zero_()
 
     def settle_grads(self) -> None:
         """Make every grad slot hold this step's gradient: zero the slots no gradient reached."""

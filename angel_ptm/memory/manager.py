@@ -88,6 +88,9 @@ class PageManager:
         self.pages: list[Page] = []
         self._moves: dict[int, Move] = {}
         self._pinned: set[int] = set()  # ids of pages with pin_count > 0
+        # kind -> clear(index, buffer): what a dead page of that kind needs before reuse (default: all zero). Its
+        # owner may know that most of the page is overwritten before it is read, and clear only the rest.
+        self.clearers: dict[str, Callable[[int, torch.Tensor], None]] = {}
         self.bytes_moved: Counter = Counter()  # "src->dst" -> bytes, cumulative
 
     # ------------------------------------------------------------------ pages
@@ -335,7 +338,8 @@ class PageManager:
     def _materialize(self, page: Page, tier: Tier) -> None:
         """A dead page's new working copy: a zeroed slot on `tier`, nothing read (its old contents are dead)."""
         buffer = self._alloc(tier)
-        buffer.zero_()
+        clear = self.clearers.get(page.kind)
+        clear(page.index, buffer) if clear is not None else buffer.zero_()
         page.transition(PageState.FROM_DISK)
         page.transition(PageState.HOST)
         if tier is Tier.DEVICE:
