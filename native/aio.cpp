@@ -122,7 +122,9 @@ class Engine {
             size_t start = i * chunk_bytes_;
             size_t length = std::min(chunk_bytes_, nbytes - start);
             std::unique_lock<std::mutex> lock(queue_mutex_);
-            not_full_.wait(lock, [this] { return queue_.size() < static_cast<size_t>(queue_depth_) || stopping_; });
+            // Reads are what compute waits for: they may queue past a depth filled by write-backs.
+            const size_t depth = static_cast<size_t>(queue_depth_) * (req->op == Op::Read ? 2 : 1);
+            not_full_.wait(lock, [this, depth] { return queue_.size() < depth || stopping_; });
             if (stopping_) {  // shut down mid-submit: the chunks not queued are reported, not lost silently
                 lock.unlock();
                 req->fail(ECANCELED, "engine shut down before the request was queued");
@@ -187,9 +189,18 @@ class Engine {
                 std::unique_lock<std::mutex> lock(queue_mutex_);
                 not_empty_.wait(lock, [this] { return !queue_.empty() || stopping_; });
                 if (queue_.empty()) return;  // stopping and drained
-                chunk = std::move(queue_.front());
-                queue_.pop_front();
-                not_full_.notify_one();
+                // Reads first: a write-back can wait, the page being read is wanted by compute. Among reads (and
+                // among writes) the order of submission holds.
+                auto next = queue_.begin();
+                for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+                    if (it->request->op == Op::Read) {
+                        next = it;
+                        break;
+                    }
+                }
+                chunk = std::move(*next);
+                queue_.erase(next);
+                not_full_.notify_all();
             }
             run_chunk(chunk);
             chunk.request->chunk_done();
