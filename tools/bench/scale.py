@@ -1,7 +1,7 @@
 """Scale benchmark: a GPT of billions of parameters trained for a few steps with its states on SSD.
 
     python -m tools.bench.scale --dir DIR [--params 4e9] [--page-mib 64] [--steps 3] [--device-gib 4]
-                                [--host-gib 6] [--ffn-pages 1] [--batch 1] [--seq 64] [--lr 2e-6] [--dry-run]
+                                [--host-gib 6] [--ffn-pages 1] [--batch 1] [--seq 64] [--lr 5e-7] [--dry-run]
                                 [--json]
 
 The model: a byte-level GPT (vocab 256) shaped so that every weight fills one page: dim is the largest multiple
@@ -13,7 +13,7 @@ copy for its forward, and autograd keeps that copy until backward (binding.py), 
 ratio, 12672; 19 layers) holds 19 x 3 FFN weights of 192 MiB, 11 GiB, in RAM during each step.
 It is built on the meta device and materialized straight into its pages (angel_ptm/memory/materialize.py): its
 fp32 weights alone are 16 GB, its training states (param, grad, exp_avg, exp_avg_sq) 4 x the layout's pages,
-about 66 GB — far beyond this machine's RAM. The device and host tiers get `--device-gib` / `--host-gib` (4 + 6
+about 68 GB — far beyond this machine's RAM. The device and host tiers get `--device-gib` / `--host-gib` (4 + 6
 GiB by default, so the process stays well under 24 GiB); everything else lives in page files under `--dir`,
 which the engine preallocates (a slot per page and kind). Free disk space is checked first: without enough, the
 run refuses with the numbers (one line, exit status 1) and names the largest `--params` that would fit.
@@ -25,7 +25,8 @@ fresh batch per step would measure the data, not whether the updates land. The d
 first AdamW step moves every weight by about lr (m / sqrt(v) = sign(g)), and at width ~4000 that adds up: in plain
 PyTorch, two such layers go 6.27 -> 16.75 (up) after one step at lr 1e-3 and 6.27 -> 7.63 at 3e-4; four layers
 go 6.27, 0.63, 0.04, 0.30 at 1e-5 (the last step overshoots) and 6.27, 2.88, 0.88, 0.15 at 3e-6; the effect
-grows with depth, hence 2e-6 at 4 billion parameters (19 layers of the --ffn-pages 3 shape: 6.35, 1.30, 0.19).
+grows with depth: at 4 billion parameters, 19 layers of the --ffn-pages 3 shape go 6.35, 1.30, 0.19 at 2e-6, but
+the default 36 layers go 5.84, 9.17, 1.52 at 2e-6 and 5.84, 3.40, 1.93 at 5e-7, the default.
 
 Figures: the seconds and tokens/s of every step (step 0 also records the trace the planned scheduler plans
 from); the peak RSS of the process (ru_maxrss); disk bytes read and written during the training steps, from the
@@ -124,7 +125,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--ffn-pages", type=int, default=1, help="pages per FFN weight (3: the LLaMA ratio)")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=2e-6)
+    parser.add_argument("--lr", type=float, default=5e-7)
     parser.add_argument("--io-threads", type=int, default=4)
     parser.add_argument("--dry-run", action="store_true", help="print the plan (sizes, budgets, disk) and stop")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
@@ -166,7 +167,7 @@ def main(argv=None) -> dict:
     torch.manual_seed(0)
     model = meta_model(cfg)
     io_before, t0 = proc_io(), time.perf_counter()
-    engine = angel_ptm.initialize(model, config)
+    engine = angel_ptm.initialize(model, config)  # a failed start closes what it made, page files included
     init_s = time.perf_counter() - t0
     init_disk, init_io = disk_moved({}, engine.manager.bytes_moved), proc_io()
     init_io = {k: init_io[k] - io_before[k] for k in init_io}
@@ -194,9 +195,7 @@ def main(argv=None) -> dict:
                 f"(/proc/self/io {io_read[-1] / GB:.1f} / {io_written[-1] / GB:.1f} GB); "
                 f"stall {engine.memory_stats()['schedule'].get('stall_s', 0):.1f}s; peak RSS {peak_rss_gib():.2f} GiB")
     finally:
-        page_dir = engine._page_dir
-        engine.close()
-        shutil.rmtree(page_dir, ignore_errors=True)
+        engine.close()  # deletes its page files
 
     report = {
         "params": plan["params"], "steps": args.steps, "losses": [round(v, 4) for v in losses],
