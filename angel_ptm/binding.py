@@ -8,6 +8,8 @@
   a device page by (page, offset, size, stride); backward re-acquires the page when the saved tensor is unpacked.
   Pages pinned for one autograd node are released when the next node starts (nodes run one at a time).
 - Gradients: a post-accumulate-grad hook adds each parameter's gradient into its grad page and frees `param.grad`.
+  With fp16 loss scaling (`check_finite`) it also notes whether the gradient held an inf or NaN, as it lands, so the
+  engine knows whether to skip the step without another pass over the gradient pages.
 
 A tensor larger than a page spans several page slots that need not be adjacent, so it is gathered into a
 contiguous copy while in use (read-only: only the optimizer writes parameters, and it writes pages).
@@ -45,7 +47,7 @@ def _padding_ranges(layout: PageLayout) -> list[list[tuple[int, int]]]:
             covered[seg.page].append((seg.offset, seg.offset + seg.numel))
     ranges = []
     for index, spans in enumerate(covered):
-        numel = layout.page_bytes // torch.empty(0, dtype=layout.page_dtypes[index]).element_size()
+        numel = layout.page_numel(index)  # a bf16/fp16 page under mixed precision: only its first half is used
         gaps, cursor = [], 0
         for start, end in sorted(spans):
             if start > cursor:
@@ -93,6 +95,8 @@ class ParamBinder:
         self._padding = _padding_ranges(layout)
         manager.clearers["grad"] = self._clear_grad_padding
         self._settled = False
+        self.check_finite = False  # fp16 loss scaling: note inf/NaN gradients as they land (see take_overflow)
+        self._overflow: torch.Tensor | None = None  # a bool tensor on the device: no sync per gradient
         # Outside its module's forward a parameter holds no memory: one NaN broadcast to its shape. Autograd's
         # AccumulateGrad needs the right sizes (stride 0 makes it clone gradients contiguously), and NaN makes a
         # use outside the owning module's forward loud instead of silently wrong.
@@ -205,6 +209,9 @@ class ParamBinder:
             region = page.view(slot.dtype)[seg.offset : seg.offset + seg.numel]
             part = grad[seg.start : seg.start + seg.numel]
             region.copy_(part) if first else region.add_(part)
+            if self.check_finite:  # the region, not `part`: fp16 sums of finite micro-batch gradients can overflow
+                bad = torch.isfinite(region).all().logical_not_()
+                self._overflow = bad if self._overflow is None else self._overflow.logical_or_(bad)
         self.manager.release(pages, dirty=True)
         self._has_grad.add(slot.name)
         param.grad = None
@@ -233,7 +240,13 @@ class ParamBinder:
             self._has_grad.add(slot.name)
         self._settled = True
 
+    def take_overflow(self) -> bool:
+        """Whether a gradient of this step held an inf or NaN (with `check_finite`); the flag starts over."""
+        overflow, self._overflow = self._overflow, None
+        return bool(overflow) if overflow is not None else False
+
     def start_new_step(self) -> None:
         """Gradients of the finished step are dead: the next ones overwrite their slots."""
         self._has_grad = set()
         self._settled = False
+        self._overflow = None

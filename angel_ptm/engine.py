@@ -21,15 +21,18 @@ from torch import nn
 from angel_ptm.binding import ParamBinder
 from angel_ptm.config import Config, format_bytes, load_config
 from angel_ptm.errors import BudgetError, ConfigValueError
-from angel_ptm.estimate import estimate_job
+from angel_ptm.estimate import compute_dtype, creation_order, estimate_job
 from angel_ptm.io import create_engine
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
 from angel_ptm.memory.budgets import resolve_budgets
 from angel_ptm.optim import PagedAdamW
+from angel_ptm.optim.loss_scaler import LossScaler
 from angel_ptm.schedule import Scheduler
 from angel_ptm.trace import TraceRecorder
 
 STATE_KINDS = ("exp_avg_sq", "exp_avg", "grad", "param")  # creation order: parameters last, so warmest
+# trainer.dtype bfloat16 / float16 adds fp32 "master" pages (estimate.MIXED_CREATION_ORDER): the model computes
+# with bf16/fp16 parameters and gradients, whose page i holds the same tensors as master page i (layout.py).
 
 
 class Engine:
@@ -56,9 +59,11 @@ class Engine:
         self.trace = trace or TraceRecorder(None)
         mem = config.memory
         self.device = compute_device(config.trainer.device)
-        self.layout = build_layout(model, mem.page_bytes)
+        self.compute_dtype = compute_dtype(config)  # None: fp32, the parameters are the master weights
+        self.kinds = creation_order(config)
+        self.layout = build_layout(model, mem.page_bytes, compute_dtype=self.compute_dtype)
         page_bytes, n_pages = mem.page_bytes, self.layout.n_pages
-        states_bytes = len(STATE_KINDS) * n_pages * page_bytes
+        states_bytes = len(self.kinds) * n_pages * page_bytes
         self._own_disk_dir = mem.disk_dir is None
         # The estimate (angel-ptm estimate) runs first: a job that cannot fit is refused with the numbers, before
         # any allocation. It includes the largest layer's pages, which the device must hold at once.
@@ -84,12 +89,14 @@ class Engine:
             async_copies=mem.scheduler == "planned",  # CPU: host<->device copies on a thread, overlapping compute
         )
         if disk is not None:  # one preallocated slot per page and kind: clean copies are dropped, never rewritten
-            for kind in STATE_KINDS:
-                disk.reserve(kind, min(n_pages, disk.capacity // len(STATE_KINDS)))
-        self.pages = {kind: [self.manager.create_page(kind, self.layout.page_dtypes[i], index=i,
+            for kind in self.kinds:
+                disk.reserve(kind, min(n_pages, disk.capacity // len(self.kinds)))
+        self.pages = {kind: [self.manager.create_page(kind, self._page_dtype(kind, i), index=i,
                                                       tier=self._tier_with_room())
-                             for i in range(n_pages)] for kind in STATE_KINDS}
+                             for i in range(n_pages)] for kind in self.kinds}
         self._copy_parameters_into_pages()
+        if self.compute_dtype is not None:
+            self._cast_master_into_parameters()
         from angel_ptm.memory.materialize import materialize_buffers  # (local import: engine.py is shared)
 
         materialize_buffers(model, self.device)  # buffers built on the meta device (GPT's RoPE tables)
@@ -102,8 +109,13 @@ class Engine:
         self.binder.attach()
         tcfg = config.trainer
         self._grad_accum = tcfg.grad_accum
+        # fp16: loss scaling. The binder notes inf/NaN gradients as they land; no page may be updated before the
+        # whole backward is known to be clean, so fp16 never updates during backward.
+        self.loss_scaler = LossScaler.from_config(config.optimizer) if tcfg.dtype == "float16" else None
+        self.binder.check_finite = self.loss_scaler is not None
+        self.last_step_skipped = False
         self._eager_allowed = (mem.scheduler == "planned" and config.optimizer.overlap_updates
-                               and not tcfg.grad_clip)
+                               and not tcfg.grad_clip and self.loss_scaler is None)
         self._micro = 0  # backward passes since the last optimizer step
         self._eager_now = False
         self._pending_slots: list[int] = []
@@ -112,23 +124,29 @@ class Engine:
         self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
                                    activation_bytes=lambda: self.binder.activation_bytes, trace=self.trace)
         opt = config.optimizer
-        update_tier = self._update_tier(len(STATE_KINDS) * n_pages)
-        if self.manager.pools[update_tier].capacity < 4:
-            raise BudgetError(update_tier.value, 4 * page_bytes, self.manager.pools[update_tier].capacity * page_bytes,
-                              what="the optimizer update (one page each of param, grad, exp_avg, exp_avg_sq)")
+        group = len(self.kinds)  # one optimizer update pins a page of each kind
+        update_tier = self._update_tier(group * n_pages, group)
+        if self.manager.pools[update_tier].capacity < group:
+            raise BudgetError(update_tier.value, group * page_bytes,
+                              self.manager.pools[update_tier].capacity * page_bytes,
+                              what=f"the optimizer update (one page each of {', '.join(sorted(self.kinds))})")
         self.optimizer = PagedAdamW(self.manager, self.layout, self.pages, opt.lr, opt.betas, opt.eps,
                                     opt.weight_decay, update_tier)
 
     # ------------------------------------------------------------------ set-up
-    def _update_tier(self, n_state_pages: int) -> Tier:
+    def _update_tier(self, n_state_pages: int, group: int = 4) -> Tier:
         """Where the optimizer updates a page group. On a GPU, the device (the host-side update is the fused CPU
         Adam's job). On a CPU-only machine both tiers are CPU memory, so when the states do not all fit on the
         device tier the update runs on the host: bringing optimizer states up to the device tier and back would
         only copy them twice per step."""
         device_slots = self.manager.pools[Tier.DEVICE].capacity
         if self.device.type == "cuda" or device_slots >= n_state_pages:
-            return Tier.DEVICE if device_slots >= 4 else Tier.HOST
-        return Tier.HOST if self.manager.pools[Tier.HOST].capacity >= 4 else Tier.DEVICE
+            return Tier.DEVICE if device_slots >= group else Tier.HOST
+        return Tier.HOST if self.manager.pools[Tier.HOST].capacity >= group else Tier.DEVICE
+
+    def _page_dtype(self, kind: str, index: int) -> torch.dtype:
+        """Parameters and gradients in the compute dtype; master weights and Adam moments in the master's."""
+        return self.layout.page_dtypes[index] if kind in ("param", "grad") else self.layout.state_dtype(index)
 
     def _tier_with_room(self) -> Tier:
         """Where a new page goes: the host while it has room, then the device, then the host again (evicting)."""
@@ -138,37 +156,61 @@ class Engine:
         return Tier.HOST
 
     def _copy_parameters_into_pages(self) -> None:
-        """Parameter values into their param pages. A model built on the meta device is materialized straight into
-        them, a module at a time (memory/materialize.py says with which values); `meta_init` reports how."""
+        """Parameter values into their param pages (the fp32 master pages under mixed precision). A model built on
+        the meta device is materialized straight into them, a module at a time (memory/materialize.py says with
+        which values); `meta_init` reports how."""
         from angel_ptm.memory.layout import TensorSlot
         from angel_ptm.memory.materialize import MaterializeReport, has_meta_parameters, materialize_parameters
 
+        kind = "master" if "master" in self.pages else "param"
+
         def write(slot: TensorSlot, flat: torch.Tensor) -> None:
             for seg in slot.segments:
-                page = self.pages["param"][seg.page]
+                page = self.pages[kind][seg.page]
                 self.manager.acquire([page], Tier.HOST)
-                page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].copy_(flat[seg.start : seg.start + seg.numel])
+                view = page.view(self.layout.state_dtype(seg.page))
+                view[seg.offset : seg.offset + seg.numel].copy_(flat[seg.start : seg.start + seg.numel])
                 self.manager.release([page], dirty=True)
 
         self.meta_init: MaterializeReport | None = None
         if has_meta_parameters(self.model):
             # Every param page is rewritten: those already evicted to disk need not be read back (they are zeros).
-            self.manager.discard([page for page in self.pages["param"] if page.tier is Tier.DISK])
+            self.manager.discard([page for page in self.pages[kind] if page.tier is Tier.DISK])
             self.meta_init = materialize_parameters(self.model, {s.name: s for s in self.layout.slots}, write)
             return
         names = dict(self.model.named_parameters())
         for slot in self.layout.slots:
             write(slot, names[slot.name].detach().reshape(-1))
 
+    def _cast_master_into_parameters(self) -> None:
+        """Mixed precision: the compute parameters are the fp32 master weights rounded to the compute dtype, page by
+        page; the model's floating parameters become compute-dtype tensors (the binder points them at the pages)."""
+        pools = self.manager.pools
+        tier = Tier.HOST if pools[Tier.HOST].capacity >= 2 else Tier.DEVICE
+        for index, (master, param) in enumerate(zip(self.pages["master"], self.pages["param"])):
+            self.manager.acquire([master, param], tier)
+            compute = param.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)]
+            compute.copy_(master.view(self.layout.state_dtype(index)))  # round to nearest even
+            self.manager.release([master])
+            self.manager.release([param], dirty=True)
+        with torch.no_grad():
+            for param in self.model.parameters():
+                if param.is_floating_point() and param.dtype != self.compute_dtype:
+                    param.data = torch.zeros((), dtype=self.compute_dtype).expand(param.shape)
+
     # ------------------------------------------------------------------ the step
     def __call__(self, *args, **kwargs):
         args = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
+        if self.compute_dtype is not None:  # floating inputs meet bf16/fp16 parameters (FSDP2's cast_forward_inputs)
+            args = tuple(a.to(self.compute_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
+                         for a in args)
         with self.binder.saved_tensor_hooks():
             return self.model(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch. In the last one (trainer.grad_accum of them per step), with the planned
-        scheduler and no clipping, each page group is updated as soon as all its gradients are in."""
+        scheduler and no clipping, each page group is updated as soon as all its gradients are in. With fp16 the
+        loss is multiplied by the loss scale first (the update divides the gradients by it)."""
         self._micro += 1
         if self._micro > self._grad_accum and self.optimizer.updated_this_step:
             raise ConfigValueError(
@@ -181,7 +223,7 @@ class Engine:
             self._pending_slots = [len(set(names)) for names in self.optimizer.slot_names_on_page]
             self._ready_slots = set()
         try:
-            loss.backward()
+            (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
         finally:
             self._eager_now = False
             self.binder.end_backward()
@@ -203,6 +245,8 @@ class Engine:
                 "set trainer.grad_clip so the engine waits for the norm (or optimizer.overlap_updates: false)")
         self.binder.settle_grads()
         total = self.optimizer.grad_norm()
+        if self.loss_scaler is not None:  # the norm of the true gradients (inf after an overflow: the step is skipped)
+            total = total / self.loss_scaler.scale
         clip_coef = max_norm / (total + 1e-6)
         if clip_coef < 1.0:
             self.optimizer.scale_grads(clip_coef)
@@ -212,9 +256,20 @@ class Engine:
         self.optimizer.lr = lr
 
     def step(self) -> None:
-        """The optimizer step over every page, then gradients zeroed (the next backward overwrites them)."""
+        """The optimizer step over every page, then gradients zeroed (the next backward overwrites them). With fp16
+        loss scaling, a step whose gradients overflowed is skipped whole and the loss scale adjusted."""
         self.binder.settle_grads()
-        self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)
+        if self.loss_scaler is None:
+            self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)
+        else:
+            self.last_step_skipped = self.binder.take_overflow()
+            if self.last_step_skipped:  # nothing updated: parameters, master weights, moments and step counts stay
+                self.optimizer.skip_step()
+                self.manager.discard(self.pages["grad"])  # dead: never written back
+            else:
+                self.optimizer.scale_grads(1.0 / self.loss_scaler.scale)  # folded into the update's gradient read
+                self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)
+            self.loss_scaler.update(self.last_step_skipped)
         self.binder.start_new_step()
         self._micro = 0
         self.scheduler.end_step()
@@ -254,14 +309,28 @@ class Engine:
         return {"in_use": self.manager.in_use(), "moved": dict(self.manager.bytes_moved),
                 "schedule": self.scheduler.last_stats.as_dict()}
 
+    @property
+    def loss_scale(self) -> float | None:
+        """The fp16 loss scale the next backward uses (None: no loss scaling)."""
+        return None if self.loss_scaler is None else self.loss_scaler.scale
+
     def parameter(self, name: str) -> torch.Tensor:
-        """A copy of parameter `name` as it is now (gathered from its pages)."""
+        """A copy of parameter `name` as it is now (gathered from its pages), in the dtype the model computes with."""
+        return self.state("param", name)
+
+    def master_parameter(self, name: str) -> torch.Tensor:
+        """A copy of the weights the optimizer updates for `name`: the fp32 master under mixed precision."""
+        return self.state("master" if "master" in self.pages else "param", name)
+
+    def state(self, kind: str, name: str) -> torch.Tensor:
+        """A copy of tensor `name` in the pages of `kind` (param, grad, master, exp_avg, exp_avg_sq)."""
         slot = self.layout.slot(name)
-        out = torch.empty(slot.numel, dtype=slot.dtype)
+        dtype = self._page_dtype(kind, slot.segments[0].page)
+        out = torch.empty(slot.numel, dtype=dtype)
         for seg in slot.segments:
-            page = self.pages["param"][seg.page]
+            page = self.pages[kind][seg.page]
             self.manager.acquire([page], Tier.HOST if page.tier is not Tier.DEVICE else Tier.DEVICE)
-            out[seg.start : seg.start + seg.numel] = page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].cpu()
+            out[seg.start : seg.start + seg.numel] = page.view(dtype)[seg.offset : seg.offset + seg.numel].cpu()
             self.manager.release([page])
         return out.view(slot.shape)
 

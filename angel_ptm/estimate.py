@@ -42,7 +42,10 @@ from angel_ptm.memory.budgets import plan_budgets
 from angel_ptm.models import GPT, build_model, estimate_activation_bytes
 
 CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # engine.STATE_KINDS: the order pages are created in
-UPDATE_GROUP = 4  # pages one optimizer update pins at once: param, grad, exp_avg, exp_avg_sq of one index
+# Mixed precision (trainer.dtype bfloat16/float16): fp32 master weights get pages of their own, created with the
+# other optimizer-only kinds (colder than the parameters and gradients the forward and backward touch).
+MIXED_CREATION_ORDER = ("exp_avg_sq", "exp_avg", "master", "grad", "param")
+UPDATE_GROUP = 4  # pages one optimizer update pins at once: param, grad, exp_avg, exp_avg_sq of one index (fp32)
 DISK_GROWTH_SLOTS = 16  # DiskTier.growth_slots: slots a kind's page file grows by past its reservation
 TIERS = ("device", "host", "disk")
 
@@ -128,9 +131,14 @@ class Estimate:
                  f"per state kind"]
         for kind in ("param", "grad", "exp_avg", "exp_avg_sq"):
             lines.append(f"    {kind:<11} {self.n_pages:>6} pages  {format_bytes(self.kind_bytes[kind]):>10}")
-        lines.append(f"    {'master':<11} {0:>6} extra  {format_bytes(self.master_extra_bytes):>10}"
-                     f"  (fp32 parameters are the master weights)")
-        lines.append(f"    {'states':<11} {4 * self.n_pages:>6} pages  {format_bytes(self.states_bytes):>10}")
+        if self.master_extra_bytes:
+            lines.append(f"    {'master':<11} {self.n_pages:>6} pages  {format_bytes(self.master_extra_bytes):>10}"
+                         f"  (fp32; param and grad pages hold bf16/fp16 in half their bytes)")
+        else:
+            lines.append(f"    {'master':<11} {0:>6} extra  {format_bytes(self.master_extra_bytes):>10}"
+                         f"  (fp32 parameters are the master weights)")
+        n_states = self.states_bytes // self.page_bytes
+        lines.append(f"    {'states':<11} {n_states:>6} pages  {format_bytes(self.states_bytes):>10}")
         lines.append(f"  largest layer '{self.largest_layer}': {self.largest_layer_pages} pages on the device at once;"
                      f" optimizer updates on the {self.update_tier}")
         act = "unknown (not a GPT)" if self.activation_bytes is None else format_bytes(self.activation_bytes)
@@ -153,6 +161,16 @@ class Estimate:
         return "\n".join(lines)
 
 
+def creation_order(config: Config) -> tuple[str, ...]:
+    """The page kinds of the job, in the order the engine creates them (one optimizer update pins one of each)."""
+    return CREATION_ORDER if config.trainer.dtype == "float32" else MIXED_CREATION_ORDER
+
+
+def compute_dtype(config: Config) -> Optional[torch.dtype]:
+    """The mixed-precision compute dtype (bf16 / fp16), or None for fp32 (the parameters are the master weights)."""
+    return None if config.trainer.dtype == "float32" else getattr(torch, config.trainer.dtype)
+
+
 # ---------------------------------------------------------------------------------------------------- the estimate
 def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Optional[PageLayout] = None,
                  disk_dir: Optional[str] = None, device: Optional[torch.device] = None) -> Estimate:
@@ -173,9 +191,11 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         with torch.device("meta"):  # shapes and dtypes only: no parameter memory is allocated
             model = build_model(config.model)
     if layout is None:
-        layout = build_layout(model, page_bytes)
+        layout = build_layout(model, page_bytes, compute_dtype=compute_dtype(config))
+    kinds = creation_order(config)
+    group = len(kinds)  # pages one optimizer update pins: one of each kind
     n_pages = layout.n_pages
-    n_states = len(CREATION_ORDER) * n_pages
+    n_states = len(kinds) * n_pages
     states_bytes = n_states * page_bytes
     disk_dir = disk_dir or mem.disk_dir or str(Path(config.run.dir or "runs") / "pages")
 
@@ -186,9 +206,9 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
                            gpu_free=gpu_free, ram_available=ram_available, slack_bytes=largest * page_bytes)
     budgets = {"device": planned.device, "host": planned.host, "disk": planned.disk}
     slots = {tier: budgets[tier] // page_bytes for tier in TIERS}
-    update = update_tier(device, slots["device"], slots["host"], n_states)
-    disk_reserved = min(n_pages, slots["disk"] // len(CREATION_ORDER)) * len(CREATION_ORDER) if slots["disk"] else 0
-    start = place_pages(n_pages, slots, largest, page_bytes)
+    update = update_tier(device, slots["device"], slots["host"], n_states, group)
+    disk_reserved = min(n_pages, slots["disk"] // len(kinds)) * len(kinds) if slots["disk"] else 0
+    start = place_pages(n_pages, slots, largest, page_bytes, kinds)
     problems: list[Problem] = []
 
     # 1. the budgets themselves (as resolve_budgets refuses them)
@@ -207,10 +227,10 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     # 3. creating every page: the host must take what the device and disk cannot
     if start.failure is not None:
         problems.append(start.failure)
-    # 4. one optimizer update pins four pages on its tier
-    if slots[update] < UPDATE_GROUP:
-        problems.append(Problem(update, UPDATE_GROUP * page_bytes, slots[update] * page_bytes,
-                                "the optimizer update (one page each of param, grad, exp_avg, exp_avg_sq)"))
+    # 4. one optimizer update pins one page of each kind on its tier
+    if slots[update] < group:
+        problems.append(Problem(update, group * page_bytes, slots[update] * page_bytes,
+                                f"the optimizer update (one page each of {', '.join(sorted(kinds))})"))
 
     # The machine: activations live on the compute device, outside the pools; on a CPU the device pool is RAM too.
     activation = activation_bytes(model, config)
@@ -226,10 +246,10 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
                                 "the page pools" + ("" if device.type == "cuda" else " and activations")
                                 + " in available RAM"))
 
-    peaks = expected_peaks(n_pages, slots, start, update)
+    peaks = expected_peaks(n_pages, slots, start, update, kinds)
     needed = {
-        "device": max(largest, UPDATE_GROUP if update == "device" else 0) * page_bytes,
-        "host": max(start.host_needed, UPDATE_GROUP if update == "host" else 0,
+        "device": max(largest, group if update == "device" else 0) * page_bytes,
+        "host": max(start.host_needed, group if update == "host" else 0,
                     1 if needed_on_disk else 0) * page_bytes,
         "disk": needed_on_disk,
     }
@@ -244,8 +264,10 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     params = sum(p.numel() for p in model.parameters())
     return Estimate(
         rank=0, world_size=1, compute_device=device.type, params=params, page_bytes=page_bytes, n_pages=n_pages,
-        kind_bytes={kind: n_pages * page_bytes for kind in ("param", "grad", "exp_avg", "exp_avg_sq")},
-        master_extra_bytes=0, states_bytes=states_bytes, largest_layer=largest_name, largest_layer_pages=largest,
+        kind_bytes={kind: n_pages * page_bytes for kind in ("param", "grad", "exp_avg", "exp_avg_sq", "master")
+                    if kind in kinds},
+        master_extra_bytes=n_pages * page_bytes if "master" in kinds else 0, states_bytes=states_bytes,
+        largest_layer=largest_name, largest_layer_pages=largest,
         update_tier=update, activation_bytes=activation,
         pinned_host_bytes=pools["host"] if device.type == "cuda" else 0,
         host_ram_needed=host_ram, host_ram_available=ram_available, disk_dir=disk_dir,
@@ -255,11 +277,13 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
 
 
 # ---------------------------------------------------------------------------------------------------- the parts
-def update_tier(device: torch.device, device_slots: int, host_slots: int, n_state_pages: int) -> str:
-    """Engine._update_tier: the device on a GPU or when every state fits it, else the host (CPU)."""
+def update_tier(device: torch.device, device_slots: int, host_slots: int, n_state_pages: int,
+                group: int = UPDATE_GROUP) -> str:
+    """Engine._update_tier: the device on a GPU or when every state fits it, else the host (CPU). `group`: the
+    pages one update pins (one per kind)."""
     if device.type == "cuda" or device_slots >= n_state_pages:
-        return "device" if device_slots >= UPDATE_GROUP else "host"
-    return "host" if host_slots >= UPDATE_GROUP else "device"
+        return "device" if device_slots >= group else "host"
+    return "host" if host_slots >= group else "device"
 
 
 @dataclass
@@ -275,19 +299,21 @@ class StartPlacement:
     failure: Optional[Problem] = None
 
 
-def place_pages(n_pages: int, slots: dict[str, int], reserve_on_device: int, page_bytes: int) -> StartPlacement:
-    """Replay Engine._tier_with_room over the creation order: the host while it has room, then the device while
-    it has more than `reserve_on_device` free slots, then the host again, each new page evicting the oldest host
-    page to its disk slot (DiskTier: `min(n_pages, disk_slots // 4)` reserved per kind, then grown in steps)."""
+def place_pages(n_pages: int, slots: dict[str, int], reserve_on_device: int, page_bytes: int,
+                kinds: tuple[str, ...] = CREATION_ORDER) -> StartPlacement:
+    """Replay Engine._tier_with_room over the creation order `kinds`: the host while it has room, then the device
+    while it has more than `reserve_on_device` free slots, then the host again, each new page evicting the oldest
+    host page to its disk slot (DiskTier: `min(n_pages, disk_slots // len(kinds))` reserved per kind, then grown in
+    steps)."""
     place = StartPlacement()
-    n_kinds = len(CREATION_ORDER)
+    n_kinds = len(kinds)
     per_kind = min(n_pages, slots["disk"] // n_kinds) if slots["disk"] else 0
-    disk_free = {kind: per_kind for kind in CREATION_ORDER}
+    disk_free = {kind: per_kind for kind in kinds}
     disk_reserved = per_kind * n_kinds
     host_queue: list[str] = []  # kinds of the pages resting on the host, oldest first (LRU: never accessed yet)
     oldest = 0
     device_room = max(0, slots["device"] - reserve_on_device)
-    for kind in CREATION_ORDER:
+    for kind in kinds:
         for _ in range(n_pages):
             if place.host == slots["host"] and place.device < device_room:
                 place.device += 1
@@ -303,7 +329,7 @@ def place_pages(n_pages: int, slots: dict[str, int], reserve_on_device: int, pag
             if place.failure is None and (not slots["host"] or not slots["disk"] or not disk_free[victim]):
                 room = slots["disk"] - disk_reserved
                 if not slots["host"] or not slots["disk"] or room <= 0:
-                    place.failure = _placement_failure(n_pages, slots, reserve_on_device, page_bytes)
+                    place.failure = _placement_failure(n_pages, slots, reserve_on_device, page_bytes, n_kinds)
                 else:
                     grow = min(DISK_GROWTH_SLOTS, room)
                     disk_reserved += grow
@@ -316,8 +342,9 @@ def place_pages(n_pages: int, slots: dict[str, int], reserve_on_device: int, pag
     return place
 
 
-def _placement_failure(n_pages: int, slots: dict[str, int], reserve_on_device: int, page_bytes: int) -> Problem:
-    states = len(CREATION_ORDER) * n_pages
+def _placement_failure(n_pages: int, slots: dict[str, int], reserve_on_device: int, page_bytes: int,
+                       n_kinds: int) -> Problem:
+    states = n_kinds * n_pages
     device_takes = max(0, min(states, slots["device"] - reserve_on_device))
     disk_takes = slots["disk"]
     needed = max(1, states - device_takes - disk_takes)  # at least one host slot: pages are created there
@@ -327,21 +354,22 @@ def _placement_failure(n_pages: int, slots: dict[str, int], reserve_on_device: i
                    f"{reserve_on_device} free for the largest layer), {where}")
 
 
-def expected_peaks(n_pages: int, slots: dict[str, int], start: StartPlacement, update: str) -> dict[str, int]:
+def expected_peaks(n_pages: int, slots: dict[str, int], start: StartPlacement, update: str,
+                   kinds: tuple[str, ...] = CREATION_ORDER) -> dict[str, int]:
     """Peak pages in use per tier over the first steps, as PageManager.in_use() reports them."""
-    n_states = len(CREATION_ORDER) * n_pages
+    n_states = len(kinds) * n_pages
     # Host: filled first, to its budget or with every page.
     host = min(slots["host"], n_states)
     # Device: the pages created there, plus every page a step acquires on it (parameters and gradients; the
     # optimizer states too when the update runs there), up to its budget.
-    up_kinds = ("param", "grad", "exp_avg", "exp_avg_sq") if update == "device" else ("param", "grad")
+    up_kinds = kinds if update == "device" else ("param", "grad")
     reaching = len(up_kinds) * n_pages + sum(n for kind, n in start.device_kinds.items() if kind not in up_kinds)
     device = min(slots["device"], reaching)
     # Disk: a page keeps its home slot once written there, so the bytes in use are the pages that ever went
     # down. The pages spilled while creating them are known exactly. A gradient page is live only from its
     # backward to its update (then discarded, never written), so the live states are the other three kinds;
     # when they exceed the device and host together, every step cycles them through the disk.
-    live = (len(CREATION_ORDER) - 1) * n_pages
+    live = (len(kinds) - 1) * n_pages
     if not slots["disk"]:
         disk = 0
     elif live > slots["device"] + slots["host"]:
@@ -355,7 +383,9 @@ def activation_bytes(model: nn.Module, config: Config) -> Optional[int]:
     """models.estimate_activation_bytes for a GPT at data.batch_size (one micro-batch); None for other models."""
     if not isinstance(model, GPT):
         return None
-    dtype_bytes = next((p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
+    dtype = compute_dtype(config)  # mixed precision: the model runs in it (the engine converts the parameters)
+    dtype_bytes = dtype.itemsize if dtype is not None else next(
+        (p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
     return estimate_activation_bytes(model.cfg, config.data.batch_size, dtype_bytes)
 
 

@@ -11,13 +11,32 @@ import dataclasses
 import functools
 import typing
 from dataclasses import dataclass, field
-from typing import Any, ClassVar, Literal, Optional, Tuple
+from typing import Annotated, Any, ClassVar, Literal, Optional, Tuple, Union
 
 from angel_ptm.config.coerce import coerce
 from angel_ptm.config.sizes import Budget, ByteSize, show_value
 from angel_ptm.errors import ConfigTypeError, ConfigValueError
 
 PAGE_ALIGNMENT = 4096  # pages are read and written with O_DIRECT, which needs 4 KiB-aligned sizes
+
+
+def parse_loss_scale(value: object, key: str) -> Union[str, float]:
+    """An fp16 loss scale: "dynamic" (grown and backed off as gradients allow) or a fixed number > 0."""
+    if isinstance(value, str) and value.strip().lower() == "dynamic":
+        return "dynamic"
+    try:
+        number = coerce(value, float, key)
+    except ConfigTypeError:
+        raise ConfigTypeError(
+            f'{key}: expected "dynamic" or a number, got {show_value(value)} ({type(value).__name__})') from None
+    except ConfigValueError:
+        number = float("nan")
+    if not number > 0:
+        raise ConfigValueError(f'{key}: must be "dynamic" or a finite number > 0, got {show_value(value)}')
+    return number
+
+
+LossScale = Annotated[Union[str, float], parse_loss_scale]
 
 
 @functools.cache
@@ -113,11 +132,23 @@ class OptimizerConfig(_Section):
     # With the planned scheduler and no gradient clipping, update each page group as soon as every gradient on it
     # is final (in the last micro-batch's backward), so the updates overlap the rest of backward.
     overlap_updates: bool = True
+    # fp16 only (trainer.dtype: float16), as torch.amp.GradScaler: the loss is multiplied by the scale before
+    # backward and gradients divided by it in the update; a step with an inf/NaN gradient is skipped. "dynamic":
+    # the scale starts at loss_scale_initial, is multiplied by loss_scale_backoff on every overflow and by
+    # loss_scale_growth after loss_scale_growth_interval steps in a row without one; a number: that scale, fixed.
+    loss_scale: LossScale = "dynamic"  # type: ignore[assignment]
+    loss_scale_initial: float = 65536.0  # 2**16
+    loss_scale_growth: float = 2.0
+    loss_scale_backoff: float = 0.5
+    loss_scale_growth_interval: int = 2000
 
     def validate(self) -> None:
         self._require_positive("lr", "eps")
         self._require("betas", all(0 <= beta < 1 for beta in self.betas), "two numbers each >= 0 and < 1")
         self._require("weight_decay", self.weight_decay >= 0, ">= 0")
+        self._require_positive("loss_scale_initial", "loss_scale_growth_interval")
+        self._require("loss_scale_growth", self.loss_scale_growth > 1, "> 1")
+        self._require("loss_scale_backoff", 0 < self.loss_scale_backoff < 1, "> 0 and < 1")
 
 
 @dataclass
@@ -171,6 +202,8 @@ class TrainerConfig(_Section):
     eval_steps: int = 4
     log_every: int = 1
     seed: int = 0
+    # The compute dtype. bfloat16 / float16: mixed precision -- the model runs with parameters and gradients in it,
+    # the optimizer updates fp32 master weights (their own pages); float16 adds loss scaling (optimizer.loss_scale).
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     device: Literal["auto", "cpu", "cuda"] = "auto"
 

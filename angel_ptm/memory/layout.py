@@ -5,7 +5,14 @@ a tensor that does not fit the rest of the open page starts a new one, and a ten
 consecutive whole pages. Pages form groups of `dp_world_size` (the page count is padded to a multiple of it) so
 that ZeRO sharding — rank r owns page r of every group — needs no new layout. The same layout describes every
 page kind (parameters, gradients, master weights, optimizer states): page i of each kind covers the same elements.
-The layout is a pure function of (tensor names, shapes, dtypes, order, page_bytes, dp_world_size).
+The layout is a pure function of (tensor names, shapes, dtypes, order, page_bytes, dp_world_size, compute_dtype).
+
+Mixed precision (`compute_dtype` bf16 or fp16): floating tensors are stored in the compute dtype on the param and
+grad pages, and in fp32 on the master and optimizer-state pages. All tiers share one page size, so tensors are
+packed by element count at fp32's 4 bytes: page i of every kind then holds the same elements at the same element
+offsets, and a compute-dtype page uses only the first half of its bytes (`page_numel` elements). The wasted halves
+(20 bytes of pages per parameter instead of 2 + 2 + 4 + 4 + 4 = 16) buy one buffer pool and one disk slot size for
+every kind, and one page index per optimizer update; half-size compute pages would need pools of two page sizes.
 """
 
 from __future__ import annotations
@@ -55,12 +62,24 @@ class PageLayout:
     page_bytes: int
     dp_world_size: int
     slots: list[TensorSlot]
-    page_dtypes: list[torch.dtype]  # one per page, padding pages included
-    page_used_bytes: list[int] = field(default_factory=list)
+    page_dtypes: list[torch.dtype]  # one per page, padding pages included (the compute dtype under mixed precision)
+    page_used_bytes: list[int] = field(default_factory=list)  # as packed (fp32 bytes under mixed precision)
+    master_dtype: torch.dtype | None = None  # mixed precision: the dtype of master and optimizer-state pages
 
     @property
     def n_pages(self) -> int:
         return len(self.page_dtypes)
+
+    def state_dtype(self, page: int) -> torch.dtype:
+        """The dtype of page `page` in the master and optimizer-state kinds (the param page's own without mixed
+        precision, where the parameters are the master weights)."""
+        dtype = self.page_dtypes[page]
+        return self.master_dtype if self.master_dtype is not None and dtype.is_floating_point else dtype
+
+    def page_numel(self, page: int) -> int:
+        """Elements page `page` holds, in every kind: a compute-dtype page under mixed precision views only its
+        first `page_numel` elements (half its bytes)."""
+        return self.page_bytes // self.state_dtype(page).itemsize
 
     @property
     def groups(self) -> list[list[int]]:
@@ -83,12 +102,16 @@ class PageLayout:
     def fingerprint(self) -> str:
         """A digest of the whole layout, to match checkpoints and page files on reload."""
         h = hashlib.sha256(f"{self.page_bytes}/{self.dp_world_size}/{[str(d) for d in self.page_dtypes]}".encode())
+        if self.master_dtype is not None:
+            h.update(f"master {self.master_dtype}".encode())
         for s in self.slots:
             h.update(f"{s.name}{s.shape}{s.dtype}{s.segments}".encode())
         return h.hexdigest()[:16]
 
     @classmethod
-    def build(cls, tensors: Iterable[tuple[str, torch.Tensor]], page_bytes: int, dp_world_size: int = 1) -> "PageLayout":
+    def build(cls, tensors: Iterable[tuple[str, torch.Tensor]], page_bytes: int, dp_world_size: int = 1,
+              compute_dtype: torch.dtype | None = None) -> "PageLayout":
+        """`compute_dtype` (bf16/fp16): mixed precision, floating tensors stored in it and packed at fp32's size."""
         if page_bytes <= 0 or page_bytes % ALIGN_BYTES:
             raise ValueError(f"page_bytes must be a positive multiple of {ALIGN_BYTES}, got {page_bytes}")
         if dp_world_size < 1:
@@ -103,8 +126,11 @@ class PageLayout:
             used.append(0)
             return len(page_dtypes) - 1
 
+        master_dtype = torch.float32 if compute_dtype is not None else None
         for name, tensor in tensors:
             dtype, esize, numel = tensor.dtype, tensor.element_size(), tensor.numel()
+            if master_dtype is not None and dtype.is_floating_point:
+                dtype, esize = compute_dtype, master_dtype.itemsize  # offsets count elements, the same in all kinds
             nbytes = numel * esize
             page = open_page.get(dtype)
             if page is not None:
@@ -127,7 +153,7 @@ class PageLayout:
 
         while len(page_dtypes) % dp_world_size:  # pad to whole page groups
             new_page(page_dtypes[-1] if page_dtypes else torch.float32)
-        return cls(page_bytes, dp_world_size, slots, page_dtypes, used)
+        return cls(page_bytes, dp_world_size, slots, page_dtypes, used, master_dtype)
 
 
 def first_use_order(module: nn.Module, *example_inputs, **example_kwargs) -> list[str]:
@@ -154,14 +180,15 @@ def first_use_order(module: nn.Module, *example_inputs, **example_kwargs) -> lis
 
 
 def build_layout(module: nn.Module, page_bytes: int, dp_world_size: int = 1,
-                 order: Sequence[str] | None = None) -> PageLayout:
-    """The layout of `module`'s parameters (shared parameters once), in `order` or registration order."""
+                 order: Sequence[str] | None = None, compute_dtype: torch.dtype | None = None) -> PageLayout:
+    """The layout of `module`'s parameters (shared parameters once), in `order` or registration order;
+    `compute_dtype`: mixed precision (PageLayout.build)."""
     params = dict(module.named_parameters())
     names = list(order) if order is not None else list(params)
     missing = set(params) - set(names)
     if missing:
         raise ValueError(f"order leaves out parameters: {sorted(missing)[:5]}")
-    return PageLayout.build(((n, params[n]) for n in names), page_bytes, dp_world_size)
+    return PageLayout.build(((n, params[n]) for n in names), page_bytes, dp_world_size, compute_dtype)
 
 
 def largest_module(model: nn.Module, layout: PageLayout) -> tuple[str, int]:

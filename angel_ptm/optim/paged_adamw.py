@@ -2,8 +2,11 @@
 
 The arithmetic is torch.optim.AdamW's single-tensor path, op for op, so results match it; padding between tensors
 is zero in every kind and stays zero. Gradients must be settled first (ParamBinder.settle_grads); the step
-leaves them as they are: the binder overwrites them with the next step's first gradient. The pages are acquired on `update_tier` (the device when four pages fit there,
-else the host), so an update never needs more than four slots.
+leaves them as they are: the binder overwrites them with the next step's first gradient. The pages are acquired on
+`update_tier` (the device when a group fits there, else the host), so an update never needs more than four slots.
+
+Mixed precision (a "master" kind in `pages`): the update reads the fp32 master, the bf16/fp16 gradient and the fp32
+moments, and writes master, moments and the bf16/fp16 parameter copy in one pass (five slots per update).
 """
 
 from __future__ import annotations
@@ -36,9 +39,11 @@ class PagedAdamW:
         self._in_step = False
         self._updated: set[int] = set()
         self._stepped: set[str] = set()
-        self.slot_steps = {slot.name: 0 for slot in layout.slots}
+        self.slot_steps = {slot.name: 0 for slot in layout.slots}  # steps each tensor took (torch's state["step"])
         self.grad_scale = 1.0  # applied to every gradient this step (clipping), reset when the step closes
-        self.use_fused = fused  # CPU-resident groups: the fused native Adam (angel_ptm.optim.fused_adam)  # steps each tensor took (torch's state["step"])
+        self.use_fused = fused  # CPU-resident groups: the fused native Adam (angel_ptm.optim.fused_adam)
+        self.mixed = "master" in pages  # fp32 master pages next to bf16/fp16 param and grad pages
+        self.group_kinds = ("param", "grad", "exp_avg", "exp_avg_sq") + (("master",) if self.mixed else ())
 
     def _scratch(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
         key = (like.device, like.dtype, slot)
@@ -53,8 +58,9 @@ class PagedAdamW:
         for index, grad_page in enumerate(self.pages["grad"]):
             self.manager.acquire([grad_page], self.update_tier, label="opt:norm")
             view = grad_page.view(self.page_dtypes[index])
+            wide = None if view.dtype == torch.float32 else torch.float32  # bf16/fp16 gradients: norms in fp32
             for offset, numel in self._segments_on_page[index]:
-                norms.append(torch.linalg.vector_norm(view[offset : offset + numel], 2.0))
+                norms.append(torch.linalg.vector_norm(view[offset : offset + numel], 2.0, dtype=wide))
             self.manager.release([grad_page])
         if not norms:
             return 0.0
@@ -83,6 +89,17 @@ class PagedAdamW:
         self._in_step = False
         self.grad_scale = 1.0
 
+    def skip_step(self) -> None:
+        """Close this step without updating anything (fp16 gradients overflowed): parameters, master weights,
+        moments and step counts stay as they are."""
+        if self.updated_this_step:
+            raise ValueError(f"optimizer step {self.step_count}: {len(self._updated)} page groups were already "
+                             "updated; the step cannot be skipped")
+        if self._in_step:  # opened but nothing updated: give the step number back
+            self._in_step = False
+            self.step_count -= 1
+        self.grad_scale = 1.0
+
     def begin_step(self) -> None:
         """Open an optimizer step (idempotent until `step` closes it); groups may then be updated one by one."""
         if not self._in_step:
@@ -107,35 +124,45 @@ class PagedAdamW:
             if name not in without_grad and name not in self._stepped:
                 self._stepped.add(name)
                 self.slot_steps[name] += 1
-        group = [self.pages[kind][index] for kind in ("param", "grad", "exp_avg", "exp_avg_sq")]
+        group = [self.pages[kind][index] for kind in self.group_kinds]
         self.manager.acquire(group, self.update_tier, label="opt:update")
         dtype = self.page_dtypes[index]
         if dtype.is_floating_point:
-            param, grad, exp_avg, exp_avg_sq = (p.view(dtype) for p in group)
+            page_numel, state_dtype = self.layout.page_numel(index), self.layout.state_dtype(index)
+            param, grad = (p.view(dtype)[:page_numel] for p in group[:2])  # bf16/fp16 pages: their first half
+            exp_avg, exp_avg_sq = (p.view(state_dtype) for p in group[2:4])
+            master, copy = (group[4].view(state_dtype), param) if self.mixed else (param, None)
             steps = {self.slot_steps[name] for name, _, _ in slots}
             if len(steps) == 1 and not any(name in without_grad for name, _, _ in slots):
-                self._update(param, grad, exp_avg, exp_avg_sq, steps.pop())  # the whole page at once
+                self._update(master, grad, exp_avg, exp_avg_sq, steps.pop(), copy)  # the whole page at once
             else:
                 for name, offset, numel in slots:
                     if name not in without_grad:
                         part = slice(offset, offset + numel)
-                        self._update(param[part], grad[part], exp_avg[part], exp_avg_sq[part],
-                                     self.slot_steps[name])
+                        self._update(master[part], grad[part], exp_avg[part], exp_avg_sq[part],
+                                     self.slot_steps[name], None if copy is None else copy[part])
         self.manager.release(group[:1] + group[2:], dirty=True)
         self.manager.release(group[1:2])
         self.manager.discard(group[1:2])  # the gradient is applied: its page is dead until the next backward
 
-    def _update(self, param, grad, exp_avg, exp_avg_sq, step: int) -> None:
+    def _update(self, param, grad, exp_avg, exp_avg_sq, step: int, copy: torch.Tensor | None = None) -> None:
+        """One AdamW step of `param` (fp32: the master weights under mixed precision); `copy`: a bf16/fp16 tensor
+        that receives the updated values (the compute parameters)."""
         beta1, beta2 = self.betas
         if self.use_fused and param.device.type == "cpu" and param.dtype == torch.float32:
-            # One pass over master, gradient and both moments in the native kernel (clip coefficient folded in).
+            # One pass over master, gradient and both moments in the native kernel (clip coefficient and loss-scale
+            # unscaling folded in), writing the compute copy in the same pass.
             fused_adamw_(param, grad, exp_avg, exp_avg_sq, lr=self.lr, beta1=beta1, beta2=beta2, eps=self.eps,
-                         weight_decay=self.weight_decay, step=step, grad_scale=self.grad_scale)
+                         weight_decay=self.weight_decay, step=step, grad_scale=self.grad_scale, out=copy)
             return
         bias_correction1 = 1 - beta1**step
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
         step_size = self.lr / bias_correction1
-        if self.grad_scale != 1.0:  # as clip_grad_norm_ does: the gradient times the coefficient, then AdamW
+        if grad.dtype != param.dtype:  # a bf16/fp16 gradient of an fp32 master: widened first, then scaled
+            grad = self._scratch(param, slot=1).copy_(grad)
+            if self.grad_scale != 1.0:
+                grad.mul_(self.grad_scale)
+        elif self.grad_scale != 1.0:  # as clip_grad_norm_ does: the gradient times the coefficient, then AdamW
             grad = torch.mul(grad, self.grad_scale, out=self._scratch(grad, slot=1))
         if self.weight_decay != 0:
             param.mul_(1 - self.lr * self.weight_decay)
@@ -144,3 +171,5 @@ class PagedAdamW:
         denom = self._scratch(param)  # reused: a fresh page-sized temporary costs page faults every step
         torch.sqrt(exp_avg_sq, out=denom).div_(bias_correction2_sqrt).add_(self.eps)
         param.addcdiv_(exp_avg, denom, value=-step_size)
+        if copy is not None:
+            copy.copy_(param)
