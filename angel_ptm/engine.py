@@ -24,7 +24,7 @@ from angel_ptm.errors import BudgetError, ConfigValueError
 from angel_ptm.estimate import compute_dtype, creation_order, estimate_job
 from angel_ptm.io import create_engine
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
-from angel_ptm.memory.budgets import resolve_budgets
+from angel_ptm.memory.budgets import device_reserve_pages, resolve_budgets
 from angel_ptm.optim import PagedAdamW
 from angel_ptm.optim.loss_scaler import LossScaler
 from angel_ptm.schedule import Scheduler
@@ -151,7 +151,9 @@ class Engine:
     def _tier_with_room(self) -> Tier:
         """Where a new page goes: the host while it has room, then the device, then the host again (evicting)."""
         pools = self.manager.pools
-        if pools[Tier.HOST].free_slots == 0 and pools[Tier.DEVICE].free_slots > self._min_device_pages:
+        reserve = device_reserve_pages(pools[Tier.DEVICE].capacity, len(self.kinds) * self.layout.n_pages,
+                                       self._min_device_pages)
+        if pools[Tier.HOST].free_slots == 0 and pools[Tier.DEVICE].free_slots > reserve:
             return Tier.DEVICE
         return Tier.HOST
 

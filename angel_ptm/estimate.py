@@ -38,7 +38,7 @@ from torch import nn
 from angel_ptm.config import Config, format_bytes, load_config
 from angel_ptm.errors import BudgetError, ConfigValueError
 from angel_ptm.memory import PageLayout, build_layout, compute_device, largest_module
-from angel_ptm.memory.budgets import plan_budgets
+from angel_ptm.memory.budgets import device_reserve_pages, plan_budgets
 from angel_ptm.models import GPT, build_model, estimate_activation_bytes
 
 CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # engine.STATE_KINDS: the order pages are created in
@@ -208,7 +208,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     slots = {tier: budgets[tier] // page_bytes for tier in TIERS}
     update = update_tier(device, slots["device"], slots["host"], n_states, group)
     disk_reserved = min(n_pages, slots["disk"] // len(kinds)) * len(kinds) if slots["disk"] else 0
-    start = place_pages(n_pages, slots, largest, page_bytes, kinds)
+    start = place_pages(n_pages, slots, device_reserve_pages(slots["device"], n_states, largest), page_bytes, kinds)
     problems: list[Problem] = []
 
     # 1. the budgets themselves (as resolve_budgets refuses them)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -130,10 +131,12 @@ class Trainer:
                 if step % tcfg.log_every == 0 or step == tcfg.steps:
                     write_metrics(metrics, {
                         "step": step, "loss": step_loss, "lr": lr,
-                        "grad_norm": None if grad_norm is None else float(grad_norm),
+                        # strict JSON: a non-finite norm (an fp16 overflow, the step skipped) is logged as null
+                        "grad_norm": None if grad_norm is None or not math.isfinite(grad_norm) else float(grad_norm),
                         "tokens_per_s": tokens_per_step / step_s, "step_s": step_s,
                         "in_use": dict(stats["in_use"]), "moved": moved,
                         **schedule_metrics(stats.get("schedule")),
+                        **precision_metrics(engine),
                     })
                 bar.update(1)
                 bar.set_postfix_str(progress_text(step_loss, tokens_per_step / step_s, stats["in_use"]))
@@ -209,6 +212,14 @@ def make_run_dir(requested: Optional[str]) -> Path:
         raise ConfigValueError(f"run.dir: no free name for a new run directory next to {base}")
     except OSError as err:
         raise ConfigValueError(f"run.dir: cannot create {err.filename or requested}: {err.strerror}") from None
+
+
+def precision_metrics(engine: Any) -> dict[str, Any]:
+    """fp16 loss scaling: the scale after the step and whether the step was skipped for an overflow."""
+    scale = getattr(engine, "loss_scale", None)
+    if scale is None:
+        return {}
+    return {"loss_scale": float(scale), "skipped": bool(getattr(engine, "last_step_skipped", False))}
 
 
 def schedule_metrics(schedule: dict | None) -> dict[str, Any]:

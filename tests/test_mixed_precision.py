@@ -302,3 +302,23 @@ def test_bad_loss_scale_settings_name_the_key(key, value, error, message):
     with pytest.raises(error) as info:
         load_config({"optimizer": {key: value}})
     assert str(info.value) == message
+
+
+def test_trainer_logs_the_loss_scale_and_skipped_steps_in_fp16(tmp_path):
+    import json
+
+    from angel_ptm.config import load_config
+    from angel_ptm.trainer import Trainer
+
+    (tmp_path / "corpus.txt").write_text("pack my box with five dozen liquor jugs. " * 300)
+    config = load_config({
+        "model": {"dim": 32, "n_layer": 1, "n_head": 2, "seq_len": 16},
+        "data": {"path": str(tmp_path), "batch_size": 4, "val_fraction": 0.1},
+        "memory": {"page_bytes": "4KiB"},
+        "trainer": {"steps": 3, "eval_every": 0, "device": "cpu", "dtype": "float16"},
+        "run": {"dir": str(tmp_path / "run")},
+    })
+    Trainer(config, progress=False).run()
+    lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [line["loss_scale"] for line in lines] == [65536.0] * 3
+    assert [line["skipped"] for line in lines] == [False] * 3

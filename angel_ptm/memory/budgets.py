@@ -59,3 +59,9 @@ def resolve_budgets(device_budget, host_budget, disk_budget, states_bytes: int, 
         if free < needed_on_disk:
             raise BudgetError("disk", needed_on_disk, free, what=f"model states in {disk_dir}")
     return budgets
+
+
+def device_reserve_pages(device_slots: int, state_pages: int, largest_layer_pages: int) -> int:
+    """Device slots kept free while pages are created: room for the largest layer to come up, unless the device
+    holds every state page (then nothing ever needs to come up)."""
+    return 0 if device_slots >= state_pages else largest_layer_pages
