@@ -32,6 +32,7 @@ from angel_ptm.schedule.trace import StepRecorder, StepTrace
 from angel_ptm.trace.recorder import TraceRecorder
 
 RESYNC_WINDOW = 64  # accesses searched ahead of the plan's position for an unexpected access
+EARLY_READS = 8  # accesses ahead whose planned disk reads may start early into free host slots
 
 
 class Communicator(Protocol):
@@ -55,11 +56,13 @@ class StepStats:
     skipped: int = 0  # planned moves with nothing to do (the page already where the plan wanted it)
     dropped: int = 0  # planned moves that could not start (the state differed from the plan)
     replanned: bool = False
+    early_reads: int = 0  # planned disk reads started before their time, into free host slots
 
     def as_dict(self) -> dict:
         return {"accesses": self.accesses, "stall_s": round(self.stall_s, 6), "stalls": self.stalls,
                 "schedule_s": round(self.schedule_s, 6), "deviations": self.deviations, "issued": self.issued,
-                "skipped": self.skipped, "dropped": self.dropped, "replanned": self.replanned}
+                "skipped": self.skipped, "dropped": self.dropped, "replanned": self.replanned,
+                "early_reads": self.early_reads}
 
 
 class Executor:
@@ -175,6 +178,7 @@ class Scheduler:
         self.stats = StepStats()
         self.last_stats = StepStats()
         self.plan_s = 0.0
+        self.early_reads = EARLY_READS
         self._keys: list[tuple] = []
         self._positions: dict[tuple, list[int]] = {}
         self._offsets: list[int] = []
@@ -216,7 +220,24 @@ class Scheduler:
             self.executor.submit(self.plan.ops_after[self._matched])
             self._cursor = self._matched + 1
         self.executor.pump(self._cursor, self._need_of)
+        if self._matched is not None and self.early_reads:
+            self._read_early(self._matched)
         self.stats.schedule_s += time.perf_counter() - t1
+
+    def _read_early(self, at: int) -> None:
+        """Start the disk reads planned a few accesses from now into host slots that are free anyway: no page is
+        evicted for them before their planned time, so the plan's moves stay what they are, only sooner."""
+        host = self.manager.pools[Tier.HOST]
+        ops_after, n = self.plan.ops_after, len(self.plan.ops_after)
+        for later in range(at + 1, min(n, at + 1 + self.early_reads)):
+            for op in ops_after[later]:
+                if host.free_slots <= 1:  # keep one slot for the copies and write-backs already planned
+                    return
+                if op.kind == "fetch" and op.src is Tier.DISK and op.dst is Tier.HOST:
+                    page = self.manager.pages[op.page]
+                    if page.state is PageState.DISK and not page.dead and not page.pin_count:
+                        self.manager.try_hop(page, Tier.HOST)
+                        self.stats.early_reads += 1
 
     def _need_of(self, serves: int) -> float:
         """The Belady clock's position of plan access `serves` (>= n: in the next step)."""
