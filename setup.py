@@ -11,6 +11,7 @@ ext = Pybind11Extension(
     "angel_ptm._native",
     sorted(glob.glob("native/*.cpp")),
     include_dirs=["native"],
+    depends=sorted(glob.glob("native/*.h")),  # a header change rebuilds the extension
     cxx_std=17,
     extra_compile_args=["-O3", "-pthread", "-fvisibility=hidden"],
     extra_link_args=["-pthread"],

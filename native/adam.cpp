@@ -15,24 +15,19 @@
 // No torch headers: buffers are raw addresses and sizes.
 #include <pybind11/pybind11.h>
 
-#include <unistd.h>
+#include "convert.h"
+#include "pool.h"
+
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
 #endif
 
 #include <algorithm>
-#include <atomic>
-#include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
-#include <functional>
-#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <thread>
-#include <vector>
 
 namespace py = pybind11;
 
@@ -47,6 +42,8 @@ namespace py = pybind11;
 
 namespace angel {
 namespace adam {
+
+using namespace convert;  // bf16_to_f32, f32_to_bf16, f16_to_f32, f32_to_f16
 
 enum class DType : int { None = 0, F32 = 1, BF16 = 2, F16 = 3 };
 enum class Isa : int { Scalar = 0, Avx2 = 1, Avx512 = 2 };
@@ -77,64 +74,6 @@ struct Buffers {
     DType out_dtype;
     bool stream_out;  // write `out` with non-temporal stores (it is only written, and too big to stay in cache)
 };
-
-// ------------------------------------------------------------------------------------------------ conversions ---
-static inline uint32_t f32_bits(float x) {
-    uint32_t b;
-    std::memcpy(&b, &x, 4);
-    return b;
-}
-static inline float bits_f32(uint32_t b) {
-    float x;
-    std::memcpy(&x, &b, 4);
-    return x;
-}
-
-static inline float bf16_to_f32(uint16_t h) { return bits_f32(static_cast<uint32_t>(h) << 16); }
-
-// Round to nearest even on the bit pattern; a NaN keeps its sign and top payload and is forced quiet, so it can
-// never round into an infinity.
-static inline uint16_t f32_to_bf16(float x) {
-    uint32_t b = f32_bits(x);
-    if ((b & 0x7FFFFFFFu) > 0x7F800000u) return static_cast<uint16_t>((b >> 16) | 0x0040u);
-    return static_cast<uint16_t>((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16);
-}
-
-static inline float f16_to_f32(uint16_t h) {
-    uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-    uint32_t exp = (h >> 10) & 0x1Fu;
-    uint32_t mant = h & 0x3FFu;
-    if (exp == 0) {  // zero or subnormal: mant * 2^-24, exact in fp32
-        float mag = static_cast<float>(mant) * 5.9604644775390625e-08f;
-        return bits_f32(f32_bits(mag) | sign);
-    }
-    if (exp == 31) return bits_f32(sign | 0x7F800000u | (mant << 13));
-    return bits_f32(sign | ((exp + 112u) << 23) | (mant << 13));
-}
-
-// IEEE round to nearest even, as F16C's vcvtps2ph: overflow to infinity, gradual underflow, NaN kept quiet.
-static inline uint16_t f32_to_f16(float x) {
-    uint32_t b = f32_bits(x);
-    uint32_t sign = (b >> 16) & 0x8000u;
-    uint32_t mag = b & 0x7FFFFFFFu;
-    if (mag >= 0x7F800000u)  // inf or NaN
-        return static_cast<uint16_t>(sign | (mag > 0x7F800000u ? 0x7E00u | ((mag >> 13) & 0x3FFu) : 0x7C00u));
-    if (mag >= 0x477FF000u) return static_cast<uint16_t>(sign | 0x7C00u);  // >= 65520 rounds up to infinity
-    if (mag < 0x38800000u) {                                             // below 2^-14: subnormal half or zero
-        if (mag < 0x33000000u) return static_cast<uint16_t>(sign);       // below 2^-25 (2^-25 itself ties to 0)
-        uint32_t e = mag >> 23;                                          // 102 .. 112
-        uint32_t m = (mag & 0x7FFFFFu) | 0x800000u;
-        uint32_t shift = 126u - e;                                       // 14 .. 24
-        uint32_t r = m >> shift;
-        uint32_t rem = m & ((1u << shift) - 1u);
-        uint32_t half = 1u << (shift - 1u);
-        if (rem > half || (rem == half && (r & 1u))) ++r;  // may carry into the smallest normal: still correct
-        return static_cast<uint16_t>(sign | r);
-    }
-    uint32_t r = mag - 0x38000000u;  // rebias the exponent from 127 to 15
-    r = (r + 0xFFFu + ((r >> 13) & 1u)) >> 13;
-    return static_cast<uint16_t>(sign | r);
-}
 
 // ----------------------------------------------------------------------------------------------- scalar update ---
 // One element, the reference for every variant. std::fma is what torch's vectorized lerp does (vec::fmadd).
@@ -429,188 +368,12 @@ static DType parse_dtype(const std::string& name, bool allow_none, const char* w
     throw std::invalid_argument(std::string(what) + " must be float32, bfloat16 or float16, got '" + name + "'");
 }
 
-// ------------------------------------------------------------------------------------------------- thread pool ---
-// A job is a function of the part index; the caller runs part 0 and workers the others. One job runs at a time
-// (callers from several Python threads queue on `submit_mutex_`). The optimizer calls once per page, back to back,
-// so a worker that finishes a part spins for a short while (kIdleSpin) watching for the next job before it sleeps
-// on the condition variable: a futex wake-up costs tens of microseconds in a VM, a sizeable part of a 1 MiB page.
-static inline void cpu_relax() {
-#ifdef ANGEL_HAVE_X86
-    _mm_pause();
-#endif
-}
 
-class Pool {
-  public:
-    static constexpr std::chrono::microseconds kIdleSpin{200};
-
-    explicit Pool(int threads) : tickets_(static_cast<size_t>(std::max(threads, 1))) {
-        for (int k = 1; k < threads; ++k) workers_.emplace_back([this, k] { worker_loop(k); });
-    }
-    ~Pool() {
-        {
-            std::lock_guard<std::mutex> lock(mutex_);
-            stopping_.store(true);
-        }
-        wake_.notify_all();
-        for (auto& t : workers_) t.join();
-    }
-    int threads() const { return static_cast<int>(workers_.size()) + 1; }
-
-    void run(int parts, const std::function<void(int)>& job) {
-        std::lock_guard<std::mutex> serial(submit_mutex_);
-        parts = std::min(parts, threads());
-        if (parts <= 1) {
-            job(0);
-            return;
-        }
-        // Worker k runs part k when its own ticket moves. A worker left out of this job sees nothing, so it cannot
-        // pick up a later job's state half-written; job_ is not touched again before every part has reported.
-        job_ = &job;
-        pending_.store(parts - 1, std::memory_order_relaxed);
-        bool sleepers;
-        {
-            std::lock_guard<std::mutex> lock(mutex_);  // orders the tickets against a worker going to sleep
-            for (int k = 1; k < parts; ++k) tickets_[k].value.fetch_add(1, std::memory_order_release);
-            sleepers = sleepers_ > 0;
-        }
-        if (sleepers) wake_.notify_all();
-        job(0);
-        // The workers' parts take as long as ours: a short spin catches most finishes without a sleep/wake round.
-        for (int spin = 0; spin < 4000 && pending_.load(std::memory_order_acquire) != 0; ++spin) cpu_relax();
-        if (pending_.load(std::memory_order_acquire) != 0) {
-            std::unique_lock<std::mutex> lock(mutex_);
-            done_.wait(lock, [this] { return pending_.load(std::memory_order_acquire) == 0; });
-        }
-    }
-
-  private:
-    struct alignas(64) Ticket {  // one cache line each: workers poll their own
-        std::atomic<uint64_t> value{0};
-    };
-
-    // Waits until worker `index`'s ticket differs from `seen` (or shutdown): spinning first, then asleep.
-    uint64_t next_ticket(int index, uint64_t seen) {
-        std::atomic<uint64_t>& ticket = tickets_[index].value;
-        auto deadline = std::chrono::steady_clock::now() + kIdleSpin;
-        for (int spin = 0;; ++spin) {
-            uint64_t now = ticket.load(std::memory_order_acquire);
-            if (now != seen || stopping_.load(std::memory_order_relaxed)) return now;
-            if ((spin & 63) == 63 && std::chrono::steady_clock::now() > deadline) break;
-            cpu_relax();
-        }
-        std::unique_lock<std::mutex> lock(mutex_);
-        ++sleepers_;
-        wake_.wait(lock, [&] { return stopping_.load() || ticket.load(std::memory_order_acquire) != seen; });
-        --sleepers_;
-        return ticket.load(std::memory_order_acquire);
-    }
-
-    void worker_loop(int index) {
-        uint64_t seen = 0;
-        for (;;) {
-            seen = next_ticket(index, seen);
-            if (stopping_.load()) return;
-            (*job_)(index);
-            if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-                std::lock_guard<std::mutex> lock(mutex_);  // pairs with the caller's predicate check
-                done_.notify_one();
-            }
-        }
-    }
-
-    std::vector<std::thread> workers_;
-    std::vector<Ticket> tickets_;
-    std::mutex submit_mutex_;
-    std::mutex mutex_;
-    std::condition_variable wake_, done_;
-    const std::function<void(int)>* job_ = nullptr;  // written before the tickets move, read after
-    std::atomic<int> pending_{0};
-    std::atomic<bool> stopping_{false};
-    int sleepers_ = 0;  // guarded by mutex_
-};
-
-static int default_threads() {
-    unsigned n = std::thread::hardware_concurrency();
-    return n == 0 ? 1 : static_cast<int>(n);
-}
-
-static std::mutex g_pool_mutex;
-static std::shared_ptr<Pool> g_pool;
-static pid_t g_pool_pid = 0;
-static int g_threads = 0;  // 0: not chosen yet, default_threads() on first use
-
-// A forked child (a DataLoader worker, say) inherits the pool object but none of its threads: it must neither wait
-// for them nor join them, so the inherited pool is abandoned (leaked) and the child builds its own.
-static void drop_inherited_pool() {
-    if (g_pool && g_pool_pid != getpid()) new std::shared_ptr<Pool>(std::move(g_pool));
-}
-
-static std::shared_ptr<Pool> pool() {
-    std::lock_guard<std::mutex> lock(g_pool_mutex);
-    drop_inherited_pool();
-    if (!g_pool) {
-        if (g_threads == 0) g_threads = default_threads();
-        g_pool = std::make_shared<Pool>(g_threads);
-        g_pool_pid = getpid();
-    }
-    return g_pool;
-}
-
-static void set_threads(int threads) {
-    if (threads < 1) throw std::invalid_argument("adam threads must be >= 1, got " + std::to_string(threads));
-    std::shared_ptr<Pool> old;
-    {
-        std::lock_guard<std::mutex> lock(g_pool_mutex);
-        drop_inherited_pool();
-        if (threads == g_threads && g_pool) return;
-        g_threads = threads;
-        old = std::move(g_pool);  // a call in flight keeps its pool alive until it returns
-    }
-}
-
-static int get_threads() {
-    std::lock_guard<std::mutex> lock(g_pool_mutex);
-    return g_threads == 0 ? default_threads() : g_threads;
-}
-
-// Below this many elements a call runs on the calling thread alone: waking workers costs more than it saves.
-static constexpr size_t kMinParallel = 1 << 15;
 // From this size of `out` on, it is written with streaming stores: it is not read by the update, so a normal store
 // would first read every line of it from memory (and then evict the states the next call may want).
 static constexpr size_t kStreamOutBytes = 1 << 20;
-// Split points are multiples of this many elements, so every thread's range starts on a cache line of every buffer.
-static constexpr size_t kSplitAlign = 64;
-// Work is handed out in chunks of about n / (threads * kChunksPerThread) elements, never below kMinChunk (a 64 KiB
-// run of each fp32 buffer).
-static constexpr size_t kMinChunk = 1 << 14;
-static constexpr size_t kChunksPerThread = 4;
 
-// Runs body(begin, end) over [0, n) on the pool. The range is cut into contiguous chunks (a few per thread, each
-// long enough for the hardware prefetchers to stream every buffer) that the threads claim in order: on a dedicated
-// machine that is a static split, and when another process takes a core for a while, the other threads take over
-// its chunks instead of waiting for it.
-template <class Body>
-static void parallel_ranges(size_t n, const Body& body) {
-    if (n == 0) return;
-    std::shared_ptr<Pool> p = pool();
-    int threads = n < kMinParallel ? 1 : p->threads();
-    if (threads == 1) {
-        body(0, n);
-        return;
-    }
-    size_t chunk = std::max(kMinChunk, n / (static_cast<size_t>(threads) * kChunksPerThread));
-    chunk = (chunk + kSplitAlign - 1) / kSplitAlign * kSplitAlign;
-    size_t chunks = (n + chunk - 1) / chunk;
-    std::atomic<size_t> next{0};
-    std::function<void(int)> job = [&](int) {
-        for (size_t k = next.fetch_add(1, std::memory_order_relaxed); k < chunks;
-             k = next.fetch_add(1, std::memory_order_relaxed)) {
-            body(k * chunk, std::min(n, (k + 1) * chunk));
-        }
-    };
-    p->run(static_cast<int>(std::min<size_t>(chunks, static_cast<size_t>(threads))), job);
-}
+using parallel::parallel_ranges;
 
 static void step(Buffers b, const Consts& c, size_t n, Isa isa) {
     Kernel kernel = pick_kernel(isa, b.grad_dtype, b.out_dtype);
@@ -691,9 +454,9 @@ void register_adam(py::module_& m) {
         if (isa == "avx512") return A::isa_supported(A::Isa::Avx512);
         return false;
     });
-    m.def("adam_set_threads", &A::set_threads, py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
+    m.def("adam_set_threads", &angel::parallel::set_threads, py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
           "Threads (the caller included) that split each adam_step; the pool is rebuilt on the next call.");
-    m.def("adam_threads", &A::get_threads);
+    m.def("adam_threads", &angel::parallel::get_threads);
     m.def(
         "stream_scale",
         [](uintptr_t x, size_t n, double factor, const std::string& isa) {
