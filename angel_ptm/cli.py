@@ -44,12 +44,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def add_job_arguments(parser: argparse.ArgumentParser, example: str) -> None:
+    """CONFIG and --set KEY=VALUE: how every command that reads a job names it (load_job_config reads them)."""
+    parser.add_argument("config", nargs="?", metavar="CONFIG",
+                        help="YAML config file (default: the packaged configs/default.yaml)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help=f"override one config value, e.g. --set {example} (repeatable)")
+
+
 def add_train_command(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser("train", help="train a model", description="Train a model from a YAML config.")
-    train.add_argument("config", nargs="?", metavar="CONFIG",
-                       help="YAML config file (default: the packaged configs/default.yaml)")
-    train.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                       help="override one config value, e.g. --set optimizer.lr=3e-4 (repeatable)")
+    add_job_arguments(train, example="optimizer.lr=3e-4")
     train.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
     train.set_defaults(handler=run_train)
 
@@ -60,10 +65,7 @@ def add_estimate_command(commands: argparse._SubParsersAction) -> None:
         description="Before anything is allocated: per rank, the pages and bytes of each state kind, the resolved "
                     "budgets, the activation peak, pinned host memory, disk space, and per tier the bytes needed, "
                     "the budget and the expected peak in use. Exits 0 if the job fits, 2 with the reason if not.")
-    estimate.add_argument("config", nargs="?", metavar="CONFIG",
-                          help="YAML config file (default: the packaged configs/default.yaml)")
-    estimate.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                          help="override one config value, e.g. --set memory.host_budget=8GiB (repeatable)")
+    add_job_arguments(estimate, example="memory.host_budget=8GiB")
     estimate.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     estimate.set_defaults(handler=run_estimate)
 

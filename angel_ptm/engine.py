@@ -25,6 +25,9 @@ from angel_ptm.estimate import compute_dtype, creation_order, estimate_job
 from angel_ptm.io import create_engine
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
 from angel_ptm.memory.budgets import device_reserve_pages, resolve_budgets
+from angel_ptm.memory.layout import TensorSlot
+from angel_ptm.memory.materialize import (MaterializeReport, has_meta_parameters, materialize_buffers,
+                                          materialize_parameters)
 from angel_ptm.optim import PagedAdamW
 from angel_ptm.optim.loss_scaler import LossScaler
 from angel_ptm.schedule import Scheduler
@@ -97,8 +100,6 @@ class Engine:
         self._copy_parameters_into_pages()
         if self.compute_dtype is not None:
             self._cast_master_into_parameters()
-        from angel_ptm.memory.materialize import materialize_buffers  # (local import: engine.py is shared)
-
         materialize_buffers(model, self.device)  # buffers built on the meta device (GPT's RoPE tables)
         for buffer_name, buffer in list(model.named_buffers()):
             module_name, _, leaf = buffer_name.rpartition(".")
@@ -161,8 +162,6 @@ class Engine:
         """Parameter values into their param pages (the fp32 master pages under mixed precision). A model built on
         the meta device is materialized straight into them, a module at a time (memory/materialize.py says with
         which values); `meta_init` reports how."""
-        from angel_ptm.memory.layout import TensorSlot
-        from angel_ptm.memory.materialize import MaterializeReport, has_meta_parameters, materialize_parameters
 
         kind = "master" if "master" in self.pages else "param"
 

@@ -10,67 +10,17 @@ it was, with its data untouched, and raises the typed error.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
-import enum
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Sequence
 
 import torch
 
 from angel_ptm.errors import BudgetError, ChecksumError, PageIOError
 from angel_ptm.memory.device import Copier
+from angel_ptm.memory.moves import AccessObserver, Hop, Move, Prefetch
 from angel_ptm.memory.page import RESTING_STATE, Page, PageState, Tier
 from angel_ptm.memory.policy import LRUPolicy, Policy
 from angel_ptm.memory.tiers import BufferPool, DiskTier
 from angel_ptm.trace.recorder import TraceRecorder
-
-
-@dataclass
-class Move:
-    """One page crossing one tier boundary. `complete()` waits for the transfer and settles the page's state."""
-
-    page: Page
-    src: Tier
-    dst: Tier
-    handle: object  # IOHandle or CopyHandle
-    new_buffer: torch.Tensor | None
-    finish: Callable[["Move"], None]
-    started: float = 0.0  # trace clock when the move was issued
-
-    def done(self) -> bool:
-        return self.handle.done()
-
-
-class Prefetch:
-    """Handle for moves started by `PageManager.prefetch`; `wait()` settles them (and finishes staged moves)."""
-
-    def __init__(self, manager: "PageManager", pages: list[Page], tier: Tier):
-        self._manager, self.pages, self.tier = manager, pages, tier
-
-    def done(self) -> bool:
-        return all(not p.state.in_flight or self._manager._moves[p.id].done() for p in self.pages)
-
-    def wait(self) -> None:
-        self._manager._bring(self.pages, self.tier)
-
-
-class AccessObserver(Protocol):
-    """What the scheduler sees of the manager: every labelled acquire and every dirty release."""
-
-    def before_acquire(self, pages: Sequence[Page], tier: Tier, label: str) -> None: ...
-
-    def after_acquire(self, pages: Sequence[Page], tier: Tier, label: str, waited: bool) -> None: ...
-
-    def on_dirty(self, pages: Sequence[Page]) -> None: ...
-
-    def on_discard(self, pages: Sequence[Page]) -> None: ...
-
-
-class Hop(enum.Enum):
-    """What `try_hop` did with one page: started a move, had nothing to do, or must wait for room / a move."""
-
-    STARTED = "started"
-    NOTHING = "nothing"
-    BLOCKED = "blocked"
 
 
 class PageManager:
@@ -267,6 +217,16 @@ class PageManager:
         for page in finished:
             self._wait_move(page)
         return len(finished)
+
+    @property
+    def pinned_ids(self) -> set[int]:
+        """Ids of the pages pinned now (read-only view for the scheduler's trace)."""
+        return self._pinned
+
+    def moving(self, page: Page) -> bool:
+        """The page is on its way between tiers and the transfer has not finished yet."""
+        move = self._moves.get(page.id)
+        return move is not None and not move.done()
 
     @property
     def moves_in_flight(self) -> int:

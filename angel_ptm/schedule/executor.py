@@ -125,7 +125,7 @@ class Executor:
                 else:
                     self.counts["issued" if result is Hop.STARTED else "skipped"] += 1
                 continue
-            if page.pin_count or (page.state.in_flight and not manager._moves[page.id].done()):
+            if page.pin_count or manager.moving(page):
                 kept.append(op)  # in use, or the previous hop is still under way: later moves go ahead
                 continue
             may_evict = need is not None and manager.leaving(op.dst) <= waiting[op.dst]
@@ -193,7 +193,7 @@ class Scheduler:
             return
         t0 = time.perf_counter()
         ids = tuple(p.id for p in pages)
-        self.recorder.record(label, ids, tier, self.manager._pinned, self.activation_bytes())
+        self.recorder.record(label, ids, tier, self.manager.pinned_ids, self.activation_bytes())
         self.stats.accesses += 1
         self._matched = None
         if self.plan is not None:

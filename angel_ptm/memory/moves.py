@@ -1,0 +1,64 @@
+"""The vocabulary of page moves: one move in flight, a prefetch handle, what `try_hop` did, and the observer the
+PageManager reports accesses to (the scheduler)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+
+import torch
+
+from angel_ptm.memory.page import Page, Tier
+
+if TYPE_CHECKING:
+    from angel_ptm.memory.manager import PageManager
+
+
+@dataclass
+class Move:
+    """One page crossing one tier boundary. `complete()` waits for the transfer and settles the page's state."""
+
+    page: Page
+    src: Tier
+    dst: Tier
+    handle: object  # IOHandle or CopyHandle
+    new_buffer: torch.Tensor | None
+    finish: Callable[["Move"], None]
+    started: float = 0.0  # trace clock when the move was issued
+
+    def done(self) -> bool:
+        return self.handle.done()
+
+
+class Prefetch:
+    """Handle for moves started by `PageManager.prefetch`; `wait()` settles them (and finishes staged moves)."""
+
+    def __init__(self, manager: "PageManager", pages: list[Page], tier: Tier):
+        self._manager, self.pages, self.tier = manager, pages, tier
+
+    def done(self) -> bool:
+        return not any(self._manager.moving(p) for p in self.pages)
+
+    def wait(self) -> None:
+        self._manager._bring(self.pages, self.tier)
+
+
+class AccessObserver(Protocol):
+    """What the scheduler sees of the manager: every labelled acquire and every dirty release."""
+
+    def before_acquire(self, pages: Sequence[Page], tier: Tier, label: str) -> None: ...
+
+    def after_acquire(self, pages: Sequence[Page], tier: Tier, label: str, waited: bool) -> None: ...
+
+    def on_dirty(self, pages: Sequence[Page]) -> None: ...
+
+    def on_discard(self, pages: Sequence[Page]) -> None: ...
+
+
+class Hop(enum.Enum):
+    """What `try_hop` did with one page: started a move, had nothing to do, or must wait for room / a move."""
+
+    STARTED = "started"
+    NOTHING = "nothing"
+    BLOCKED = "blocked"
