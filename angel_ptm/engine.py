@@ -221,13 +221,20 @@ class Engine:
         self._eager_now = self._eager_allowed and self._micro == self._grad_accum and self.model.training
         if self._eager_now:
             self.optimizer.begin_step()
-            self._pending_slots = [len(set(names)) for names in self.optimizer.slot_names_on_page]
+            self._pending_slots = list(self._tensors_per_page)
             self._ready_slots = set()
         try:
             (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
         finally:
             self._eager_now = False
             self.binder.end_backward()
+
+    @property
+    def _tensors_per_page(self) -> list[int]:
+        """Distinct tensors on each page (computed once: every last micro-batch starts from it)."""
+        if not hasattr(self, "_tensors_per_page_cache"):
+            self._tensors_per_page_cache = [len(set(names)) for names in self.optimizer.slot_names_on_page]
+        return self._tensors_per_page_cache
 
     def _grad_ready(self, slot) -> None:
         """A tensor's gradient is final (last micro-batch): update each of its pages whose gradients all are."""
