@@ -9,8 +9,9 @@ In one run, interleaved repeat by repeat so that both see the same disk weather:
 - raw: the same bytes written (and fsynced) then read in page-sized units by a plain O_DIRECT loop of `--threads`
   Python threads (os.pwritev / os.preadv release the GIL) on a file of its own in the same directory — no
   checksums, no bookkeeping. Its buffers come from the same allocator as the host tier's slab (aligned_empty:
-  transparent huge pages for large CPU buffers), so both transfer into the same kind of memory. The fsync in both write phases keeps a virtual disk's write-back cache from flattering
-  one write phase and slowing the read phase that follows it;
+  transparent huge pages for large CPU buffers), so both transfer into the same kind of memory. The fsync in
+  both write phases keeps a virtual disk's write-back cache from flattering one write phase and slowing the read
+  phase that follows it;
 - fio (if installed): the same sizes, psync engine, direct=1, `--threads` jobs;
 - DeepSpeed's aio_handle (if it is installed and its op builds): tools/bench/peers/deepspeed_aio.py.
 The last line is one JSON object: read/write GB/s (1e9 bytes/s, medians) and the ratios angel / raw.
