@@ -90,6 +90,8 @@ class ParamBinder:
         self._has_grad: set[str] = set()
         self.without_grad: set[str] = set()  # tensors no gradient reached in the step being settled
         self.on_grad_ready = None  # called with a TensorSlot once its gradient of this backward is in its pages
+        self.before_grad_write = None  # called with a TensorSlot before its gradient is written into its pages
+        self.before_module_forward = None  # called before each parameter-owning module's forward
         # A dead gradient page comes back with only its padding zeroed: every tensor's region is overwritten by
         # its first gradient (or zeroed by settle_grads) before anything reads it.
         self._padding = _padding_ranges(layout)
@@ -127,6 +129,8 @@ class ParamBinder:
 
     # ------------------------------------------------------------------ forward
     def _before_forward(self, module: nn.Module, _args) -> None:
+        if self.before_module_forward is not None:
+            self.before_module_forward()
         pages = self.module_pages(module)
         self.manager.acquire(pages, Tier.DEVICE, label=f"fwd:{self.module_names[module]}")
         self._pinned_by_module.setdefault(id(module), []).extend(pages)
@@ -202,6 +206,8 @@ class ParamBinder:
         self._enter_node()
         slot = self.slots[id(param)]
         grad = param.grad.reshape(-1)
+        if self.before_grad_write is not None:
+            self.before_grad_write(slot)
         pages = [self.grad_pages[s.page] for s in slot.segments]
         self.manager.acquire(pages, Tier.DEVICE, label=f"grad:{slot.name}")
         first = slot.name not in self._has_grad

@@ -29,6 +29,7 @@ from angel_ptm.memory.layout import TensorSlot
 from angel_ptm.memory.materialize import (MaterializeReport, has_meta_parameters, materialize_buffers,
                                           materialize_parameters)
 from angel_ptm.optim import PagedAdamW
+from angel_ptm.optim.delayed import DelayedUpdates
 from angel_ptm.optim.loss_scaler import LossScaler
 from angel_ptm.schedule import Scheduler
 from angel_ptm.trace import TraceRecorder
@@ -98,7 +99,7 @@ class Engine:
                                                       tier=self._tier_with_room())
                              for i in range(n_pages)] for kind in self.kinds}
         self._copy_parameters_into_pages()
-        if self.compute_dtype is not None:
+        if "master" in self.pages:
             self._cast_master_into_parameters()
         materialize_buffers(model, self.device)  # buffers built on the meta device (GPT's RoPE tables)
         for buffer_name, buffer in list(model.named_buffers()):
@@ -115,12 +116,14 @@ class Engine:
         self.loss_scaler = LossScaler.from_config(config.optimizer) if tcfg.dtype == "float16" else None
         self.binder.check_finite = self.loss_scaler is not None
         self.last_step_skipped = False
+        self.staleness = config.optimizer.staleness
         self._eager_allowed = (mem.scheduler == "planned" and config.optimizer.overlap_updates
-                               and not tcfg.grad_clip and self.loss_scaler is None)
+                               and not tcfg.grad_clip and self.loss_scaler is None and self.staleness == 0)
         self._micro = 0  # backward passes since the last optimizer step
         self._eager_now = False
         self._pending_slots: list[int] = []
         self._ready_slots: set[str] = set()
+        self._final_order: list[int] = []  # page indices in the order their gradients became final (last backward)
         self.binder.on_grad_ready = self._grad_ready
         self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
                                    activation_bytes=lambda: self.binder.activation_bytes, trace=self.trace)
@@ -132,7 +135,14 @@ class Engine:
                               self.manager.pools[update_tier].capacity * page_bytes,
                               what=f"the optimizer update (one page each of {', '.join(sorted(self.kinds))})")
         self.optimizer = PagedAdamW(self.manager, self.layout, self.pages, opt.lr, opt.betas, opt.eps,
-                                    opt.weight_decay, update_tier)
+                                    opt.weight_decay, update_tier, write_params=self.staleness == 0)
+        # optimizer.staleness 1: update t runs during step t+1 (optim/delayed.py), a share before each module's
+        # forward, a group at the latest before step t+1 writes its gradient page.
+        self.delayed: DelayedUpdates | None = None
+        if self.staleness == 1:
+            self.delayed = DelayedUpdates(self.optimizer, self._publish, len(self.binder.module_params))
+            self.binder.before_module_forward = self._before_module_forward
+            self.binder.before_grad_write = self._before_grad_write
 
     # ------------------------------------------------------------------ set-up
     def _update_tier(self, n_state_pages: int, group: int = 4) -> Tier:
@@ -194,6 +204,8 @@ class Engine:
             compute.copy_(master.view(self.layout.state_dtype(index)))  # round to nearest even
             self.manager.release([master])
             self.manager.release([param], dirty=True)
+        if self.compute_dtype is None:  # fp32 under optimizer.staleness 1: the copy is all there is to do
+            return
         with torch.no_grad():
             for param in self.model.parameters():
                 if param.is_floating_point() and param.dtype != self.compute_dtype:
@@ -213,16 +225,21 @@ class Engine:
         scheduler and no clipping, each page group is updated as soon as all its gradients are in. With fp16 the
         loss is multiplied by the loss scale first (the update divides the gradients by it)."""
         self._micro += 1
-        if self._micro > self._grad_accum and self.optimizer.updated_this_step:
+        if self._micro > self._grad_accum and self._eager_allowed and self.optimizer.updated_this_step:
             raise ConfigValueError(
                 f"trainer.grad_accum: backward called {self._micro} times before step(), but trainer.grad_accum "
                 f"is {self._grad_accum} and parameters were already updated at that boundary; set it to the "
                 f"number of micro-batches per step (or optimizer.overlap_updates: false)")
-        self._eager_now = self._eager_allowed and self._micro == self._grad_accum and self.model.training
+        last = self._micro == self._grad_accum and self.model.training
+        # In the last micro-batch each page's gradients become final at some point of backward: then its group is
+        # updated (staleness 0, eager) or its param page takes the delayed update's master (staleness 1).
+        self._eager_now = last and (self._eager_allowed or self.delayed is not None)
         if self._eager_now:
-            self.optimizer.begin_step()
+            if self.delayed is None:
+                self.optimizer.begin_step()
             self._pending_slots = list(self._tensors_per_page)
             self._ready_slots = set()
+            self._final_order = []
         try:
             (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
         finally:
@@ -244,10 +261,43 @@ class Engine:
         for index in dict.fromkeys(seg.page for seg in slot.segments):
             self._pending_slots[index] -= 1
             if self._pending_slots[index] == 0:
-                self.optimizer.update_group(index)
+                self._final_order.append(index)
+                if self.delayed is not None:
+                    self.delayed.publish(index)
+                else:
+                    self.optimizer.update_group(index)
+
+    def _before_module_forward(self) -> None:
+        """staleness 1: a share of the pending update before each module's forward (training steps only)."""
+        if self.delayed.pending and self.model.training and torch.is_grad_enabled():
+            self.delayed.run_some()
+
+    def _before_grad_write(self, slot) -> None:
+        """staleness 1: the pending update of a page reads its gradient before this step's overwrites it."""
+        for seg in slot.segments:
+            self.delayed.run(seg.page)
+
+    def _publish(self, index: int) -> None:
+        """Param page `index` takes the values of its master page (rounded to the compute dtype)."""
+        master, param = self.pages["master"][index], self.pages["param"][index]
+        # On the update's tier, whatever the pages' tiers now (a device copy serves a host access): the access is
+        # the same every step, so the scheduler's plan holds.
+        self.manager.acquire([master, param], self.optimizer.update_tier, label="opt:publish")
+        param.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)].copy_(
+            master.view(self.layout.state_dtype(index)))
+        self.manager.release([master])
+        self.manager.release([param], dirty=True)
+
+    def flush(self) -> None:
+        """staleness 1: finish the pending update and put its result in the parameters (the end of training, or
+        before reading the final weights); the next step then computes with them. A no-op with staleness 0."""
+        if self.delayed is not None:
+            self.delayed.publish_all()
 
     def clip_grad_norm(self, max_norm: float) -> float:
-        if self.optimizer.updated_this_step:
+        if self.delayed is not None:
+            self.delayed.finish()  # update t has read its gradients; the norm reads step t+1's
+        elif self.optimizer.updated_this_step:
             raise ConfigValueError(
                 "trainer.grad_clip: clip_grad_norm was called after pages were already updated during backward; "
                 "set trainer.grad_clip so the engine waits for the norm (or optimizer.overlap_updates: false)")
@@ -266,17 +316,28 @@ class Engine:
     def step(self) -> None:
         """The optimizer step over every page, then gradients zeroed (the next backward overwrites them). With fp16
         loss scaling, a step whose gradients overflowed is skipped whole and the loss scale adjusted."""
+        if self.delayed is not None:  # update t-1 done and in the parameters before update t is opened
+            self.delayed.publish_all()
         self.binder.settle_grads()
-        if self.loss_scaler is None:
-            self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)
-        else:
+        if self.loss_scaler is not None:
             self.last_step_skipped = self.binder.take_overflow()
-            if self.last_step_skipped:  # nothing updated: parameters, master weights, moments and step counts stay
+        if self.last_step_skipped:  # nothing updated: parameters, master weights, moments and step counts stay
+            if self.delayed is None:
                 self.optimizer.skip_step()
-                self.manager.discard(self.pages["grad"])  # dead: never written back
             else:
+                self.optimizer.grad_scale = 1.0
+            self.manager.discard(self.pages["grad"])  # dead: never written back
+        else:
+            if self.loss_scaler is not None:
                 self.optimizer.scale_grads(1.0 / self.loss_scaler.scale)  # folded into the update's gradient read
+            if self.delayed is not None:
+                # The order this step's gradients became final: step t+1 writes them in about that order again.
+                final = dict.fromkeys(self._final_order)
+                order = list(final) + [i for i in range(self.layout.n_pages) if i not in final]
+                self.delayed.enqueue(order, self.binder.without_grad)
+            else:
                 self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)
+        if self.loss_scaler is not None:
             self.loss_scaler.update(self.last_step_skipped)
         self.binder.start_new_step()
         self._micro = 0
@@ -297,7 +358,7 @@ class Engine:
         return order
 
     def zero_grad(self) -> None:
-        if self.optimizer.updated_this_step:
+        if self.delayed is None and self.optimizer.updated_this_step:
             raise ConfigValueError("zero_grad: pages were already updated during this step's backward; "
                                    "call step() to finish it")
         self.binder.start_new_step()

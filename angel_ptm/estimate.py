@@ -43,7 +43,8 @@ from angel_ptm.models import GPT, build_model, estimate_activation_bytes
 
 CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # engine.STATE_KINDS: the order pages are created in
 # Mixed precision (trainer.dtype bfloat16/float16): fp32 master weights get pages of their own, created with the
-# other optimizer-only kinds (colder than the parameters and gradients the forward and backward touch).
+# other optimizer-only kinds (colder than the parameters and gradients the forward and backward touch). So do fp32
+# weights under optimizer.staleness 1: the delayed update writes the master while the step computes with the params.
 MIXED_CREATION_ORDER = ("exp_avg_sq", "exp_avg", "master", "grad", "param")
 UPDATE_GROUP = 4  # pages one optimizer update pins at once: param, grad, exp_avg, exp_avg_sq of one index (fp32)
 DISK_GROWTH_SLOTS = 16  # DiskTier.growth_slots: slots a kind's page file grows by past its reservation
@@ -103,6 +104,7 @@ class Estimate:
     start_pages: dict  # tier -> pages resting there once every page is created
     tiers: dict  # tier -> TierEstimate
     problems: tuple = field(default=())
+    master_note: str = "param and grad pages hold bf16/fp16 in half their bytes"
 
     @property
     def fits(self) -> bool:
@@ -133,7 +135,7 @@ class Estimate:
             lines.append(f"    {kind:<11} {self.n_pages:>6} pages  {format_bytes(self.kind_bytes[kind]):>10}")
         if self.master_extra_bytes:
             lines.append(f"    {'master':<11} {self.n_pages:>6} pages  {format_bytes(self.master_extra_bytes):>10}"
-                         f"  (fp32; param and grad pages hold bf16/fp16 in half their bytes)")
+                         f"  (fp32; {self.master_note})")
         else:
             lines.append(f"    {'master':<11} {0:>6} extra  {format_bytes(self.master_extra_bytes):>10}"
                          f"  (fp32 parameters are the master weights)")
@@ -163,7 +165,8 @@ class Estimate:
 
 def creation_order(config: Config) -> tuple[str, ...]:
     """The page kinds of the job, in the order the engine creates them (one optimizer update pins one of each)."""
-    return CREATION_ORDER if config.trainer.dtype == "float32" else MIXED_CREATION_ORDER
+    separate_master = config.trainer.dtype != "float32" or config.optimizer.staleness == 1
+    return MIXED_CREATION_ORDER if separate_master else CREATION_ORDER
 
 
 def compute_dtype(config: Config) -> Optional[torch.dtype]:
@@ -273,6 +276,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         host_ram_needed=host_ram, host_ram_available=ram_available, disk_dir=disk_dir,
         start_pages={"device": start.device, "host": start.host, "disk": start.disk},
         tiers=tiers, problems=tuple(problems),
+        **({"master_note": "optimizer.staleness 1: the delayed update writes it while a step computes with the "
+                           "param pages"} if config.trainer.dtype == "float32" and "master" in kinds else {}),
     )
 
 

@@ -119,6 +119,8 @@ class Trainer:
                 trace.interval("compute", f"step {step}", t_compute, trace.now())
                 grad_norm = engine.clip_grad_norm(tcfg.grad_clip) if tcfg.grad_clip else None
                 engine.step()
+                if step == tcfg.steps and hasattr(engine, "flush"):
+                    engine.flush()  # optimizer.staleness 1: the last update lands in the parameters too
 
                 step_s = time.perf_counter() - t_start
                 train_seconds += step_s

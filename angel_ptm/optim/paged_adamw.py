@@ -21,9 +21,10 @@ from angel_ptm.optim.fused_adam import fused_adamw_
 class PagedAdamW:
     def __init__(self, manager: PageManager, layout: PageLayout, pages: dict[str, list[Page]], lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, update_tier: Tier,
-                 fused: bool = True):
+                 fused: bool = True, write_params: bool = True):
         self.manager, self.layout, self.pages = manager, layout, pages
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.step_lr = lr  # the learning rate of the open step (taken when it opens: a delayed update keeps its own)
         self.update_tier = update_tier
         self.step_count = 0
         self.page_dtypes = layout.page_dtypes
@@ -42,8 +43,14 @@ class PagedAdamW:
         self.slot_steps = {slot.name: 0 for slot in layout.slots}  # steps each tensor took (torch's state["step"])
         self.grad_scale = 1.0  # applied to every gradient this step (clipping), reset when the step closes
         self.use_fused = fused  # CPU-resident groups: the fused native Adam (angel_ptm.optim.fused_adam)
-        self.mixed = "master" in pages  # fp32 master pages next to bf16/fp16 param and grad pages
-        self.group_kinds = ("param", "grad", "exp_avg", "exp_avg_sq") + (("master",) if self.mixed else ())
+        self.mixed = "master" in pages  # fp32 master pages next to the param pages the model computes with
+        # write_params False (optimizer.staleness 1): the update writes only the master; the engine copies it into
+        # the param pages later, once the step that still computes with the old parameters is done with them.
+        if not write_params and not self.mixed:
+            raise ValueError("write_params=False needs master pages: the parameters are the master otherwise")
+        self.write_params = write_params
+        self.group_kinds = (("param",) if write_params else ()) + ("grad", "exp_avg", "exp_avg_sq") + \
+            (("master",) if self.mixed else ())
 
     def _scratch(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
         key = (like.device, like.dtype, slot)
@@ -86,6 +93,10 @@ class PagedAdamW:
         for index in indices:
             if index not in self._updated:
                 self.update_group(index, without_grad)
+        self.end_step()
+
+    def end_step(self) -> None:
+        """Close the open step (every page group of it updated, or deliberately left as it is)."""
         self._in_step = False
         self.grad_scale = 1.0
 
@@ -105,6 +116,7 @@ class PagedAdamW:
         if not self._in_step:
             self._in_step = True
             self.step_count += 1
+            self.step_lr = self.lr
             self._updated: set[int] = set()
             self._stepped: set[str] = set()
 
@@ -124,14 +136,15 @@ class PagedAdamW:
             if name not in without_grad and name not in self._stepped:
                 self._stepped.add(name)
                 self.slot_steps[name] += 1
-        group = [self.pages[kind][index] for kind in self.group_kinds]
-        self.manager.acquire(group, self.update_tier, label="opt:update")
+        group = {kind: self.pages[kind][index] for kind in self.group_kinds}
+        self.manager.acquire(list(group.values()), self.update_tier, label="opt:update")
         dtype = self.page_dtypes[index]
         if dtype.is_floating_point:
             page_numel, state_dtype = self.layout.page_numel(index), self.layout.state_dtype(index)
-            param, grad = (p.view(dtype)[:page_numel] for p in group[:2])  # bf16/fp16 pages: their first half
-            exp_avg, exp_avg_sq = (p.view(state_dtype) for p in group[2:4])
-            master, copy = (group[4].view(state_dtype), param) if self.mixed else (param, None)
+            grad = group["grad"].view(dtype)[:page_numel]  # bf16/fp16 pages: their first half
+            exp_avg, exp_avg_sq = group["exp_avg"].view(state_dtype), group["exp_avg_sq"].view(state_dtype)
+            param = group["param"].view(dtype)[:page_numel] if self.write_params else None
+            master, copy = (group["master"].view(state_dtype), param) if self.mixed else (param, None)
             steps = {self.slot_steps[name] for name, _, _ in slots}
             if len(steps) == 1 and not any(name in without_grad for name, _, _ in slots):
                 self._update(master, grad, exp_avg, exp_avg_sq, steps.pop(), copy)  # the whole page at once
@@ -141,9 +154,9 @@ class PagedAdamW:
                         part = slice(offset, offset + numel)
                         self._update(master[part], grad[part], exp_avg[part], exp_avg_sq[part],
                                      self.slot_steps[name], None if copy is None else copy[part])
-        self.manager.release(group[:1] + group[2:], dirty=True)
-        self.manager.release(group[1:2])
-        self.manager.discard(group[1:2])  # the gradient is applied: its page is dead until the next backward
+        self.manager.release([page for kind, page in group.items() if kind != "grad"], dirty=True)
+        self.manager.release([group["grad"]])
+        self.manager.discard([group["grad"]])  # the gradient is applied: its page is dead until the next backward
 
     def _update(self, param, grad, exp_avg, exp_avg_sq, step: int, copy: torch.Tensor | None = None) -> None:
         """One AdamW step of `param` (fp32: the master weights under mixed precision); `copy`: a bf16/fp16 tensor
@@ -152,12 +165,12 @@ class PagedAdamW:
         if self.use_fused and param.device.type == "cpu" and param.dtype == torch.float32:
             # One pass over master, gradient and both moments in the native kernel (clip coefficient and loss-scale
             # unscaling folded in), writing the compute copy in the same pass.
-            fused_adamw_(param, grad, exp_avg, exp_avg_sq, lr=self.lr, beta1=beta1, beta2=beta2, eps=self.eps,
+            fused_adamw_(param, grad, exp_avg, exp_avg_sq, lr=self.step_lr, beta1=beta1, beta2=beta2, eps=self.eps,
                          weight_decay=self.weight_decay, step=step, grad_scale=self.grad_scale, out=copy)
             return
         bias_correction1 = 1 - beta1**step
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
-        step_size = self.lr / bias_correction1
+        step_size = self.step_lr / bias_correction1
         if grad.dtype != param.dtype:  # a bf16/fp16 gradient of an fp32 master: widened first, then scaled
             grad = self._scratch(param, slot=1).copy_(grad)
             if self.grad_scale != 1.0:
@@ -165,7 +178,7 @@ class PagedAdamW:
         elif self.grad_scale != 1.0:  # as clip_grad_norm_ does: the gradient times the coefficient, then AdamW
             grad = torch.mul(grad, self.grad_scale, out=self._scratch(grad, slot=1))
         if self.weight_decay != 0:
-            param.mul_(1 - self.lr * self.weight_decay)
+            param.mul_(1 - self.step_lr * self.weight_decay)
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = self._scratch(param)  # reused: a fresh page-sized temporary costs page faults every step
