@@ -127,7 +127,10 @@ class OptimizerConfig(_Section):
     betas: Tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
-    # 1: the optimizer step of one iteration may overlap the next forward (parameters one step stale).
+    # 0: synchronous (identical to torch.optim.AdamW). 1: ZeRO-Offload's delayed parameter update: the update of
+    # step t runs during step t+1, which computes with the parameters after update t-1 (deterministic; fp32 jobs
+    # get master pages of their own). An evaluation between steps sees the parameters the next step computes with;
+    # the trainer lands the last update after the final step (Engine.flush).
     staleness: Literal[0, 1] = 0
     # With the planned scheduler and no gradient clipping, update each page group as soon as every gradient on it
     # is final (in the last micro-batch's backward), so the updates overlap the rest of backward.

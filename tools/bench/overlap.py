@@ -1,7 +1,7 @@
 """Overlap benchmark: does the scheduler hide page movement behind compute?
 
     python -m tools.bench.overlap --dir DIR [--dim 512] [--layers 8] [--batch 2] [--seq 64] [--page-mib 4]
-                                  [--device-frac 0.15] [--host-frac 0.15] [--steps 6] [--warmup 2]
+                                  [--device-frac 0.15] [--host-frac 0.15] [--steps 6] [--warmup 2] [--staleness 0]
 
 One GPT, the same data, four measurements in one run, interleaved step by step so all see the same machine:
   (a) compute only:   an engine with every page on the device tier (nothing moves);
@@ -13,7 +13,8 @@ One GPT, the same data, four measurements in one run, interleaved step by step s
 Every figure is the median step time after `--warmup` steps. The last line is one JSON object with `compute_s`,
 `io_s`, `scheduled_s`, `on_demand_s`, `overlap` = max(a, b) / c (goal >= 0.90), `speedup_vs_on_demand` = d / c
 and `stall_fraction` (the scheduled step's time spent waiting for pages / its step time), plus bytes moved per
-step and the device the run used.
+step and the device the run used. `--staleness 1` runs every engine with the delayed update (optimizer.staleness
+1: fp32 master pages of their own, update t spread over step t+1).
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import angel_ptm
 from angel_ptm.models import GPT, GPTConfig
 from angel_ptm.schedule import StepTrace
 
-STATE_KINDS = 4  # param, grad, exp_avg, exp_avg_sq
+STATE_KINDS = 4  # param, grad, exp_avg, exp_avg_sq (and master under --staleness 1)
 
 
 def make_model(args) -> GPT:
@@ -41,7 +42,7 @@ def make_model(args) -> GPT:
 
 
 def make_engine(args, device_budget, host_budget, scheduler: str, disk_dir: str):
-    config = {"optimizer": {"lr": 1e-4, "weight_decay": 0.1},
+    config = {"optimizer": {"lr": 1e-4, "weight_decay": 0.1, "staleness": args.staleness},
               "memory": {"page_bytes": args.page_mib << 20, "device_budget": device_budget,
                          "host_budget": host_budget, "disk_dir": disk_dir, "scheduler": scheduler,
                          "io_threads": args.io_threads},
@@ -91,6 +92,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=6, help="measured steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--staleness", type=int, default=0, choices=[0, 1],
+                        help="optimizer.staleness of every engine (1: update t runs during step t+1)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
     say = (lambda *a: None) if args.json else print
@@ -101,7 +104,7 @@ def main(argv=None) -> dict:
     work = tempfile.mkdtemp(prefix="angel-overlap-", dir=args.dir)
     page_bytes = args.page_mib << 20
     n_params = sum(p.numel() for p in make_model(args).parameters())
-    states = STATE_KINDS * n_params * 4
+    states = (STATE_KINDS + args.staleness) * n_params * 4
     device_budget = max(int(args.device_frac * states), 8 * page_bytes)
     host_budget = max(int(args.host_frac * states), 8 * page_bytes)
     say(f"GPT {n_params / 1e6:.1f}M params, {states / 2**20:.0f} MiB of states, pages of {args.page_mib} MiB; "
@@ -121,8 +124,10 @@ def main(argv=None) -> dict:
     stall: list[float] = []
     moved: dict[str, list[dict]] = {"scheduled": [], "on_demand": []}
     try:
-        x, y = data[0]
-        train_step(engines["io"], x, y)  # the I/O engine's warm-up step records its trace and plans
+        # The I/O engine's warm-up steps record the trace and plan. Under staleness 1 the first step has no update to
+        # run during its forward, so the trace settles from the third step on.
+        for x, y in data[: 1 + 2 * args.staleness]:
+            train_step(engines["io"], x, y)
         io_trace = engines["io"].scheduler.plan.trace
         for i, (x, y) in enumerate(data):
             order = list(engines) if i % 2 == 0 else list(engines)[::-1]
@@ -151,14 +156,15 @@ def main(argv=None) -> dict:
     pairs_gb = {pair: round(statistics.median(m.get(pair, 0) for m in moved["scheduled"]) / 1e9, 3)
                 for pair in sorted({pair for m in moved["scheduled"] for pair in m})}
     report = {
-        "device": args.device, "params": n_params, "states_bytes": states, "page_bytes": page_bytes,
+        "device": args.device, "staleness": args.staleness, "params": n_params, "states_bytes": states, "page_bytes": page_bytes,
         "device_budget": device_budget, "host_budget": host_budget, "steps": args.steps,
         "compute_s": round(med["compute"], 4), "io_s": round(med["io"], 4),
         "scheduled_s": round(med["scheduled"], 4), "on_demand_s": round(med["on_demand"], 4),
         "overlap": round(max(med["compute"], med["io"]) / med["scheduled"], 3),
         "speedup_vs_on_demand": round(med["on_demand"] / med["scheduled"], 3),
         "stall_fraction": round(statistics.median(stall), 3),
-        "moved_gb_per_step": per_step_gb, "scheduled_moved_gb_by_pair": pairs_gb, "plan_s": round(plan_s, 4), "deviations": deviations,
+        "moved_gb_per_step": per_step_gb, "scheduled_moved_gb_by_pair": pairs_gb, "plan_s": round(plan_s, 4),
+        "deviations": deviations,
     }
     print(json.dumps(report))
     return report
