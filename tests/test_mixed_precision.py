@@ -322,3 +322,21 @@ def test_trainer_logs_the_loss_scale_and_skipped_steps_in_fp16(tmp_path):
     lines = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [line["loss_scale"] for line in lines] == [65536.0] * 3
     assert [line["skipped"] for line in lines] == [False] * 3
+
+
+def test_fp16_overflow_with_staleness_1_skips_only_its_own_update():
+    """The pending update of the step before still lands; the overflowing step opens no update of its own."""
+    engine = angel_ptm.initialize(gpt(), config("float16", staleness=1))
+    try:
+        data = batches(3)
+        train(engine, data[:1])  # update 1 opened, pending
+        assert len(engine.delayed.pending) == engine.layout.n_pages
+        x, y = data[1]
+        engine.backward(engine(x, y) * 1e30)  # update 1 runs during this step; this step's gradients overflow
+        engine.step()
+        assert (engine.loss_scale, engine.last_step_skipped, engine.optimizer.step_count) == (32768.0, True, 1)
+        assert engine.delayed.idle  # update 1 done and in the parameters, nothing opened for the skipped step
+        train(engine, data[2:])
+        assert engine.optimizer.step_count == 2 and len(engine.delayed.pending) == engine.layout.n_pages
+    finally:
+        engine.close()
