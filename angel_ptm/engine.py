@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from angel_ptm.binding import ParamBinder
-from angel_ptm.config import Config, format_bytes, load_config
+from angel_ptm.config import Config, load_config
 from angel_ptm.errors import BudgetError, ConfigValueError
 from angel_ptm.estimate import compute_dtype, creation_order, estimate_job
 from angel_ptm.io import create_engine
@@ -196,14 +196,9 @@ class Engine:
     def _cast_master_into_parameters(self) -> None:
         """Mixed precision: the compute parameters are the fp32 master weights rounded to the compute dtype, page by
         page; the model's floating parameters become compute-dtype tensors (the binder points them at the pages)."""
-        pools = self.manager.pools
-        tier = Tier.HOST if pools[Tier.HOST].capacity >= 2 else Tier.DEVICE
-        for index, (master, param) in enumerate(zip(self.pages["master"], self.pages["param"])):
-            self.manager.acquire([master, param], tier)
-            compute = param.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)]
-            compute.copy_(master.view(self.layout.state_dtype(index)))  # round to nearest even
-            self.manager.release([master])
-            self.manager.release([param], dirty=True)
+        tier = Tier.HOST if self.manager.pools[Tier.HOST].capacity >= 2 else Tier.DEVICE
+        for index in range(self.layout.n_pages):
+            self._copy_master_into_param(index, tier)
         if self.compute_dtype is None:  # fp32 under optimizer.staleness 1: the copy is all there is to do
             return
         with torch.no_grad():
@@ -278,11 +273,14 @@ class Engine:
             self.delayed.run(seg.page)
 
     def _publish(self, index: int) -> None:
-        """Param page `index` takes the values of its master page (rounded to the compute dtype)."""
+        """staleness 1: param page `index` takes the delayed update's master. On the update's tier, whatever the
+        pages' tiers now (a device copy serves a host access): the access is the same every step, so the plan holds."""
+        self._copy_master_into_param(index, self.optimizer.update_tier, label="opt:publish")
+
+    def _copy_master_into_param(self, index: int, tier: Tier, label: str | None = None) -> None:
+        """Param page `index` takes the values of its master page (rounded to nearest even to bf16/fp16)."""
         master, param = self.pages["master"][index], self.pages["param"][index]
-        # On the update's tier, whatever the pages' tiers now (a device copy serves a host access): the access is
-        # the same every step, so the scheduler's plan holds.
-        self.manager.acquire([master, param], self.optimizer.update_tier, label="opt:publish")
+        self.manager.acquire([master, param], tier, label=label)
         param.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)].copy_(
             master.view(self.layout.state_dtype(index)))
         self.manager.release([master])
@@ -322,18 +320,15 @@ class Engine:
         if self.loss_scaler is not None:
             self.last_step_skipped = self.binder.take_overflow()
         if self.last_step_skipped:  # nothing updated: parameters, master weights, moments and step counts stay
-            if self.delayed is None:
-                self.optimizer.skip_step()
-            else:
-                self.optimizer.grad_scale = 1.0
+            self.optimizer.skip_step()
             self.manager.discard(self.pages["grad"])  # dead: never written back
         else:
             if self.loss_scaler is not None:
                 self.optimizer.scale_grads(1.0 / self.loss_scaler.scale)  # folded into the update's gradient read
             if self.delayed is not None:
                 # The order this step's gradients became final: step t+1 writes them in about that order again.
-                final = dict.fromkeys(self._final_order)
-                order = list(final) + [i for i in range(self.layout.n_pages) if i not in final]
+                final = set(self._final_order)
+                order = self._final_order + [i for i in range(self.layout.n_pages) if i not in final]
                 self.delayed.enqueue(order, self.binder.without_grad)
             else:
                 self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)

@@ -46,6 +46,8 @@ CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # engine.STATE_KIND
 # other optimizer-only kinds (colder than the parameters and gradients the forward and backward touch). So do fp32
 # weights under optimizer.staleness 1: the delayed update writes the master while the step computes with the params.
 MIXED_CREATION_ORDER = ("exp_avg_sq", "exp_avg", "master", "grad", "param")
+MIXED_MASTER_NOTE = "param and grad pages hold bf16/fp16 in half their bytes"
+STALE_MASTER_NOTE = "optimizer.staleness 1: the delayed update writes it while a step computes with the param pages"
 UPDATE_GROUP = 4  # pages one optimizer update pins at once: param, grad, exp_avg, exp_avg_sq of one index (fp32)
 DISK_GROWTH_SLOTS = 16  # DiskTier.growth_slots: slots a kind's page file grows by past its reservation
 TIERS = ("device", "host", "disk")
@@ -104,7 +106,7 @@ class Estimate:
     start_pages: dict  # tier -> pages resting there once every page is created
     tiers: dict  # tier -> TierEstimate
     problems: tuple = field(default=())
-    master_note: str = "param and grad pages hold bf16/fp16 in half their bytes"
+    master_note: str = ""  # why there are master pages (shown with them)
 
     @property
     def fits(self) -> bool:
@@ -276,8 +278,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         host_ram_needed=host_ram, host_ram_available=ram_available, disk_dir=disk_dir,
         start_pages={"device": start.device, "host": start.host, "disk": start.disk},
         tiers=tiers, problems=tuple(problems),
-        **({"master_note": "optimizer.staleness 1: the delayed update writes it while a step computes with the "
-                           "param pages"} if config.trainer.dtype == "float32" and "master" in kinds else {}),
+        master_note=STALE_MASTER_NOTE if config.trainer.dtype == "float32" else MIXED_MASTER_NOTE,
     )
 
 

@@ -1,7 +1,5 @@
 """The engine trains exactly like plain PyTorch with torch.optim.AdamW, wherever the pages live."""
 
-import copy
-
 import pytest
 import torch
 from torch import nn
@@ -68,6 +66,13 @@ def tied_loss(model, x):
 
 def gpt_loss(model, x, y):
     return model(x, y)
+
+
+CASES = {  # model, data and loss of each test model (test_schedule, test_staleness)
+    "gpt": (gpt, gpt_batches, gpt_loss),
+    "mlp": (MLP, lambda: regression_batches(24), mlp_loss),
+    "tied": (TiedAutoencoder, lambda: regression_batches(96), tied_loss),
+}
 
 
 def train_plain(model, batches, loss_fn, clip=None):

@@ -10,8 +10,8 @@ from angel_ptm.memory import Tier
 from angel_ptm.schedule import Access, Executor, StepTrace, plan_step
 from angel_ptm.schedule.planner import order_updates
 
-from test_engine_equivalence import (PLACEMENTS, MLP, TiedAutoencoder, assert_same_losses, gpt, gpt_batches,
-                                     gpt_loss, mlp_loss, regression_batches, tied_loss, train_engine, train_plain)
+from test_engine_equivalence import (CASES, PLACEMENTS, assert_same_losses, gpt, gpt_batches, regression_batches,
+                                     train_plain)
 
 D, H, K = Tier.DEVICE, Tier.HOST, Tier.DISK
 PAGE = 4096
@@ -139,11 +139,6 @@ def recorded_trace(model_fn, batches, loss_fn, memory):
         engine.close()
 
 
-CASES = {
-    "gpt": (gpt, gpt_batches, gpt_loss),
-    "mlp": (MLP, lambda: regression_batches(24), mlp_loss),
-    "tied": (TiedAutoencoder, lambda: regression_batches(96), tied_loss),
-}
 BUDGETS = [("48KiB", "24KiB"), ("64KiB", "40KiB"), ("96KiB", "64KiB"), ("48KiB", "4MiB")]
 
 

@@ -11,8 +11,7 @@ import torch
 import angel_ptm
 from angel_ptm.optim.fused_adam import fused_adamw_
 
-from test_engine_equivalence import (MLP, PLACEMENTS, STEPS, TiedAutoencoder, gpt, gpt_batches, gpt_loss, mlp_loss,
-                                     regression_batches, tied_loss)
+from test_engine_equivalence import CASES, PLACEMENTS, gpt, gpt_batches, gpt_loss
 
 HP = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 
@@ -74,12 +73,6 @@ def train_engine(model, batches, loss_fn, memory, grad_accum=1, flush=False, dty
     finally:
         engine.close()
 
-
-CASES = {
-    "gpt": (gpt, gpt_batches, gpt_loss),
-    "mlp": (MLP, lambda: regression_batches(24), mlp_loss),
-    "tied": (TiedAutoencoder, lambda: regression_batches(96), tied_loss),
-}
 
 
 @pytest.mark.parametrize("scheduler", ["on_demand", "planned"])

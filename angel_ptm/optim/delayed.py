@@ -25,6 +25,7 @@ Each page group carries where it is in that cycle; `DelayedUpdates` holds it, an
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Callable, Iterable
 
@@ -70,7 +71,7 @@ class DelayedUpdates:
 
     def run_some(self) -> None:
         """One forward point's share of the pending groups."""
-        for index in list(self.pending)[: self._per_point]:
+        for index in list(itertools.islice(self.pending, self._per_point)):
             self.run(index)
 
     def finish(self) -> None:
