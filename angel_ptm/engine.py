@@ -91,6 +91,7 @@ class Engine:
             disk,
             trace=self.trace,
             async_copies=mem.scheduler == "planned",  # CPU: host<->device copies on a thread, overlapping compute
+            zero_copy=mem.zero_copy,  # without CUDA both pools are plain memory: pages change tier by trading slots
         )
         if disk is not None:  # one preallocated slot per page and kind: clean copies are dropped, never rewritten
             for kind in self.kinds:
@@ -371,6 +372,7 @@ class Engine:
     # ------------------------------------------------------------------ introspection
     def memory_stats(self) -> dict:
         return {"in_use": self.manager.in_use(), "moved": dict(self.manager.bytes_moved),
+                "zero_copy": self.manager.zero_copy,
                 "schedule": self.scheduler.last_stats.as_dict()}
 
     @property

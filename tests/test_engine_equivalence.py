@@ -142,6 +142,20 @@ def test_gpt_matches_torch_adamw(placement, scheduler, tmp_path):
     actual, stats = train_engine(gpt(), gpt_batches(), gpt_loss, memory)
     assert_same_losses(expected, actual)
     assert_tiers_used(placement, stats)
+    assert stats["zero_copy"] is (not torch.cuda.is_available())  # CPU: pages trade slots between the pools
+
+
+@pytest.mark.parametrize("scheduler", SCHEDULERS)
+@pytest.mark.parametrize("placement", ["device+host", "device+host+disk"])
+def test_gpt_with_copies_between_device_and_host_matches_torch_adamw(placement, scheduler, tmp_path):
+    # memory.zero_copy false: on CPU, pages are copied between the device and host pools (the copy thread under
+    # the planned scheduler), as on a GPU, instead of trading slots
+    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path), scheduler=scheduler, zero_copy=False)
+    expected = train_plain(gpt(), gpt_batches(), gpt_loss)
+    actual, stats = train_engine(gpt(), gpt_batches(), gpt_loss, memory)
+    assert_same_losses(expected, actual)
+    assert_tiers_used(placement, stats)
+    assert stats["zero_copy"] is False
 
 
 @pytest.mark.parametrize("scheduler", SCHEDULERS)

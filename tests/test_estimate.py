@@ -8,7 +8,6 @@ import json
 import os
 from types import SimpleNamespace
 
-import psutil
 import pytest
 import torch
 

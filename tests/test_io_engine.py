@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from angel_ptm.errors import DiskFullError, PageIOError
-from angel_ptm.io import READ, WRITE, SlotFile, aligned_empty
+from angel_ptm.io import WRITE, SlotFile, aligned_empty
 
 PAGE = 256 * 1024
 

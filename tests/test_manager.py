@@ -1,5 +1,4 @@
 import errno
-import os
 
 import pytest
 import torch
@@ -205,4 +204,68 @@ def test_evict_moves_a_batch_down_two_tiers(tmp_path, io_engine):
     assert manager.in_use() == {"device": 0, "host": 0, "disk": 4 * PAGE}
     manager.acquire(pages, Tier.DEVICE)
     assert [float(p.view()[0]) for p in pages] == [0.0, 1.0, 2.0, 3.0]
+    manager.close()
+
+
+def test_pools_trade_slots_and_keep_their_capacity():
+    device, host = BufferPool(Tier.DEVICE, PAGE, 2 * PAGE), BufferPool(Tier.HOST, PAGE, 3 * PAGE)
+    assert device.can_trade(host)
+    page_buffer = host.alloc()
+    page_buffer.fill_(7)
+    host.trade(page_buffer, device)  # the page's slot now counts on the device; the host got a free one back
+    assert device.owns(page_buffer) and not host.owns(page_buffer)
+    assert (device.free_slots, host.free_slots) == (1, 3)
+    assert (device.used_bytes, host.used_bytes) == (PAGE, 0)
+    assert int(page_buffer[0]) == 7  # nothing was copied or cleared
+    taken = [host.alloc() for _ in range(3)]
+    assert len({b.data_ptr() for b in taken} | {page_buffer.data_ptr()}) == 4  # no slot handed out twice
+    with pytest.raises(ValueError, match="not a slot of the host pool"):
+        host.free(page_buffer)
+    device.free(page_buffer)
+    assert device.free_slots == 2
+
+
+def test_a_pool_without_free_slots_cannot_trade_and_nothing_changes():
+    device, host = BufferPool(Tier.DEVICE, PAGE, PAGE), BufferPool(Tier.HOST, PAGE, PAGE)
+    on_device, on_host = device.alloc(), host.alloc()
+    with pytest.raises(BudgetError, match="device"):
+        host.trade(on_host, device)
+    assert host.owns(on_host) and device.owns(on_device) and (device.free_slots, host.free_slots) == (0, 0)
+    host.free(on_host)
+    with pytest.raises(ValueError, match="free, not in use"):
+        host.trade(on_host, device)
+
+
+def test_pinned_pools_do_not_trade():
+    host = BufferPool(Tier.HOST, PAGE, PAGE)
+    other = BufferPool(Tier.DEVICE, PAGE, PAGE)
+    other.pinned = True  # as a CUDA run's pinned host pool: another kind of memory
+    assert not host.can_trade(other)
+    with pytest.raises(ValueError, match="cannot trade"):
+        host.trade(host.alloc(), other)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+def test_zero_copy_moves_between_device_and_host_keep_the_bytes_in_place(tmp_path, io_engine, dtype):
+    manager = PageManager(BufferPool(Tier.DEVICE, PAGE, 2 * PAGE), BufferPool(Tier.HOST, PAGE, 2 * PAGE),
+                          DiskTier(str(tmp_path / "disk"), PAGE, 8 * PAGE, io_engine), zero_copy=True)
+    assert manager.zero_copy
+    page = manager.create_page("param", dtype, tier=Tier.DEVICE)
+    expected = random_page_data(dtype, 1)
+    page.view().copy_(expected)
+    page.mark_dirty()
+    address = page.buffer.data_ptr()
+    manager.move(page, Tier.HOST)
+    assert page.state is PageState.HOST and page.buffer.data_ptr() == address  # the same memory, now a host slot
+    assert manager.pools[Tier.HOST].used_bytes == PAGE and manager.pools[Tier.DEVICE].used_bytes == 0
+    for tier, state in [(Tier.DISK, PageState.DISK), (Tier.HOST, PageState.HOST), (Tier.DEVICE, PageState.DEVICE)]:
+        manager.move(page, tier)
+        assert page.state is state
+    assert torch.equal(page.view().view(torch.uint8), expected.view(torch.uint8))
+    assert manager.bytes_moved == {"device->host": PAGE, "host->disk": PAGE, "disk->host": PAGE, "host->device": PAGE}
+    # The budgets hold: two device slots, a third page displaces one (by trade, to the host)
+    others = [manager.create_page("param", dtype, tier=Tier.DEVICE) for _ in range(2)]
+    assert manager.pools[Tier.DEVICE].free_slots == 0
+    assert sum(p.tier is Tier.DEVICE for p in [page, *others]) == 2
+    assert sum(p.tier is Tier.HOST for p in [page, *others]) == 1
     manager.close()

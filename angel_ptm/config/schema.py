@@ -183,6 +183,9 @@ class MemoryConfig(_Section):
     # every page is fetched when it is touched.
     scheduler: Literal["on_demand", "planned"] = "planned"
     lookahead: int = 0  # accesses the plan may prefetch ahead; 0 = as far as the free slots allow
+    # Without CUDA the device and host pools are both plain memory: a page changes tier by trading slots between
+    # them instead of being copied. false: copy (as a GPU run must), e.g. to study copy traffic on a CPU machine.
+    zero_copy: bool = True
 
     def validate(self) -> None:
         self._require(

@@ -3,7 +3,8 @@
 It owns the three tiers, the policy that picks eviction victims and the moves in flight. Pages move one tier at a
 time (device <-> host <-> disk); a page whose clean copy is already on disk is dropped instead of written back.
 Moves are asynchronous (`prefetch` returns a handle); `acquire` pins pages on a tier and waits for them, and
-`release` unpins them. Every state change is an edge of `page.TRANSITIONS`; a failed move puts the page back where
+`release` unpins them. With `zero_copy` and both pools in ordinary CPU memory (a run without CUDA), a page crosses
+between the device and host tiers by trading slots between the pools: no bytes are copied, the budgets hold. Every state change is an edge of `page.TRANSITIONS`; a failed move puts the page back where
 it was, with its data untouched, and raises the typed error.
 """
 
@@ -15,17 +16,20 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from angel_ptm.errors import BudgetError, ChecksumError, PageIOError
-from angel_ptm.memory.device import Copier
+from angel_ptm.memory.device import Copier, CopyHandle
 from angel_ptm.memory.moves import AccessObserver, Hop, Move, Prefetch
 from angel_ptm.memory.page import RESTING_STATE, Page, PageState, Tier
 from angel_ptm.memory.policy import LRUPolicy, Policy
 from angel_ptm.memory.tiers import BufferPool, DiskTier
 from angel_ptm.trace.recorder import TraceRecorder
 
+_TRADED = CopyHandle()  # a traded slot: nothing to wait for
+
 
 class PageManager:
     def __init__(self, device_pool: BufferPool, host_pool: BufferPool, disk: DiskTier | None = None,
-                 policy: Policy | None = None, trace: TraceRecorder | None = None, async_copies: bool = False):
+                 policy: Policy | None = None, trace: TraceRecorder | None = None, async_copies: bool = False,
+                 zero_copy: bool = False):
         if device_pool.page_bytes != host_pool.page_bytes or (disk and disk.page_bytes != host_pool.page_bytes):
             raise ValueError("all tiers must use the same page_bytes")
         self.page_bytes = host_pool.page_bytes
@@ -34,6 +38,7 @@ class PageManager:
         self.policy = policy or LRUPolicy()
         self.trace = trace or TraceRecorder(None)
         self.copier = Copier(device_pool.device, asynchronous=async_copies)
+        self.zero_copy = zero_copy and device_pool.can_trade(host_pool)
         self.observer: AccessObserver | None = None
         self.pages: list[Page] = []
         self._moves: dict[int, Move] = {}
@@ -336,6 +341,9 @@ class PageManager:
             self._begin(Move(page, Tier.DISK, Tier.HOST, handle, buffer, self._finish_read))
         elif page.state is PageState.HOST:
             buffer = self._alloc(Tier.DEVICE)
+            if self.zero_copy:
+                self._trade(page, Tier.DEVICE, buffer)
+                return
             page.transition(PageState.TO_DEVICE)
             handle = self.copier.copy(buffer, page.buffer, wait=page.pin_count > 0)
             self._begin(Move(page, Tier.HOST, Tier.DEVICE, handle, buffer, self._finish_copy))
@@ -355,6 +363,9 @@ class PageManager:
             self._emit("drop", page, src, Tier.DISK)
         elif src is Tier.DEVICE:
             buffer = self._alloc(Tier.HOST) if wait_for_room else self.pools[Tier.HOST].alloc()
+            if self.zero_copy:
+                self._trade(page, Tier.HOST, buffer)
+                return
             page.transition(PageState.TO_HOST)
             handle = self.copier.copy(buffer, page.buffer, wait=wait_for_room)
             self._begin(Move(page, Tier.DEVICE, Tier.HOST, handle, buffer, self._finish_copy))
@@ -417,6 +428,21 @@ class PageManager:
         move = self._moves.pop(page.id, None)
         if move is not None:
             move.finish(move)
+
+    def _trade(self, page: Page, dst: Tier, spare: torch.Tensor) -> None:
+        """Move `page` between the device and host tiers without a copy: its slot joins `dst`'s pool, which gives
+        `spare` (the slot a copy would have filled) to the pool the page leaves."""
+        src = page.tier
+        self.pools[dst].free(spare)
+        self.pools[src].trade(page.buffer, self.pools[dst])
+        page.transition(PageState.TO_DEVICE if dst is Tier.DEVICE else PageState.TO_HOST)
+        move = Move(page, src, dst, _TRADED, page.buffer, self._finish_trade)
+        self._begin(move)
+        self._wait_move(page)
+
+    def _finish_trade(self, move: Move) -> None:
+        move.page.transition(PageState.DEVICE if move.dst is Tier.DEVICE else PageState.HOST)
+        self._moved(move)
 
     def _finish_copy(self, move: Move) -> None:
         move.handle.wait()

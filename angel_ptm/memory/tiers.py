@@ -6,7 +6,9 @@
 - `DiskTier`: one preallocated slot file per (rank, page kind) under a directory, slots handed out from a free list
   and the space reserved with fallocate when a file grows, all within the disk budget.
 
-Nothing is allocated in the steady-state step: `alloc` / `free` only move slot numbers between lists.
+Nothing is allocated in the steady-state step: `alloc` / `free` only move slots between lists. Two pools in the
+same kind of memory (the CPU "device" pool and the host pool of a run without CUDA) may `trade` slots: a page then
+changes tier without a byte being copied, and each pool still holds exactly `capacity` slots.
 """
 
 from __future__ import annotations
@@ -30,7 +32,10 @@ def available_bytes(device: torch.device) -> int:
 
 
 class BufferPool:
-    """`capacity` page-sized slots in one slab; slot buffers are uint8 tensors that alias the slab."""
+    """`capacity` page-sized slots, carved from one slab; slot buffers are uint8 tensors that alias slab memory.
+
+    A pool owns its slots by address. `trade` swaps one slot in use with a free slot of another pool in the same
+    memory, so the pools' slabs may end up interleaved, but each pool always owns `capacity` slots."""
 
     def __init__(self, tier: Tier, page_bytes: int, budget_bytes: int, device: torch.device | str = "cpu",
                  pin: bool = False, check_available: bool = True):
@@ -46,25 +51,52 @@ class BufferPool:
                 raise BudgetError(tier.value, slab_bytes, available, what=f"a {self.device} pool of {self.capacity} pages")
         self.pinned = pin
         self._slab = aligned_empty(slab_bytes, self.device, pin) if slab_bytes else None
-        self._free = list(range(self.capacity - 1, -1, -1))  # pop() hands out slot 0 first
+        # address -> slot buffer, for every slot this pool owns; the free ones by address, slot 0 handed out first
+        self._slots = {}
+        for slot in range(self.capacity):
+            buffer = self._slab[slot * self.page_bytes : (slot + 1) * self.page_bytes]
+            self._slots[buffer.data_ptr()] = buffer
+        self._free = list(reversed(self._slots))
 
-    def slot_buffer(self, slot: int) -> torch.Tensor:
-        return self._slab[slot * self.page_bytes : (slot + 1) * self.page_bytes]
+    def owns(self, buffer: torch.Tensor) -> bool:
+        return buffer.data_ptr() in self._slots
 
-    def slot_of(self, buffer: torch.Tensor) -> int:
-        offset = buffer.data_ptr() - self._slab.data_ptr()
-        slot, rest = divmod(offset, self.page_bytes)
-        if rest or not 0 <= slot < self.capacity:
-            raise ValueError(f"buffer at {buffer.data_ptr():#x} is not a slot of the {self.tier.value} pool")
-        return slot
+    def _check_slot(self, buffer: torch.Tensor) -> int:
+        address = buffer.data_ptr()
+        if address not in self._slots:
+            raise ValueError(f"buffer at {address:#x} is not a slot of the {self.tier.value} pool")
+        return address
 
     def alloc(self) -> torch.Tensor:
         if not self._free:
             raise BudgetError(self.tier.value, self.page_bytes, 0, what="one page (all slots in use)")
-        return self.slot_buffer(self._free.pop())
+        return self._slots[self._free.pop()]
 
     def free(self, buffer: torch.Tensor) -> None:
-        self._free.append(self.slot_of(buffer))
+        self._free.append(self._check_slot(buffer))
+
+    def can_trade(self, other: "BufferPool") -> bool:
+        """Slots can change pools: both in ordinary (unpinned) CPU memory of the same page size."""
+        return (self.device.type == other.device.type == "cpu" and not self.pinned and not other.pinned
+                and self.page_bytes == other.page_bytes)
+
+    def trade(self, in_use: torch.Tensor, other: "BufferPool") -> None:
+        """Hand `in_use` (a slot of this pool, in use) to `other`, where it stays in use, and take one free slot of
+        `other` in exchange, which becomes free here: a page on this tier moves to `other`'s without a copy."""
+        if not self.can_trade(other):
+            raise ValueError(f"the {self.tier.value} and {other.tier.value} pools cannot trade slots "
+                             f"({self.device}{' pinned' if self.pinned else ''} / "
+                             f"{other.device}{' pinned' if other.pinned else ''})")
+        address = self._check_slot(in_use)
+        if address in self._free:
+            raise ValueError(f"slot at {address:#x} of the {self.tier.value} pool is free, not in use")
+        if not other._free:
+            raise BudgetError(other.tier.value, self.page_bytes, 0, what="one page (all slots in use)")
+        spare_address = other._free.pop()
+        spare = other._slots.pop(spare_address)
+        other._slots[address] = self._slots.pop(address)
+        self._slots[spare_address] = spare
+        self._free.append(spare_address)
 
     @property
     def free_slots(self) -> int:

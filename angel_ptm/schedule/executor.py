@@ -19,9 +19,9 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import time
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol, Sequence
 
 from angel_ptm.memory.manager import Hop, PageManager

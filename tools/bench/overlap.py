@@ -2,6 +2,7 @@
 
     python -m tools.bench.overlap --dir DIR [--dim 512] [--layers 8] [--batch 2] [--seq 64] [--page-mib 4]
                                   [--device-frac 0.15] [--host-frac 0.15] [--steps 6] [--warmup 2] [--staleness 0]
+                                  [--copy]
 
 One GPT, the same data, four measurements in one run, interleaved step by step so all see the same machine:
   (a) compute only:   an engine with every page on the device tier (nothing moves);
@@ -14,7 +15,9 @@ Every figure is the median step time after `--warmup` steps. The last line is on
 `io_s`, `scheduled_s`, `on_demand_s`, `overlap` = max(a, b) / c (goal >= 0.90), `speedup_vs_on_demand` = d / c
 and `stall_fraction` (the scheduled step's time spent waiting for pages / its step time), plus bytes moved per
 step and the device the run used. `--staleness 1` runs every engine with the delayed update (optimizer.staleness
-1: fp32 master pages of their own, update t spread over step t+1).
+1: fp32 master pages of their own, update t spread over step t+1). On CPU the device and host tiers are both
+plain memory and a page changes between them by trading pool slots (memory.zero_copy), as a GPU's copy engines
+leave the compute cores alone; `--copy` copies instead (each copy then takes a core from compute).
 """
 
 from __future__ import annotations
@@ -45,7 +48,7 @@ def make_engine(args, device_budget, host_budget, scheduler: str, disk_dir: str)
     config = {"optimizer": {"lr": 1e-4, "weight_decay": 0.1, "staleness": args.staleness},
               "memory": {"page_bytes": args.page_mib << 20, "device_budget": device_budget,
                          "host_budget": host_budget, "disk_dir": disk_dir, "scheduler": scheduler,
-                         "io_threads": args.io_threads},
+                         "io_threads": args.io_threads, "zero_copy": not args.copy},
               "trainer": {"device": args.device, "grad_clip": 0}}  # no clipping: updates overlap backward
     return angel_ptm.initialize(make_model(args), config)
 
@@ -94,6 +97,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     parser.add_argument("--staleness", type=int, default=0, choices=[0, 1],
                         help="optimizer.staleness of every engine (1: update t runs during step t+1)")
+    parser.add_argument("--copy", action="store_true",
+                        help="CPU: copy pages between the device and host pools instead of trading slots")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
     say = (lambda *a: None) if args.json else print
@@ -120,6 +125,7 @@ def main(argv=None) -> dict:
         "scheduled": make_engine(args, device_budget, host_budget, "planned", os.path.join(work, "c")),
         "on_demand": make_engine(args, device_budget, host_budget, "on_demand", os.path.join(work, "d")),
     }
+    zero_copy = engines["scheduled"].manager.zero_copy
     times: dict[str, list[float]] = {name: [] for name in engines}
     stall: list[float] = []
     moved: dict[str, list[dict]] = {"scheduled": [], "on_demand": []}
@@ -156,7 +162,8 @@ def main(argv=None) -> dict:
     pairs_gb = {pair: round(statistics.median(m.get(pair, 0) for m in moved["scheduled"]) / 1e9, 3)
                 for pair in sorted({pair for m in moved["scheduled"] for pair in m})}
     report = {
-        "device": args.device, "staleness": args.staleness, "params": n_params, "states_bytes": states, "page_bytes": page_bytes,
+        "device": args.device, "staleness": args.staleness, "zero_copy": zero_copy, "params": n_params,
+        "states_bytes": states, "page_bytes": page_bytes,
         "device_budget": device_budget, "host_budget": host_budget, "steps": args.steps,
         "compute_s": round(med["compute"], 4), "io_s": round(med["io"], 4),
         "scheduled_s": round(med["scheduled"], 4), "on_demand_s": round(med["on_demand"], 4),

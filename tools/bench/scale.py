@@ -44,7 +44,6 @@ import math
 import os
 import resource
 import shutil
-import tempfile
 import time
 
 import torch
