@@ -4,8 +4,9 @@ It owns the three tiers, the policy that picks eviction victims and the moves in
 time (device <-> host <-> disk); a page whose clean copy is already on disk is dropped instead of written back.
 Moves are asynchronous (`prefetch` returns a handle); `acquire` pins pages on a tier and waits for them, and
 `release` unpins them. With `zero_copy` and both pools in ordinary CPU memory (a run without CUDA), a page crosses
-between the device and host tiers by trading slots between the pools: no bytes are copied, the budgets hold. Every state change is an edge of `page.TRANSITIONS`; a failed move puts the page back where
-it was, with its data untouched, and raises the typed error.
+between the device and host tiers by trading slots between the pools: no bytes are copied, the budgets hold.
+Every state change is an edge of `page.TRANSITIONS`; a failed move puts the page back where it was, with its data
+untouched, and raises the typed error.
 """
 
 from __future__ import annotations
@@ -37,8 +38,8 @@ class PageManager:
         self.disk = disk
         self.policy = policy or LRUPolicy()
         self.trace = trace or TraceRecorder(None)
-        self.copier = Copier(device_pool.device, asynchronous=async_copies)
         self.zero_copy = zero_copy and device_pool.can_trade(host_pool)
+        self.copier = Copier(device_pool.device, asynchronous=async_copies and not self.zero_copy)
         self.observer: AccessObserver | None = None
         self.pages: list[Page] = []
         self._moves: dict[int, Move] = {}
