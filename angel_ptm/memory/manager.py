@@ -341,13 +341,7 @@ class PageManager:
             handle = self.disk.read(page.kind, page.disk_slot, buffer)
             self._begin(Move(page, Tier.DISK, Tier.HOST, handle, buffer, self._finish_read))
         elif page.state is PageState.HOST:
-            buffer = self._alloc(Tier.DEVICE)
-            if self.zero_copy:
-                self._trade(page, Tier.DEVICE, buffer)
-                return
-            page.transition(PageState.TO_DEVICE)
-            handle = self.copier.copy(buffer, page.buffer, wait=page.pin_count > 0)
-            self._begin(Move(page, Tier.HOST, Tier.DEVICE, handle, buffer, self._finish_copy))
+            self._cross(page, Tier.DEVICE, self._alloc(Tier.DEVICE), wait=page.pin_count > 0)
 
     # ------------------------------------------------------------------ internals: evicting pages down
     def _start_down(self, page: Page, wait_for_room: bool, target: Tier | None = None) -> None:
@@ -364,12 +358,7 @@ class PageManager:
             self._emit("drop", page, src, Tier.DISK)
         elif src is Tier.DEVICE:
             buffer = self._alloc(Tier.HOST) if wait_for_room else self.pools[Tier.HOST].alloc()
-            if self.zero_copy:
-                self._trade(page, Tier.HOST, buffer)
-                return
-            page.transition(PageState.TO_HOST)
-            handle = self.copier.copy(buffer, page.buffer, wait=wait_for_room)
-            self._begin(Move(page, Tier.DEVICE, Tier.HOST, handle, buffer, self._finish_copy))
+            self._cross(page, Tier.HOST, buffer, wait=wait_for_room)
         elif src is Tier.HOST:
             if self.disk is None:
                 raise BudgetError("disk", self.page_bytes, 0, what=f"evicting page {page.name} (no disk tier)")
@@ -430,26 +419,25 @@ class PageManager:
         if move is not None:
             move.finish(move)
 
-    def _trade(self, page: Page, dst: Tier, spare: torch.Tensor) -> None:
-        """Move `page` between the device and host tiers without a copy: its slot joins `dst`'s pool, which gives
-        `spare` (the slot a copy would have filled) to the pool the page leaves."""
+    def _cross(self, page: Page, dst: Tier, buffer: torch.Tensor, wait: bool) -> None:
+        """Start `page`'s move between the device and host tiers into `buffer`, a slot of `dst`: a copy, or with
+        `zero_copy` a trade (the page's own slot joins `dst`'s pool, `buffer` goes to the pool it leaves)."""
         src = page.tier
-        self.pools[dst].free(spare)
-        self.pools[src].trade(page.buffer, self.pools[dst])
         page.transition(PageState.TO_DEVICE if dst is Tier.DEVICE else PageState.TO_HOST)
-        move = Move(page, src, dst, _TRADED, page.buffer, self._finish_trade)
-        self._begin(move)
-        self._wait_move(page)
-
-    def _finish_trade(self, move: Move) -> None:
-        move.page.transition(PageState.DEVICE if move.dst is Tier.DEVICE else PageState.HOST)
-        self._moved(move)
+        if self.zero_copy:
+            self.pools[dst].free(buffer)
+            self.pools[src].trade(page.buffer, self.pools[dst])
+            self._begin(Move(page, src, dst, _TRADED, page.buffer, self._finish_copy))
+            self._wait_move(page)  # settles at once: nothing travelled
+            return
+        self._begin(Move(page, src, dst, self.copier.copy(buffer, page.buffer, wait=wait), buffer, self._finish_copy))
 
     def _finish_copy(self, move: Move) -> None:
         move.handle.wait()
         page = move.page
-        self.pools[move.src].free(page.buffer)
-        page.buffer = move.new_buffer
+        if move.new_buffer is not page.buffer:  # a copy frees the source slot (a trade moved the slot itself)
+            self.pools[move.src].free(page.buffer)
+            page.buffer = move.new_buffer
         page.transition(PageState.DEVICE if move.dst is Tier.DEVICE else PageState.HOST)
         self._moved(move)
 
