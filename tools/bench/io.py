@@ -1,6 +1,7 @@
 """I/O benchmark: pages written to and read from SSD through the PageManager's disk tier, against the disk's ceiling.
 
-    python -m tools.bench.io --dir DIR [--gib 2] [--page-mib 64] [--threads 4] [--queue-depth 32] [--repeats 3]
+    python -m tools.bench.io --dir DIR [--gib 2] [--page-mib 64] [--threads 4] [--queue-depth 32] [--repeats 5]
+                                       [--warmup 1]
 
 In one run, interleaved repeat by repeat so that both see the same disk weather:
 - angel: `--gib` of host pages evicted to the disk tier (`PageManager.evict`: every write in flight at once, CRC32C
@@ -14,7 +15,8 @@ In one run, interleaved repeat by repeat so that both see the same disk weather:
   phase that follows it;
 - fio (if installed): the same sizes, psync engine, direct=1, `--threads` jobs;
 - DeepSpeed's aio_handle (if it is installed and its op builds): tools/bench/peers/deepspeed_aio.py.
-The last line is one JSON object: read/write GB/s (1e9 bytes/s, medians) and the ratios angel / raw.
+The last line is one JSON object: read/write GB/s (1e9 bytes/s, medians over `--repeats` rounds after `--warmup`
+uncounted ones) and the ratios angel / raw.
 """
 
 from __future__ import annotations
@@ -116,7 +118,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--queue-depth", type=int, default=32)
     parser.add_argument("--chunk-mib", type=int, default=4, help="size of one pread/pwrite inside the engine")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5, help="rounds measured (medians)")
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="rounds run first and not counted (a virtual disk's first writes to fresh blocks are "
+                             "slow for both contenders, and that is not what the ratio compares)")
     parser.add_argument("--settle", type=float, default=2.0, help="seconds of pause between phases")
     parser.add_argument("--backend", default="auto", choices=["auto", "native", "python"])
     parser.add_argument("--no-peers", action="store_true", help="skip fio and DeepSpeed")
@@ -150,20 +155,22 @@ def main(argv=None) -> dict:
 
     raw = RawLoop(os.path.join(work, "raw.bin"), raw_buffers, args.threads)
     results = {"angel_write": [], "angel_read": [], "raw_write": [], "raw_read": []}
-    for r in range(args.repeats):
+    for r in range(args.warmup + args.repeats):
         # Writes of both, a pause, then reads of both, the first of each pair alternating by round: a virtual
         # disk may still be flushing a write phase when the next phase starts, and both should pay for that alike.
         first_raw = r % 2 == 0
+        counted = results if r >= args.warmup else {k: [] for k in results}
         phases = [("raw_write", raw.write), ("angel_write", lambda: angel_write(manager, pages))]
         for key, run in phases if first_raw else phases[::-1]:
-            results[key].append(total / run() / GB)
+            counted[key].append(total / run() / GB)
         time.sleep(args.settle)
         phases = [("raw_read", raw.read), ("angel_read", lambda: angel_read(manager, pages))]
         for key, run in phases if first_raw else phases[::-1]:
-            results[key].append(total / run() / GB)
+            counted[key].append(total / run() / GB)
         time.sleep(args.settle)
-        say(f"round {r}: angel write {results['angel_write'][-1]:.2f} read {results['angel_read'][-1]:.2f} GB/s | "
-            f"raw write {results['raw_write'][-1]:.2f} read {results['raw_read'][-1]:.2f} GB/s")
+        label = f"round {r - args.warmup}" if r >= args.warmup else "warm-up"
+        say(f"{label}: angel write {counted['angel_write'][-1]:.2f} read {counted['angel_read'][-1]:.2f} GB/s | "
+            f"raw write {counted['raw_write'][-1]:.2f} read {counted['raw_read'][-1]:.2f} GB/s")
     raw.close()
     manager.close()
     engine.close()
@@ -171,7 +178,8 @@ def main(argv=None) -> dict:
     med = {k: statistics.median(v) for k, v in results.items()}
     report = {
         "bytes": total, "page_bytes": page_bytes, "threads": args.threads, "queue_depth": args.queue_depth,
-        "backend": engine.backend, "checksum": engine.checksum_algorithm, "repeats": args.repeats,
+        "backend": engine.backend, "checksum": engine.checksum_algorithm,
+        "repeats": args.repeats, "warmup": args.warmup,
         "read_gbps": round(med["angel_read"], 3), "write_gbps": round(med["angel_write"], 3),
         "raw_read_gbps": round(med["raw_read"], 3), "raw_write_gbps": round(med["raw_write"], 3),
         "read_ratio": round(med["angel_read"] / med["raw_read"], 3),
