@@ -24,7 +24,7 @@ from angel_ptm.errors import BudgetError, ConfigValueError
 from angel_ptm.estimate import compute_dtype, creation_order, estimate_job
 from angel_ptm.io import create_engine
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
-from angel_ptm.memory.budgets import device_reserve_pages, resolve_budgets
+from angel_ptm.memory.budgets import device_reserve_pages, resolve_budgets, start_tiers
 from angel_ptm.memory.layout import TensorSlot
 from angel_ptm.memory.materialize import (MaterializeReport, has_meta_parameters, materialize_buffers,
                                           materialize_parameters)
@@ -96,8 +96,9 @@ class Engine:
         if disk is not None:  # one preallocated slot per page and kind: clean copies are dropped, never rewritten
             for kind in self.kinds:
                 disk.reserve(kind, min(n_pages, disk.capacity // len(self.kinds)))
-        self.pages = {kind: [self.manager.create_page(kind, self._page_dtype(kind, i), index=i,
-                                                      tier=self._tier_with_room())
+        tiers = iter(self._start_tiers(n_pages))
+        self.pages = {kind: [self.manager.create_page(kind, self._page_dtype(kind, i), index=i, tier=next(tiers),
+                                                      untouched=True)  # every write below goes through acquire
                              for i in range(n_pages)] for kind in self.kinds}
         self._copy_parameters_into_pages()
         if "master" in self.pages:
@@ -160,14 +161,14 @@ class Engine:
         """Parameters and gradients in the compute dtype; master weights and Adam moments in the master's."""
         return self.layout.page_dtypes[index] if kind in ("param", "grad") else self.layout.state_dtype(index)
 
-    def _tier_with_room(self) -> Tier:
-        """Where a new page goes: the host while it has room, then the device, then the host again (evicting)."""
+    def _start_tiers(self, n_pages: int) -> list[Tier]:
+        """Where each new page rests (kinds in creation order): the host while it has room, then the device (which
+        keeps the largest layer's pages free), then the host again in place of the oldest pages there, which are
+        created on disk instead, dead: the zeros they hold are never written (memory.budgets.start_tiers)."""
         pools = self.manager.pools
-        reserve = device_reserve_pages(pools[Tier.DEVICE].capacity, len(self.kinds) * self.layout.n_pages,
-                                       self._min_device_pages)
-        if pools[Tier.HOST].free_slots == 0 and pools[Tier.DEVICE].free_slots > reserve:
-            return Tier.DEVICE
-        return Tier.HOST
+        n_states = len(self.kinds) * n_pages
+        reserve = device_reserve_pages(pools[Tier.DEVICE].capacity, n_states, self._min_device_pages)
+        return start_tiers(n_states, pools[Tier.HOST].capacity, max(0, pools[Tier.DEVICE].capacity - reserve))
 
     def _copy_parameters_into_pages(self) -> None:
         """Parameter values into their param pages (the fp32 master pages under mixed precision). A model built on
@@ -186,8 +187,6 @@ class Engine:
 
         self.meta_init: MaterializeReport | None = None
         if has_meta_parameters(self.model):
-            # Every param page is rewritten: those already evicted to disk need not be read back (they are zeros).
-            self.manager.discard([page for page in self.pages[kind] if page.tier is Tier.DISK])
             self.meta_init = materialize_parameters(self.model, {s.name: s for s in self.layout.slots}, write)
             return
         names = dict(self.model.named_parameters())

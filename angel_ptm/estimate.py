@@ -10,15 +10,16 @@ reserve, and for each tier the peak bytes in use the memory trace will record (`
 runs the same estimate at start and refuses a job that cannot fit, with these numbers.
 
 The peaks follow how the engine fills its tiers. Pages are created kind by kind (`CREATION_ORDER`), on the host
-while it has room, then on the device (which keeps the largest layer's pages free), then on the host again, each
-new page evicting the oldest host page to disk; `place_pages` replays that exactly, so the host peaks at its budget
-(or at every page). The step then brings every parameter and gradient page (and the optimizer states, when the
-update runs on the device) up to the device, which fills up to its budget. A page written to disk keeps its home
-slot there (a clean copy is dropped, not rewritten), so the disk's bytes in use count the pages that ever went
-down: those spilled at creation and, when the live states (parameters and both Adam moments; a gradient page lives
-only from its backward to its update, then is discarded unwritten) exceed the device and host together, all the
-live states, which every step cycles through the disk. When the live states fit, later steps may still spill a
-few pages: the estimate then counts the creation spill only, a lower bound.
+while it has room, then on the device (which keeps the largest layer's pages free), then on the host again, each new
+page taking the place of the oldest host page, which is created on disk instead (dead: its zeros are never written,
+but it has its disk slot); `place_pages` replays that exactly (memory.budgets.start_tiers, as the engine does), so
+the host peaks at its budget (or at every page). The step then brings every parameter and gradient page (and the
+optimizer states, when the update runs on the device) up to the device, which fills up to its budget. A page written
+to disk keeps its home slot there (a clean copy is dropped, not rewritten), so the disk's bytes in use count the
+pages that ever went down: those created there and, when the live states (parameters and both Adam moments; a
+gradient page lives only from its backward to its update, then is discarded unwritten) exceed the device and host
+together, all the live states, which every step cycles through the disk. When the live states fit, later steps may
+still spill a few pages: the estimate then counts the pages created on disk only, a lower bound.
 Activations are ordinary tensors on the compute device, outside the page pools: they count toward the machine's
 memory, not toward any tier budget.
 """
@@ -37,8 +38,8 @@ from torch import nn
 
 from angel_ptm.config import Config, format_bytes, load_config
 from angel_ptm.errors import BudgetError, ConfigValueError
-from angel_ptm.memory import PageLayout, build_layout, compute_device, largest_module
-from angel_ptm.memory.budgets import device_reserve_pages, plan_budgets
+from angel_ptm.memory import PageLayout, Tier, build_layout, compute_device, largest_module
+from angel_ptm.memory.budgets import device_reserve_pages, plan_budgets, start_tiers
 from angel_ptm.models import GPT, build_model, estimate_activation_bytes
 
 CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # engine.STATE_KINDS: the order pages are created in
@@ -300,50 +301,43 @@ class StartPlacement:
     host: int = 0
     disk: int = 0
     device_kinds: dict = field(default_factory=dict)  # kind -> pages of that kind created on the device
-    disk_kinds: dict = field(default_factory=dict)  # kind -> pages of that kind evicted to disk
+    disk_kinds: dict = field(default_factory=dict)  # kind -> pages of that kind created on disk
     host_needed: int = 0  # host slots needed to create every page (what the device and disk cannot take)
     failure: Optional[Problem] = None
 
 
 def place_pages(n_pages: int, slots: dict[str, int], reserve_on_device: int, page_bytes: int,
                 kinds: tuple[str, ...] = CREATION_ORDER) -> StartPlacement:
-    """Replay Engine._tier_with_room over the creation order `kinds`: the host while it has room, then the device
-    while it has more than `reserve_on_device` free slots, then the host again, each new page evicting the oldest
-    host page to its disk slot (DiskTier: `min(n_pages, disk_slots // len(kinds))` reserved per kind, then grown in
-    steps)."""
+    """Where the engine creates each page (memory.budgets.start_tiers over the creation order `kinds`). A page
+    created on disk is dead (nothing written) but takes its slot in its kind's page file at once (DiskTier:
+    `min(n_pages, disk_slots // len(kinds))` reserved per kind, then grown in steps)."""
     place = StartPlacement()
     n_kinds = len(kinds)
     per_kind = min(n_pages, slots["disk"] // n_kinds) if slots["disk"] else 0
     disk_free = {kind: per_kind for kind in kinds}
     disk_reserved = per_kind * n_kinds
-    host_queue: list[str] = []  # kinds of the pages resting on the host, oldest first (LRU: never accessed yet)
-    oldest = 0
     device_room = max(0, slots["device"] - reserve_on_device)
-    for kind in kinds:
-        for _ in range(n_pages):
-            if place.host == slots["host"] and place.device < device_room:
-                place.device += 1
-                place.device_kinds[kind] = place.device_kinds.get(kind, 0) + 1
-                continue
-            host_queue.append(kind)
-            if place.host < slots["host"]:
-                place.host += 1
-                continue
-            # The host is full: its oldest page goes to disk.
-            victim = host_queue[oldest]
-            oldest += 1
-            if place.failure is None and (not slots["host"] or not slots["disk"] or not disk_free[victim]):
+    tiers = start_tiers(n_kinds * n_pages, slots["host"], device_room)
+    for i, tier in enumerate(tiers):
+        kind = kinds[i // n_pages]
+        if tier is Tier.DEVICE:
+            place.device += 1
+            place.device_kinds[kind] = place.device_kinds.get(kind, 0) + 1
+        elif tier is Tier.HOST:
+            place.host += 1
+        else:
+            place.disk += 1
+            place.disk_kinds[kind] = place.disk_kinds.get(kind, 0) + 1
+            if place.failure is None and (not slots["host"] or not slots["disk"] or not disk_free[kind]):
                 room = slots["disk"] - disk_reserved
                 if not slots["host"] or not slots["disk"] or room <= 0:
                     place.failure = _placement_failure(n_pages, slots, reserve_on_device, page_bytes, n_kinds)
                 else:
                     grow = min(DISK_GROWTH_SLOTS, room)
                     disk_reserved += grow
-                    disk_free[victim] += grow
+                    disk_free[kind] += grow
             if place.failure is None:
-                disk_free[victim] -= 1
-            place.disk += 1
-            place.disk_kinds[victim] = place.disk_kinds.get(victim, 0) + 1
+                disk_free[kind] -= 1
     place.host_needed = max(0, n_kinds * n_pages - device_room - slots["disk"])
     return place
 
@@ -372,7 +366,7 @@ def expected_peaks(n_pages: int, slots: dict[str, int], start: StartPlacement, u
     reaching = len(up_kinds) * n_pages + sum(n for kind, n in start.device_kinds.items() if kind not in up_kinds)
     device = min(slots["device"], reaching)
     # Disk: a page keeps its home slot once written there, so the bytes in use are the pages that ever went
-    # down. The pages spilled while creating them are known exactly. A gradient page is live only from its
+    # down. The pages created on disk are known exactly. A gradient page is live only from its
     # backward to its update (then discarded, never written), so the live states are the other three kinds;
     # when they exceed the device and host together, every step cycles them through the disk.
     live = (len(kinds) - 1) * n_pages
@@ -380,7 +374,7 @@ def expected_peaks(n_pages: int, slots: dict[str, int], start: StartPlacement, u
         disk = 0
     elif live > slots["device"] + slots["host"]:
         disk = min(slots["disk"], live + start.disk_kinds.get("grad", 0))
-    else:  # only the start spills for sure; churn in later steps may add some (this is a lower bound)
+    else:  # only the pages created on disk for sure; churn in later steps may add some (this is a lower bound)
         disk = min(slots["disk"], start.disk)
     return {"device": device, "host": host, "disk": disk}
 

@@ -17,7 +17,7 @@ from angel_ptm import estimate as estimate_module
 from angel_ptm.config import load_config
 from angel_ptm.errors import BudgetError
 from angel_ptm.estimate import CREATION_ORDER, estimate_job
-from angel_ptm.memory import build_layout
+from angel_ptm.memory import Tier, build_layout
 from angel_ptm.memory.budgets import plan_budgets, resolve_budgets
 from angel_ptm.models import build_model, estimate_activation_bytes
 from angel_ptm.trace import TraceRecorder
@@ -191,6 +191,14 @@ def test_estimate_agrees_with_the_engine_it_predicts(tmp_path):
             pool = engine.manager.pools[angel_ptm.memory.Tier(tier)]
             assert pool.capacity * pool.page_bytes == estimate.tiers[tier].pool
         assert engine.manager.disk.reserved_bytes == estimate.tiers["disk"].pool
+        # The pages that start on disk were created there dead: zeros are never written nor read back. Only the
+        # parameter values that do not fit in memory are written (once each).
+        on_disk = [page for pages in engine.pages.values() for page in pages if page.tier is Tier.DISK]
+        assert len(on_disk) == estimate.start_pages["disk"] > 0
+        assert all(page.dead for page in on_disk if page.kind != "param")
+        params_on_disk = sum(1 for page in on_disk if page.kind == "param")
+        assert engine.manager.bytes_moved.get("host->disk", 0) == params_on_disk * config.memory.page_bytes
+        assert engine.manager.bytes_moved.get("disk->host", 0) == 0
     finally:
         engine.close()
         trace.close()

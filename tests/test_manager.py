@@ -269,3 +269,55 @@ def test_zero_copy_moves_between_device_and_host_keep_the_bytes_in_place(tmp_pat
     assert sum(p.tier is Tier.DEVICE for p in [page, *others]) == 2
     assert sum(p.tier is Tier.HOST for p in [page, *others]) == 1
     manager.close()
+
+
+def test_a_page_created_on_disk_is_dead_writes_nothing_and_comes_back_as_zeros(tmp_path, io_engine):
+    manager = make_manager(tmp_path, io_engine, host_pages=1)
+    garbage = manager.create_page("exp_avg", torch.float32)  # dirty a host slot, so a reused buffer is not zero
+    garbage.view().fill_(7.0)
+    manager.evict([garbage], Tier.DISK)
+    page = manager.create_page("exp_avg", torch.float32, tier=Tier.DISK)
+    assert page.state is PageState.DISK and page.dead and page.disk_slot is not None
+    assert manager.in_use()["disk"] == 2 * PAGE  # it holds its home slot, like a page written there
+    assert manager.bytes_moved["host->disk"] == PAGE  # only the garbage page's write
+    manager.acquire([page], Tier.DEVICE)  # materialized: a cleared slot, nothing read
+    assert torch.count_nonzero(page.view()) == 0 and not page.dead
+    page.view().fill_(3.0)
+    manager.release([page], dirty=True)
+    manager.evict([page], Tier.DISK)  # now its data is real: written to its slot, read back intact
+    manager.acquire([page], Tier.HOST)
+    assert torch.all(page.view() == 3.0)
+    manager.release([page])
+    assert manager.bytes_moved.get("disk->host", 0) == PAGE  # the one real read
+    manager.close()
+
+
+def test_creating_a_page_on_disk_without_a_disk_tier_is_a_budget_error():
+    manager = PageManager(BufferPool(Tier.DEVICE, PAGE, PAGE), BufferPool(Tier.HOST, PAGE, PAGE), None)
+    with pytest.raises(BudgetError, match="exp_avg:0"):
+        manager.create_page("exp_avg", torch.float32, index=0, tier=Tier.DISK)
+    manager.close()
+
+
+def test_an_untouched_page_leaves_without_a_write_until_its_first_acquire(tmp_path, io_engine):
+    manager = make_manager(tmp_path, io_engine)
+    untouched = manager.create_page("exp_avg", torch.float32, untouched=True)
+    plain = manager.create_page("exp_avg", torch.float32)  # the default: written however it was changed
+    plain.view().fill_(5.0)  # written through a view, no acquire, no mark_dirty
+    manager.evict([untouched, plain], Tier.DISK)
+    assert untouched.dead and untouched.disk_slot is not None and not plain.dead
+    assert manager.bytes_moved["host->disk"] == PAGE  # the plain page only
+    manager.acquire([plain], Tier.HOST)
+    assert torch.all(plain.view() == 5.0)
+    manager.release([plain])
+
+    used = manager.create_page("exp_avg", torch.float32, untouched=True)
+    manager.acquire([used], Tier.HOST)  # from now on an ordinary page
+    used.view().fill_(2.0)
+    manager.release([used])  # even released clean, its first acquire made it an ordinary page: written
+    manager.evict([used], Tier.DISK)
+    assert not used.dead and manager.bytes_moved["host->disk"] == 2 * PAGE
+    manager.acquire([used], Tier.HOST)
+    assert torch.all(used.view() == 2.0)
+    manager.release([used])
+    manager.close()

@@ -124,6 +124,10 @@ def test_a_model_larger_than_device_plus_host_is_materialized_one_module_at_a_ti
         largest_module = max(sum(p.numel() * 4 for p in m.parameters(recurse=False)) for m in model.modules())
         assert engine.meta_init.scratch_bytes == largest_module == 64 * 192 * 4  # one FFN weight (hidden 192)
         assert engine.meta_init.bytes_written == reference.num_params() * 4
+        # Initialization moved nothing but the parameter values that do not fit: each such page written once,
+        # nothing read back, no page of zeros (the other kinds) written at all.
+        on_disk = sum(page.tier is Tier.DISK for page in param_pages)
+        assert engine.manager.bytes_moved == {"host->disk": on_disk * engine.layout.page_bytes}
         for name, param in reference.named_parameters():
             assert torch.equal(engine.parameter(name), param.detach()), name
         losses = train(engine, batches(3))

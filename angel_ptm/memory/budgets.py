@@ -10,6 +10,7 @@ import psutil
 import torch
 
 from angel_ptm.errors import BudgetError
+from angel_ptm.memory.page import Tier
 
 
 @dataclass(frozen=True)
@@ -65,3 +66,23 @@ def device_reserve_pages(device_slots: int, state_pages: int, largest_layer_page
     """Device slots kept free while pages are created: room for the largest layer to come up, unless the device
     holds every state page (then nothing ever needs to come up)."""
     return 0 if device_slots >= state_pages else largest_layer_pages
+
+
+def start_tiers(n_new_pages: int, host_slots: int, device_room: int) -> list[Tier]:
+    """Where each of `n_new_pages` pages created in a row rests once all exist, in creation order: the host while it
+    has room, then the device for `device_room` pages, then the host again, each later page taking the host slot of
+    the oldest page there, which rests on disk instead. The engine creates every page directly where it ends up, so
+    the pages that end on disk are made there dead (zeros: nothing is written; a first use gets a cleared slot)."""
+    tiers: list[Tier] = []
+    host_queue: list[int] = []  # pages given a host slot, in order (the oldest leave first)
+    on_device = 0
+    for i in range(n_new_pages):
+        if len(host_queue) >= host_slots and on_device < device_room:
+            tiers.append(Tier.DEVICE)
+            on_device += 1
+        else:
+            tiers.append(Tier.HOST)
+            host_queue.append(i)
+    for i in host_queue[: max(0, len(host_queue) - host_slots)]:
+        tiers[i] = Tier.DISK
+    return tiers

@@ -50,21 +50,28 @@ class PageManager:
         self.bytes_moved: Counter = Counter()  # "src->dst" -> bytes, cumulative
 
     # ------------------------------------------------------------------ pages
-    def create_page(self, kind: str, dtype: torch.dtype, index: int | None = None, tier: Tier = Tier.HOST) -> Page:
-        """A new zero-filled page resting on `tier` (device or host), evicting others if the tier is full."""
-        if tier is Tier.DISK:
-            raise ValueError("pages are created on the device or host tier; move them to disk afterwards")
-        page = Page(id=len(self.pages), kind=kind, index=len(self.pages) if index is None else index,
-                    dtype=dtype, nbytes=self.page_bytes, state=PageState.HOST if tier is Tier.HOST else PageState.DEVICE)
+    def create_page(self, kind: str, dtype: torch.dtype, index: int | None = None, tier: Tier = Tier.HOST,
+                    untouched: bool = False) -> Page:
+        """A new page of zeros on `tier`: on the device or host a zeroed slot (evicting others if the tier is full);
+        on disk a dead page in a slot of its own, nothing written (its first use gets a cleared slot, as after
+        `discard`). `untouched=True` promises writes only through `acquire`: until then it leaves as a dead page."""
+        index = len(self.pages) if index is None else index
+        if tier is Tier.DISK and self.disk is None:
+            raise BudgetError("disk", self.page_bytes, 0, what=f"creating page {kind}:{index} (no disk tier)")
+        page = Page(id=len(self.pages), kind=kind, index=index, dtype=dtype, nbytes=self.page_bytes,
+                    state=RESTING_STATE[tier], dead=tier is Tier.DISK, untouched=untouched and tier is not Tier.DISK)
         page.pin_count = 1  # not an eviction candidate while its buffer is being found
         self.pages.append(page)
         try:
-            page.buffer = self._alloc(tier)
+            if tier is Tier.DISK:
+                page.disk_slot = self.disk.alloc_or_reclaim(kind, self.pages)
+            else:
+                page.buffer = self._alloc(tier)
+                page.buffer.zero_()
         except Exception:
             self.pages.pop()
             raise
         page.pin_count = 0
-        page.buffer.zero_()
         self._emit("alloc", page, None, tier)
         return page
 
@@ -83,6 +90,7 @@ class PageManager:
             if page.pin_count == 0:
                 self._pinned.add(page.id)
             page.pin_count += 1
+            page.untouched = False
             self.policy.on_access(page.id)
             if not waited and not self._is_at(page, tier):
                 waited = True
@@ -348,10 +356,14 @@ class PageManager:
         """Issue one downward move: drop (clean on disk), device -> host (copy) or host -> disk (write)."""
         src = page.tier
         # A clean page leaving the device is dropped, unless the host has a free slot: keeping it there costs a
-        # copy and may save a disk read later. A dead page is always dropped.
-        # (`target`: where the caller wants the page; an explicit move to disk drops a clean page at once.)
+        # copy and may save a disk read later (so is an untouched one). A dead page is always dropped. (`target`:
+        # where the caller wants the page; an explicit move to disk drops a clean page at once.)
         keep_on_host = src is Tier.DEVICE and target is not Tier.DISK and self.pools[Tier.HOST].free_slots > 0
-        if page.dead or (page.clean_on_disk and not keep_on_host):
+        if page.dead or ((page.clean_on_disk or page.untouched) and not keep_on_host):
+            if page.untouched:  # zeros nobody has used: left dead, in a home slot of its own as if written there
+                page.untouched, page.dead = False, True
+                if page.disk_slot is None and self.disk is not None:
+                    page.disk_slot = self.disk.alloc_or_reclaim(page.kind, self.pages)
             self.pools[src].free(page.buffer)
             page.buffer = None
             page.transition(PageState.DISK)
@@ -363,24 +375,12 @@ class PageManager:
             if self.disk is None:
                 raise BudgetError("disk", self.page_bytes, 0, what=f"evicting page {page.name} (no disk tier)")
             if page.disk_slot is None:
-                page.disk_slot = self._alloc_disk_slot(page.kind)
+                page.disk_slot = self.disk.alloc_or_reclaim(page.kind, self.pages)
             page.transition(PageState.TO_DISK)
             handle = self.disk.write(page.kind, page.disk_slot, page.buffer)
             self._begin(Move(page, Tier.HOST, Tier.DISK, handle, None, self._finish_write))
         else:
             raise ValueError(f"page {page.name} in state {page.state.name} cannot move down")
-
-    def _alloc_disk_slot(self, kind: str) -> int:
-        """A disk slot for `kind`; when the disk budget is spent, reclaim the slot of a clean copy whose page also
-        rests on the device or host (that copy only saves a future write, it holds no unique data)."""
-        try:
-            return self.disk.alloc(kind)
-        except BudgetError:
-            for other in self.pages:
-                if other.kind == kind and other.disk_slot is not None and other.tier in (Tier.DEVICE, Tier.HOST):
-                    slot, other.disk_slot, other.disk_version = other.disk_slot, None, -1
-                    return slot
-            raise
 
     def _candidates(self, tier: Tier) -> list[int]:
         state = RESTING_STATE[tier]

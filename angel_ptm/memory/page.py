@@ -76,6 +76,9 @@ class Page:
     disk_version: int = -1  # version of the copy in disk_slot; -1 = none
     disk_checksum: int | None = None
     dead: bool = False  # contents no longer needed (a gradient already applied): dropped, never written or read
+    # Created as zeros for an owner that writes it only through acquire, and not acquired since: it can leave its
+    # tier without a write, as a dead page (PageManager.create_page(untouched=True)).
+    untouched: bool = False
 
     @property
     def name(self) -> str:
@@ -91,8 +94,8 @@ class Page:
 
     @property
     def droppable(self) -> bool:
-        """Leaving this tier needs no write: a clean copy is on disk, or the contents are dead."""
-        return self.dead or self.clean_on_disk
+        """Leaving this tier needs no write: a clean copy is on disk, or the contents are dead or untouched zeros."""
+        return self.dead or self.untouched or self.clean_on_disk
 
     def transition(self, new_state: PageState) -> None:
         if new_state not in TRANSITIONS[self.state]:
@@ -108,3 +111,4 @@ class Page:
     def mark_dirty(self) -> None:
         """The working copy changed: any disk copy is now stale."""
         self.version += 1
+        self.untouched = False

@@ -14,13 +14,14 @@ changes tier without a byte being copied, and each pool still holds exactly `cap
 from __future__ import annotations
 
 import os
+from typing import Iterable
 
 import psutil
 import torch
 
 from angel_ptm.errors import BudgetError
 from angel_ptm.io.slot_file import ALIGNMENT, SlotFile, aligned_empty
-from angel_ptm.memory.page import Tier
+from angel_ptm.memory.page import Page, Tier
 
 
 def available_bytes(device: torch.device) -> int:
@@ -151,6 +152,18 @@ class DiskTier:
                 raise BudgetError("disk", self.page_bytes, 0, what=f"one {kind} page in {self.directory}")
             self.reserve(kind, slot_file.n_slots + min(self.growth_slots, room))
         return self._free[kind].pop()
+
+    def alloc_or_reclaim(self, kind: str, pages: Iterable[Page]) -> int:
+        """A slot for `kind`; when the budget is spent, the slot of a clean copy of one of `pages` that also rests
+        on the device or host (that copy only saves a future write, it holds no unique data)."""
+        try:
+            return self.alloc(kind)
+        except BudgetError:
+            for other in pages:
+                if other.kind == kind and other.disk_slot is not None and other.tier in (Tier.DEVICE, Tier.HOST):
+                    slot, other.disk_slot, other.disk_version = other.disk_slot, None, -1
+                    return slot
+            raise
 
     def free(self, kind: str, slot: int) -> None:
         self._free[kind].append(slot)
