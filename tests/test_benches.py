@@ -1,0 +1,77 @@
+"""The benchmarks in tools/bench run end to end at toy sizes and print the JSON line their issues ask for.
+
+Nothing here times anything or compares speeds (these machines are noisy, and a tiny run says nothing about a real
+one): the tests keep the scripts working and their reports complete and consistent, so that a full-size run is
+never the first to find a broken benchmark.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # tools/ is not installed: the benchmarks run from a checkout
+    sys.path.insert(0, str(ROOT))
+
+from tools.bench import adam, io, overhead, overlap, scale  # noqa: E402
+
+
+def last_json_line(capsys) -> dict:
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.strip()]
+    return json.loads(lines[-1])
+
+
+def positive(report: dict, *keys: str) -> None:
+    for key in keys:
+        assert isinstance(report[key], (int, float)) and math.isfinite(report[key]) and report[key] > 0, key
+
+
+def test_io_bench_reports_both_ratios(tmp_path, capsys):
+    report = io.main(["--dir", str(tmp_path), "--gib", str(4 / 1024), "--page-mib", "1", "--repeats", "1",
+                      "--warmup", "0", "--settle", "0", "--no-peers", "--json"])
+    assert last_json_line(capsys) == report
+    positive(report, "read_gbps", "write_gbps", "raw_read_gbps", "raw_write_gbps", "read_ratio", "write_ratio")
+    assert report["read_ratio"] == pytest.approx(report["read_gbps"] / report["raw_read_gbps"], rel=0.01)
+    assert report["bytes"] == 4 << 20 and list(tmp_path.iterdir()) == []  # its files are removed
+
+
+def test_adam_bench_reports_the_ratio_and_roofline(capsys):
+    report = adam.main(["--params", "65536", "--repeats", "5", "--warmup", "1", "--no-peers", "--json"])
+    assert last_json_line(capsys) == report
+    positive(report, "angel_ms", "torch_fused_copy_ms", "ratio_vs_torch", "roofline_fraction")
+    assert report["params"] == 65536 and report["repeats"] == 5
+
+
+def test_overlap_bench_reports_the_four_measurements(tmp_path, capsys):
+    report = overlap.main(["--dir", str(tmp_path), "--dim", "64", "--layers", "2", "--heads", "2", "--seq", "16",
+                           "--page-mib", "1", "--device-frac", "0.4", "--host-frac", "0.4", "--steps", "1",
+                           "--warmup", "1", "--device", "cpu", "--json"])
+    assert last_json_line(capsys) == report
+    positive(report, "compute_s", "io_s", "scheduled_s", "on_demand_s", "overlap", "speedup_vs_on_demand")
+    # (the times are rounded to 0.1 ms in the report, which at toy sizes is a few percent)
+    assert report["overlap"] == pytest.approx(max(report["compute_s"], report["io_s"]) / report["scheduled_s"],
+                                              rel=0.05)
+    assert 0 <= report["stall_fraction"] <= 1 and report["deviations"] == 0
+
+
+def test_overhead_bench_runs(capsys):
+    report = overhead.main(["--dim", "64", "--layers", "1", "--heads", "2", "--seq", "16", "--batch", "2",
+                            "--steps", "1", "--warmup", "1", "--repeats", "1", "--page-bytes", "64KiB", "--json"])
+    assert last_json_line(capsys) == report
+
+
+def test_scale_bench_plans_and_refuses_without_disk_space(tmp_path, capsys, monkeypatch):
+    plan = scale.main(["--dir", str(tmp_path), "--dry-run", "--json"])
+    assert last_json_line(capsys) == plan
+    assert plan["params"] >= 4e9 and plan["states_bytes"] == 4 * plan["pages_per_kind"] * plan["page_bytes"]
+    monkeypatch.setattr(scale.shutil, "disk_usage", lambda path: SimpleNamespace(total=1e12, used=0, free=20e9))
+    with pytest.raises(SystemExit) as refused:  # a message (exit status 1) with the numbers and what would fit
+        scale.main(["--dir", str(tmp_path), "--json"])
+    message = str(refused.value.code)
+    assert "has 20.0 GB free, needs 69.8 GB" in message and "--params" in message and "fits" in message
