@@ -73,6 +73,28 @@ def test_lookahead_bounds_how_far_ahead_moves_are_issued_not_which_moves():
     assert near.moved_bytes == far.moved_bytes and near.demand == far.demand == []
 
 
+def test_a_group_goes_ahead_of_a_blocked_earlier_one_but_only_within_the_reorder_window(monkeypatch):
+    # Host of 2 slots. Access 11 brings page 2 in place of page 1, which is busy until access 10; access 12 brings
+    # page 3 in place of page 0, idle since access 0. In order, page 3's read waits behind page 2's group; within
+    # the window it starts right after page 0's last use, and never further ahead of its use than the window.
+    import angel_ptm.schedule.planner as planner
+
+    seq = [0] + [1] * 10 + [2, 3, 2, 0, 1]
+    trace = StepTrace([Access(f"a{t}", (p,), H) for t, p in enumerate(seq)])
+
+    def issued_after(window):
+        monkeypatch.setattr(planner, "REORDER_WINDOW", window)
+        plan = plan_step(trace, {i: K for i in range(4)}, {D: 0, H: 2}, PAGE, reserve={D: 0, H: 0})
+        assert plan.demand == [] and dict(plan.moved_bytes) == {"disk->host": 4 * PAGE}
+        return {str(op): op.at for op in plan.ops if op.serves in (11, 12)}
+
+    in_order = {"evict(1 host->disk)": 10, "fetch(2 disk->host)": 10, "evict(0 host->disk)": 10,
+                "fetch(3 disk->host)": 10}
+    assert issued_after(0) == in_order
+    assert issued_after(32) == {**in_order, "evict(0 host->disk)": 0, "fetch(3 disk->host)": 0}
+    assert issued_after(5) == {**in_order, "evict(0 host->disk)": 7, "fetch(3 disk->host)": 7}
+
+
 def test_updates_follow_the_order_gradients_become_final():
     # Backward writes the gradient of page 12 first, then 11, then 10: the optimizer updates them in that order.
     accesses = [Access("fwd:a", (0,), D), Access("fwd:b", (1,), D), Access("fwd:c", (2,), D),
