@@ -177,9 +177,9 @@ def plan_step(trace: StepTrace, residency: Mapping[int, Tier], capacity: Mapping
 
 
 def plan_with_reserve(trace: StepTrace, residency: Mapping[int, Tier], capacity: Mapping[Tier, int],
-                      page_bytes: int, *, dirty: Iterable[int] = (), has_disk: bool = True, policy: str = "belady", prefetch: bool = True,
-              lookahead: int | None = None, sharded: Iterable[int] = (), dead: Iterable[int] = (),
-              reserve: Mapping[Tier, int] | None = None) -> Plan:
+                      page_bytes: int, *, dirty: Iterable[int] = (), has_disk: bool = True, policy: str = "belady",
+                      prefetch: bool = True, lookahead: int | None = None, sharded: Iterable[int] = (),
+                      dead: Iterable[int] = (), reserve: Mapping[Tier, int] | None = None) -> Plan:
     """Plan one steady-state step of `trace` starting from `residency` (page id -> tier of its working copy).
 
     `dirty`: pages whose working copy differs from their disk copy (or have none); `dead`: pages whose contents
@@ -301,11 +301,11 @@ def plan_with_reserve(trace: StepTrace, residency: Mapping[int, Tier], capacity:
 
     # 2. Conservative prefetching (Cao et al.): the same moves, each group issued as early as is safe: after the
     # last access that takes or holds a page it evicts (so nothing it removes is needed before the access it
-    # serves) and after the moves that bring those pages in, after the eviction of a page it brings back, after
-    # the group before it (slots are freed and filled in the same order, and the disk serves reads in the order
-    # they are needed), within the lookahead. Only within REORDER_WINDOW accesses of the access it serves may a
-    # group go ahead of the groups before it: a read due that soon should not queue behind reads due later.
-    # A group may start earlier still by borrowing a reserved slot on each tier it fills, until its victims go.
+    # serves), after every earlier move of the pages it moves, after the group before it (slots are freed and
+    # filled in the same order, and the disk serves reads in the order they are needed), within the lookahead.
+    # Only within REORDER_WINDOW accesses of the access it serves may a group go ahead of the groups before it: a
+    # read due that soon should not queue behind reads due later. A group may start earlier still by borrowing a
+    # reserved slot on each tier it fills, until its victims go.
     planned: list[list[Op]] = [[] for _ in range(n)]
     demand: list[Op] = []
     moved: Counter = Counter()
@@ -317,10 +317,10 @@ def plan_with_reserve(trace: StepTrace, residency: Mapping[int, Tier], capacity:
         floor = min(issue_floor, max(-1, t - REORDER_WINDOW))
         safe = floor
         for op, _ in out:
+            # A page's moves keep their order: each hop after the one before it, up or down.
+            safe = max(safe, evict_issued.get(op.page, -1), fetch_issued.get(op.page, -1))
             if op.kind == "evict":
-                safe = max(safe, last_busy_before(op.page, t), fetch_issued.get(op.page, -1))
-            else:
-                safe = max(safe, evict_issued.get(op.page, -1), fetch_issued.get(op.page, -1))
+                safe = max(safe, last_busy_before(op.page, t))
         issue = max(floor, t - lookahead)
         fills = {op.dst for op, _ in out if op.kind == "fetch"}
         if issue < safe:
