@@ -138,6 +138,8 @@ class Engine:
                               what=f"the optimizer update (one page each of {', '.join(sorted(self.kinds))})")
         self.optimizer = PagedAdamW(self.manager, self.layout, self.pages, opt.lr, opt.betas, opt.eps,
                                     opt.weight_decay, update_tier, write_params=self.staleness == 0)
+        # Distinct tensors on each page: every last micro-batch counts them down as their gradients become final.
+        self._tensors_per_page = [len(set(names)) for names in self.optimizer.slot_names_on_page]
         # optimizer.staleness 1: update t runs during step t+1 (optim/delayed.py), a share before each module's
         # forward, a group at the latest before step t+1 writes its gradient page.
         self.delayed: DelayedUpdates | None = None
@@ -240,13 +242,6 @@ class Engine:
         finally:
             self._eager_now = False
             self.binder.end_backward()
-
-    @property
-    def _tensors_per_page(self) -> list[int]:
-        """Distinct tensors on each page (computed once: every last micro-batch starts from it)."""
-        if not hasattr(self, "_tensors_per_page_cache"):
-            self._tensors_per_page_cache = [len(set(names)) for names in self.optimizer.slot_names_on_page]
-        return self._tensors_per_page_cache
 
     def _grad_ready(self, slot) -> None:
         """A tensor's gradient is final (last micro-batch): update each of its pages whose gradients all are."""

@@ -366,9 +366,9 @@ def expected_peaks(n_pages: int, slots: dict[str, int], start: StartPlacement, u
     reaching = len(up_kinds) * n_pages + sum(n for kind, n in start.device_kinds.items() if kind not in up_kinds)
     device = min(slots["device"], reaching)
     # Disk: a page keeps its home slot once written there, so the bytes in use are the pages that ever went
-    # down. The pages created on disk are known exactly. A gradient page is live only from its
-    # backward to its update (then discarded, never written), so the live states are the other three kinds;
-    # when they exceed the device and host together, every step cycles them through the disk.
+    # down. The pages created on disk are known exactly. A gradient page is live only from its backward to its
+    # update (then discarded, never written), so the live states are the other three kinds; when they exceed the
+    # device and host together, every step cycles them through the disk.
     live = (len(kinds) - 1) * n_pages
     if not slots["disk"]:
         disk = 0

@@ -185,6 +185,8 @@ class Scheduler:
         self._keys: list[tuple] = []
         self._positions: dict[tuple, list[int]] = {}
         self._offsets: list[int] = []
+        self._read_at: list[int] = []  # access index after which each planned disk read is issued (sorted)
+        self._read_page: list[int] = []  # its page id
         self._cursor = 0
         self._matched: int | None = None
         self._t_acquire = 0.0
@@ -231,16 +233,15 @@ class Scheduler:
         """Start the disk reads planned a few accesses from now into host slots that are free anyway: no page is
         evicted for them before their planned time, so the plan's moves stay what they are, only sooner."""
         host = self.manager.pools[Tier.HOST]
-        ops_after, n = self.plan.ops_after, len(self.plan.ops_after)
-        for later in range(at + 1, min(n, at + 1 + self.early_reads)):
-            for op in ops_after[later]:
-                if host.free_slots <= 1:  # keep one slot for the copies and write-backs already planned
-                    return
-                if op.kind == "fetch" and op.src is Tier.DISK and op.dst is Tier.HOST:
-                    page = self.manager.pages[op.page]
-                    if page.state is PageState.DISK and not page.dead and not page.pin_count:
-                        self.manager.try_hop(page, Tier.HOST)
-                        self.stats.early_reads += 1
+        first = bisect.bisect_right(self._read_at, at)
+        last = bisect.bisect_right(self._read_at, at + self.early_reads)
+        for page_id in self._read_page[first:last]:
+            if host.free_slots <= 1:  # keep one slot for the copies and write-backs already planned
+                return
+            page = self.manager.pages[page_id]
+            if page.state is PageState.DISK and not page.dead and not page.pin_count:
+                self.manager.try_hop(page, Tier.HOST)
+                self.stats.early_reads += 1
 
     def _need_of(self, serves: int) -> float:
         """The Belady clock's position of plan access `serves` (>= n: in the next step)."""
@@ -313,6 +314,10 @@ class Scheduler:
         for index, key in enumerate(self._keys):
             self._positions.setdefault(key, []).append(index)
         self._offsets = trace.flat_offsets()
+        # The plan's disk reads in issue order, for _read_early (where they are planned, and which page).
+        reads = [(op.at, op.page) for op in self.plan.ops
+                 if op.kind == "fetch" and op.src is Tier.DISK and op.dst is Tier.HOST]
+        self._read_at, self._read_page = [at for at, _ in reads], [pid for _, pid in reads]
         sequence = trace.page_sequence()
         policy = BeladyPolicy(sequence + sequence)  # this step, then the next: the future wraps around
         policy._lru = manager.policy._lru if isinstance(manager.policy, BeladyPolicy) else _as_lru(manager.policy)
