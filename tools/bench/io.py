@@ -8,11 +8,13 @@ In one run, interleaved repeat by repeat so that both see the same disk weather:
   checksums computed in the I/O workers) and fsynced, then brought back (`prefetch(...).wait()`, checksums
   verified);
 - raw: the same bytes written (and fsynced) then read in page-sized units by a plain O_DIRECT loop of `--threads`
-  Python threads (os.pwritev / os.preadv release the GIL) on a file of its own in the same directory — no
-  checksums, no bookkeeping. Its buffers come from the same allocator as the host tier's slab (aligned_empty:
-  transparent huge pages for large CPU buffers), so both transfer into the same kind of memory. The fsync in
-  both write phases keeps a virtual disk's write-back cache from flattering one write phase and slowing the read
-  phase that follows it;
+  Python threads (os.pwritev / os.preadv release the GIL) — no checksums, no bookkeeping — on the very blocks the
+  disk tier uses: its own O_DIRECT descriptor on the tier's slot file, each page's bytes at that page's slot. A
+  virtual disk's regions differ in speed (two files written alike here differed by up to 20%), so a ceiling
+  measured on another file would compare placements, not engines. Its buffers come from the same allocator as
+  the host tier's slab (aligned_empty: transparent huge pages for large CPU buffers), so both transfer into the
+  same kind of memory. The fsync in both write phases keeps a virtual disk's write-back cache from flattering
+  one write phase and slowing the read phase that follows it;
 - fio (if installed): the same sizes, psync engine, direct=1, `--threads` jobs;
 - DeepSpeed's aio_handle (if it is installed and its op builds): tools/bench/peers/deepspeed_aio.py.
 The last line is one JSON object: read/write GB/s (1e9 bytes/s, medians over `--repeats` rounds after `--warmup`
@@ -34,6 +36,7 @@ import time
 import torch
 
 from angel_ptm.io import aligned_empty, create_engine
+from angel_ptm.io.engine import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier
 
 GB = 1e9
@@ -56,19 +59,19 @@ def angel_read(manager: PageManager, pages) -> float:
 
 
 class RawLoop:
-    """The plain loop: each of `threads` threads moves its share of page-sized units with O_DIRECT pwritev/preadv."""
+    """The plain loop: each of `threads` threads moves its share of page-sized units with O_DIRECT pwritev/preadv,
+    unit i at `offsets[i]` of the file at `path` (opened here with O_DIRECT, never created, resized or removed)."""
 
-    def __init__(self, path: str, buffers, threads: int):
+    def __init__(self, path: str, buffers, offsets, threads: int):
         self.page_bytes, self.threads = buffers[0].numel(), threads
         self.views = [memoryview(b.numpy()).cast("B") for b in buffers]
-        self.path = path
-        self.fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o600)
-        os.posix_fallocate(self.fd, 0, self.page_bytes * len(self.views))
+        self.offsets = list(offsets)
+        self.fd = os.open(path, os.O_RDWR | getattr(os, "O_DIRECT", 0))
 
     def _run(self, op) -> float:
         def worker(k):
             for i in range(k, len(self.views), self.threads):
-                op(self.fd, [self.views[i]], i * self.page_bytes)
+                op(self.fd, [self.views[i]], self.offsets[i])
 
         pool = [threading.Thread(target=worker, args=(k,)) for k in range(self.threads)]
         t0 = time.perf_counter()
@@ -89,7 +92,6 @@ class RawLoop:
 
     def close(self) -> None:
         os.close(self.fd)
-        os.remove(self.path)
 
 
 def fio_figures(directory: str, total: int, page_bytes: int, threads: int) -> dict:
@@ -115,9 +117,10 @@ def main(argv=None) -> dict:
     parser.add_argument("--dir", required=True, help="directory on the disk to measure")
     parser.add_argument("--gib", type=float, default=2.0, help="GiB written and read per round (>= 2 for the report)")
     parser.add_argument("--page-mib", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--threads", type=int, default=DEFAULT_THREADS)
     parser.add_argument("--queue-depth", type=int, default=32)
-    parser.add_argument("--chunk-mib", type=int, default=4, help="size of one pread/pwrite inside the engine")
+    parser.add_argument("--chunk-mib", type=int, default=DEFAULT_CHUNK_BYTES >> 20,
+                        help="size of one pread/pwrite inside the engine (the engine's default)")
     parser.add_argument("--repeats", type=int, default=5, help="rounds measured (medians)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="rounds run first and not counted (a virtual disk's first writes to fresh blocks are "
@@ -152,8 +155,9 @@ def main(argv=None) -> dict:
     raw_buffers = [aligned_empty(page_bytes) for _ in range(n_pages)]
     for src, dst in zip(pages, raw_buffers):
         dst.copy_(src.view())
-
-    raw = RawLoop(os.path.join(work, "raw.bin"), raw_buffers, args.threads)
+    angel_write(manager, pages)  # untimed: gives every page its slot for good, so the raw loop knows where it is
+    manager.prefetch(pages, Tier.HOST).wait()
+    raw = RawLoop(manager.disk.path("param"), raw_buffers, [p.disk_slot * page_bytes for p in pages], args.threads)
     results = {"angel_write": [], "angel_read": [], "raw_write": [], "raw_read": []}
     for r in range(args.warmup + args.repeats):
         # Writes of both, a pause, then reads of both, the first of each pair alternating by round: a virtual
