@@ -33,6 +33,7 @@ import time
 import torch
 
 import angel_ptm
+from angel_ptm.config.schema import MemoryConfig
 from angel_ptm.models import GPT, GPTConfig
 from angel_ptm.schedule import StepTrace
 
@@ -91,7 +92,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--page-mib", type=int, default=4)
     parser.add_argument("--device-frac", type=float, default=0.15, help="share of the states on the device tier")
     parser.add_argument("--host-frac", type=float, default=0.15, help="share of the states on the host tier")
-    parser.add_argument("--io-threads", type=int, default=4)
+    parser.add_argument("--io-threads", type=int, default=MemoryConfig.io_threads)
     parser.add_argument("--steps", type=int, default=6, help="measured steps per configuration")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])

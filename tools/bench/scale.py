@@ -49,6 +49,7 @@ import time
 import torch
 
 import angel_ptm
+from angel_ptm.config.schema import MemoryConfig
 from angel_ptm.data.corpus import TextCorpus
 from angel_ptm.data.sampler import BatchSampler
 from angel_ptm.memory import build_layout
@@ -125,7 +126,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--lr", type=float, default=5e-7)
-    parser.add_argument("--io-threads", type=int, default=4)
+    parser.add_argument("--io-threads", type=int, default=MemoryConfig.io_threads)
     parser.add_argument("--dry-run", action="store_true", help="print the plan (sizes, budgets, disk) and stop")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
