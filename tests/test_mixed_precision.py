@@ -43,25 +43,25 @@ def batches(n=STEPS):
     return out
 
 
-def config(dtype, placement="device", tmp_path=None, scheduler="planned", **optimizer):
+def config(dtype, placement="device", tmp_path=None, scheduler="planned", device="cpu", **optimizer):
     memory = dict(PLACEMENTS[placement], scheduler=scheduler)
     if tmp_path is not None:
         memory["disk_dir"] = str(tmp_path)
     return {"optimizer": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, **optimizer},
-            "memory": memory, "trainer": {"device": "cpu", "grad_clip": 0, "dtype": dtype}}
+            "memory": memory, "trainer": {"device": device, "grad_clip": 0, "dtype": dtype}}
 
 
-def train_reference(dtype: torch.dtype, data, scale: float):
+def train_reference(dtype: torch.dtype, data, scale: float, device="cpu"):
     """Plain PyTorch mixed precision: a bf16/fp16 model, an fp32 master copy that torch.optim.AdamW updates from the
     unscaled gradients, and the model's parameters rounded from the master after every step."""
-    model = gpt()
+    model = gpt().to(device)
     master = [p.detach().clone() for p in model.parameters()]
     for p in model.parameters():
         p.data = p.data.to(dtype)
     opt = torch.optim.AdamW(master, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
     losses = []
     for x, y in data:
-        loss = model(x, y)
+        loss = model(x.to(device), y.to(device))
         (loss * scale).backward()
         for m, p in zip(master, model.parameters()):
             m.grad = p.grad.float() / scale
