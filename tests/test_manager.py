@@ -1,4 +1,5 @@
 import errno
+import gc
 
 import pytest
 import torch
@@ -321,3 +322,38 @@ def test_an_untouched_page_leaves_without_a_write_until_its_first_acquire(tmp_pa
     assert torch.all(used.view() == 2.0)
     manager.release([used])
     manager.close()
+
+
+class FakeCudart:
+    """Stands in for torch.cuda.cudart(): records what is page-locked."""
+
+    def __init__(self, error=0):
+        self.error, self.registered, self.unregistered = error, [], []
+
+    def cudaHostRegister(self, address, nbytes, flags):
+        self.registered.append((address, nbytes))
+        return self.error
+
+    def cudaHostUnregister(self, address):
+        self.unregistered.append(address)
+        return 0
+
+
+def test_a_pinned_host_pool_locks_exactly_its_bytes_until_it_is_collected(monkeypatch):
+    # torch's pin_memory=True would round 3 pages up to 4: the pool registers its own slab instead.
+    cudart = FakeCudart()
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: cudart)
+    host = BufferPool(Tier.HOST, PAGE, 3 * PAGE, "cpu", pin=True)
+    slots = [host.alloc() for _ in range(3)]
+    assert cudart.registered == [(min(s.data_ptr() for s in slots), 3 * PAGE)]
+    assert host.pinned and not host.can_trade(BufferPool(Tier.DEVICE, PAGE, PAGE))
+    del host
+    gc.collect()
+    assert cudart.unregistered == [cudart.registered[0][0]]
+
+
+def test_a_refused_page_lock_is_a_budget_error_naming_the_host_tier(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(error=2))  # cudaErrorMemoryAllocation
+    with pytest.raises(BudgetError, match=r"host tier budget exceeded for page-locked \(pinned\) memory: "
+                                          r"cudaHostRegister failed with CUDA error 2: requested 196608 bytes"):
+        BufferPool(Tier.HOST, PAGE, 3 * PAGE, "cpu", pin=True)

@@ -80,19 +80,18 @@ def _advise_huge(address: int, nbytes: int) -> bool:
     return ok
 
 
-def aligned_empty(nbytes: int, device: str | torch.device = "cpu", pin: bool = False,
-                  huge: bool | None = None) -> torch.Tensor:
+def aligned_empty(nbytes: int, device: str | torch.device = "cpu", huge: bool | None = None) -> torch.Tensor:
     """An uninitialised uint8 tensor whose address is a multiple of 4096 (O_DIRECT needs it).
 
-    Unpinned CPU buffers of 2 MiB or more (or `huge=True`) are 2 MiB-aligned and advised to the kernel as
+    CPU buffers of 2 MiB or more (or `huge=True`) are 2 MiB-aligned and advised to the kernel as
     transparent-huge-page memory before they are first touched: an O_DIRECT transfer pins 512x fewer pages and a
     streaming kernel takes fewer TLB misses (on a virtual disk, reads into huge pages ran ~10% faster)."""
     device = torch.device(device)
     if huge is None:
         huge = nbytes >= HUGE_PAGE
-    huge = huge and device.type == "cpu" and not pin
+    huge = huge and device.type == "cpu"
     align = HUGE_PAGE if huge else ALIGNMENT
-    raw = torch.empty(nbytes + align, dtype=torch.uint8, device=device, pin_memory=pin)
+    raw = torch.empty(nbytes + align, dtype=torch.uint8, device=device)
     shift = (-raw.data_ptr()) % align
     buffer = raw[shift : shift + nbytes]
     if huge and nbytes >= HUGE_PAGE:

@@ -6,16 +6,42 @@ the "device" tier is a separate budgeted pool in ordinary memory and a copy is a
 
 from __future__ import annotations
 
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import numpy as np
+import psutil
 import torch
+
+from angel_ptm.errors import BudgetError
 
 
 def compute_device(preference: str = "auto") -> torch.device:
     if preference == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(preference)
+
+
+def pin_host_memory(owner: object, buffer: torch.Tensor) -> Callable[[], None]:
+    """Page-lock the CPU memory of `buffer`, exactly its bytes, for asynchronous CUDA copies; it is unlocked when
+    `owner` (which must keep `buffer` alive) is collected or when the returned callable is called.
+
+    torch's pinned allocator (`pin_memory=True`) rounds every allocation up to a power of two, so a 40 GiB host pool
+    would lock 64 GiB; registering an ordinary allocation with CUDA locks what the budget says."""
+    address, nbytes = buffer.data_ptr(), buffer.numel() * buffer.element_size()
+    if nbytes == 0:
+        return lambda: None
+    cudart = torch.cuda.cudart()
+    error = int(cudart.cudaHostRegister(address, nbytes, 0))
+    if error != 0:
+        raise BudgetError("host", nbytes, int(psutil.virtual_memory().available),
+                          what=f"page-locked (pinned) memory: cudaHostRegister failed with CUDA error {error}")
+    return weakref.finalize(owner, _unpin, cudart, address)
+
+
+def _unpin(cudart, address: int) -> None:
+    cudart.cudaHostUnregister(address)  # at exit CUDA may already be gone: nothing to do then
 
 
 class CopyHandle:

@@ -2,7 +2,8 @@
 
 - `BufferPool` (device and host tiers): one slab of `n_slots * page_bytes` on a torch device, cut into aligned
   page slots with a free list. Device: the compute device (`cuda` where present; on CPU a separate budgeted pool).
-  Host: pinned memory when CUDA is present, 4 KiB-aligned plain memory otherwise (O_DIRECT needs the alignment).
+  Host: 4 KiB-aligned memory (O_DIRECT needs the alignment), page-locked with CUDA (exactly its bytes:
+  device.pin_host_memory) when CUDA is present.
 - `DiskTier`: one preallocated slot file per (rank, page kind) under a directory, slots handed out from a free list
   and the space reserved with fallocate when a file grows, all within the disk budget.
 
@@ -21,6 +22,7 @@ import torch
 
 from angel_ptm.errors import BudgetError
 from angel_ptm.io.slot_file import ALIGNMENT, SlotFile, aligned_empty
+from angel_ptm.memory.device import pin_host_memory
 from angel_ptm.memory.page import Page, Tier
 
 
@@ -51,7 +53,8 @@ class BufferPool:
             if slab_bytes > available:
                 raise BudgetError(tier.value, slab_bytes, available, what=f"a {self.device} pool of {self.capacity} pages")
         self.pinned = pin
-        self._slab = aligned_empty(slab_bytes, self.device, pin) if slab_bytes else None
+        self._slab = aligned_empty(slab_bytes, self.device) if slab_bytes else None
+        self._unpin = pin_host_memory(self, self._slab) if pin and self._slab is not None else None
         # address -> slot buffer, for every slot this pool owns; the free ones by address, slot 0 handed out first
         self._slots = {}
         for slot in range(self.capacity):
