@@ -14,13 +14,13 @@ import torch
 
 import angel_ptm
 from angel_ptm.errors import BudgetError
-from angel_ptm.memory import BufferPool, DiskTier, PageManager, PageState, Tier
+from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier
 from angel_ptm.memory.device import Copier
 from angel_ptm.trainer import Trainer
 
 from test_engine_equivalence import (CASES, PLACEMENTS, SCHEDULERS, assert_same_losses, assert_tiers_used,
                                      train_engine, train_plain)
-from test_manager import random_page_data
+from test_manager import assert_round_trip_is_bitwise_identical
 from test_trainer import tiny_config
 import test_mixed_precision as mixed
 
@@ -41,19 +41,13 @@ def test_round_trip_gpu_host_disk_is_bitwise_identical(tmp_path, io_engine, dtyp
     manager = PageManager(BufferPool(Tier.DEVICE, PAGE, 2 * PAGE, "cuda"),
                           BufferPool(Tier.HOST, PAGE, 2 * PAGE, "cpu", pin=True),
                           DiskTier(str(tmp_path / "disk"), PAGE, 8 * PAGE, io_engine), async_copies=async_copies)
+
+    def on_the_gpu_only_there(page, tier):
+        if tier is not Tier.DISK:
+            assert page.view().is_cuda is (tier is Tier.DEVICE)
+
     try:
-        page = manager.create_page("param", dtype, tier=Tier.DEVICE)
-        assert page.view().is_cuda
-        expected = random_page_data(dtype, 0)
-        page.view().copy_(expected)
-        page.mark_dirty()
-        for tier, state in [(Tier.HOST, PageState.HOST), (Tier.DISK, PageState.DISK),
-                            (Tier.HOST, PageState.HOST), (Tier.DEVICE, PageState.DEVICE)]:
-            manager.move(page, tier)
-            assert page.state is state
-            if tier is not Tier.DISK:
-                assert page.view().is_cuda is (tier is Tier.DEVICE)
-        assert torch.equal(page.view().cpu().view(torch.uint8), expected.view(torch.uint8))
+        assert_round_trip_is_bitwise_identical(manager, dtype, on_the_gpu_only_there)
     finally:
         manager.close()
 
