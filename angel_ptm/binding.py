@@ -1,33 +1,33 @@
-"""Binding an unmodified nn.Module's parameters to pages (the ZeRO-3 / FSDP pattern, from the outside).
+"""Binding an unmodified nn.Module's parameters to pages (the ZeRO-3 / FSDP2 pattern, from the outside).
 
-- Forward: a pre-hook on every module that owns parameters acquires their param pages on the device tier and points
-  each `param.data` at its slice of a page; a post-hook releases them and leaves a placeholder (a broadcast NaN of
-  the right shape), so a stale alias can never read a page slot that now holds another page. A parameter must be
-  used inside the forward of a module that owns it (as FSDP requires); a tied weight may be owned by several.
+- Units (angel_ptm/units.py): a pre-hook on every paging unit acquires the param pages of the parameters it owns on
+  the device tier and makes each an ordinary `nn.Parameter` viewing its page; a post-hook (run even when the forward
+  raises) releases them and makes each an `UnboundParameter` again (angel_ptm/guard.py), which raises a typed error
+  on any use instead of computing with a placeholder. A tied parameter owned by two units is bound while either runs.
+- A parameter larger than a page spans several page slots that need not be adjacent: while bound it views a
+  gathered contiguous copy (read-only: only the optimizer writes parameters, and it writes pages).
 - Saved tensors: while the engine runs forward, autograd's saved-tensor hooks replace any saved tensor that lives in
-  a device page by (page, offset, size, stride); backward re-acquires the page when the saved tensor is unpacked.
-  Pages pinned for one autograd node are released when the next node starts (nodes run one at a time).
+  a device page by (page, offset, size, stride), and one that lives in a gathered copy by (tensor slot, offset,
+  size, stride); backward re-acquires the pages (and gathers again) when the saved tensor is unpacked. Pages pinned
+  for one autograd node are released when the next node starts (nodes run one at a time).
 - Gradients: a post-accumulate-grad hook adds each parameter's gradient into its grad page and frees `param.grad`.
   With fp16 loss scaling (`check_finite`) it also notes whether the gradient held an inf or NaN, as it lands, so the
   engine knows whether to skip the step without another pass over the gradient pages.
-
-A tensor larger than a page spans several page slots that need not be adjacent, so it is gathered into a
-contiguous copy while in use (read-only: only the optimizer writes parameters, and it writes pages).
+- State dicts: `module.state_dict()` binds the module's unbound parameters to copies of their values (`read_values`,
+  the engine's page reader) for the duration of the call, so it returns real values, never placeholders.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from typing import Callable
 
 import torch
 from torch import nn
 
+from angel_ptm import guard
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
-
-
-def _placeholder(param: torch.Tensor, device: torch.device) -> torch.Tensor:
-    fill = float("nan") if param.dtype.is_floating_point else 0
-    return torch.full((1,), fill, dtype=param.dtype, device=device).expand(param.shape)
+from angel_ptm.units import PagingUnit, unit_pages
 
 
 class PackedPageTensor:
@@ -37,6 +37,15 @@ class PackedPageTensor:
 
     def __init__(self, page: Page, offset: int, size, stride, dtype):
         self.page, self.offset, self.size, self.stride, self.dtype = page, offset, size, stride, dtype
+
+
+class PackedGathered:
+    """A saved tensor that lives in the gathered copy of a parameter spanning pages: gathered again when unpacked."""
+
+    __slots__ = ("slot", "offset", "size", "stride")
+
+    def __init__(self, slot: TensorSlot, offset: int, size, stride):
+        self.slot, self.offset, self.size, self.stride = slot, offset, size, stride
 
 
 def _padding_ranges(layout: PageLayout) -> list[list[tuple[int, int]]]:
@@ -59,6 +68,12 @@ def _padding_ranges(layout: PageLayout) -> list[list[tuple[int, int]]]:
     return ranges
 
 
+def _register_state_dict_post_hook(module: nn.Module, hook):
+    """`register_state_dict_post_hook` where torch has it (2.5+), its private predecessor before."""
+    register = getattr(module, "register_state_dict_post_hook", None) or module._register_state_dict_hook
+    return register(lambda *args: hook(*args))  # a plain function: torch marks the hook with an attribute
+
+
 class _Saved:
     """A saved activation (not in a page), counted while autograd holds it."""
 
@@ -70,28 +85,30 @@ class _Saved:
 
 class ParamBinder:
     def __init__(self, model: nn.Module, layout: PageLayout, manager: PageManager, param_pages: list[Page],
-                 grad_pages: list[Page], device: torch.device):
+                 grad_pages: list[Page], device: torch.device, units: list[PagingUnit]):
         self.model, self.layout, self.manager, self.device = model, layout, manager, device
         self.param_pages, self.grad_pages = param_pages, grad_pages
+        self.units = units
         self.slots: dict[int, TensorSlot] = {}
         for name, param in model.named_parameters():
             self.slots[id(param)] = layout.slot(name)
-        self.module_params = {
-            module: [p for p in module.parameters(recurse=False)] for module in model.modules()
-        }
-        self.module_params = {m: ps for m, ps in self.module_params.items() if ps}
-        self.module_names = {module: name or "<root>" for name, module in model.named_modules()}
+        self.unit_pages = {id(u): [param_pages[i] for i in unit_pages(u, lambda p: self.slots[id(p)].pages)]
+                           for u in units}
         self.activation_bytes = 0  # saved activations alive now (the scheduler's trace records it per access)
-        self._pinned_by_module: dict[int, list[Page]] = {}
+        self._bound: dict[int, int] = {}  # id(param) -> units binding it now
+        self._page_by_address: dict[int, Page] = {}  # device pages bound now, by buffer address
+        self._page_binds: dict[int, int] = {}  # page id -> units holding it now
+        self._gathered: dict[int, TensorSlot] = {}  # storage address of a gathered copy -> its tensor's slot
+        self._open_units: list[PagingUnit] = []  # units whose forward is running (their pages pinned)
         self._node_pins: list[Page] = []
         self._current_node = None
-        self._page_by_address: dict[int, Page] = {}
         self._handles = []
         self._has_grad: set[str] = set()
         self.without_grad: set[str] = set()  # tensors no gradient reached in the step being settled
         self.on_grad_ready = None  # called with a TensorSlot once its gradient of this backward is in its pages
         self.before_grad_write = None  # called with a TensorSlot before its gradient is written into its pages
-        self.before_module_forward = None  # called before each parameter-owning module's forward
+        self.before_unit_forward = None  # called before each unit's forward
+        self.read_values: Callable[[TensorSlot], torch.Tensor] | None = None  # a copy of a parameter's values
         # A dead gradient page comes back with only its padding zeroed: every tensor's region is overwritten by
         # its first gradient (or zeroed by settle_grads) before anything reads it.
         self._padding = _padding_ranges(layout)
@@ -99,58 +116,110 @@ class ParamBinder:
         self._settled = False
         self.check_finite = False  # fp16 loss scaling: note inf/NaN gradients as they land (see take_overflow)
         self._overflow: torch.Tensor | None = None  # a bool tensor on the device: no sync per gradient
-        # Outside its module's forward a parameter holds no memory: one NaN broadcast to its shape. Autograd's
-        # AccumulateGrad needs the right sizes (stride 0 makes it clone gradients contiguously), and NaN makes a
-        # use outside the owning module's forward loud instead of silently wrong.
-        self._placeholders = {id(p): _placeholder(p, device) for p in model.parameters()}
+        self._placeholders = {id(p): guard.placeholder(p, device) for p in model.parameters()}
+        self._state_dict_bound: dict[int, list[nn.Parameter]] = {}
 
     # ------------------------------------------------------------------ wiring
     def attach(self) -> None:
-        for module in self.module_params:
-            self._handles.append(module.register_forward_pre_hook(self._before_forward))
-            self._handles.append(module.register_forward_hook(self._after_forward))
-        for param in self.model.parameters():
+        for unit in self.units:
+            self._handles.append(unit.module.register_forward_pre_hook(self._unit_pre_hook(unit)))
+            self._handles.append(unit.module.register_forward_hook(self._unit_post_hook(unit), always_call=True))
+        for module in self.model.modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
+                self._handles.append(_register_state_dict_post_hook(module, self._after_state_dict))
+        owner = {id(p): u.name for u in reversed(self.units) for p in u.params}
+        for name, param in self.model.named_parameters():
             if param.requires_grad:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._accumulate_grad))
-            param.data = self._placeholders[id(param)]
+            guard.label(param, name, owner.get(id(param), "<root>"))
+            guard.unbind(param, self._placeholders[id(param)])
 
-    def detach(self) -> None:
+    def detach(self, values: Callable[[TensorSlot], torch.Tensor] | None = None) -> None:
+        """Remove every hook; with `values`, give each parameter its values as an ordinary tensor for good."""
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
-
-    def module_pages(self, module: nn.Module) -> list[Page]:
-        pages = []
-        for param in self.module_params[module]:
-            for index in self.slots[id(param)].pages:
-                if self.param_pages[index] not in pages:
-                    pages.append(self.param_pages[index])
-        return pages
+        if values is not None:
+            for param in self.model.parameters():
+                guard.release(param, values(self.slots[id(param)]))
 
     # ------------------------------------------------------------------ forward
-    def _before_forward(self, module: nn.Module, _args) -> None:
-        if self.before_module_forward is not None:
-            self.before_module_forward()
-        pages = self.module_pages(module)
-        self.manager.acquire(pages, Tier.DEVICE, label=f"fwd:{self.module_names[module]}")
-        self._pinned_by_module.setdefault(id(module), []).extend(pages)
-        for page in pages:
-            self._page_by_address[page.buffer.data_ptr()] = page
-        for param in self.module_params[module]:
-            param.data = self._param_view(self.slots[id(param)])
+    def _unit_pre_hook(self, unit: PagingUnit):
+        def hook(_module, _args):
+            self.bind_unit(unit)
+        return hook
 
-    def _after_forward(self, module: nn.Module, _args, _output) -> None:
-        for param in self.module_params[module]:
-            param.data = self._placeholders[id(param)]
-        pages = self._pinned_by_module.pop(id(module), [])
+    def _unit_post_hook(self, unit: PagingUnit):
+        def hook(_module, _args, _output):
+            self.unbind_unit(unit)
+        return hook
+
+    def bind_unit(self, unit: PagingUnit) -> None:
+        if self.before_unit_forward is not None:
+            self.before_unit_forward()
+        pages = self.unit_pages[id(unit)]
+        self.manager.acquire(pages, Tier.DEVICE, label=f"fwd:{unit.name}")
+        self._open_units.append(unit)
         for page in pages:
-            self._page_by_address.pop(page.buffer.data_ptr(), None)
+            count = self._page_binds.get(page.id, 0)
+            if count == 0:
+                self._page_by_address[page.buffer.data_ptr()] = page
+            self._page_binds[page.id] = count + 1
+        for param in unit.params:
+            count = self._bound.get(id(param), 0)
+            if count == 0:
+                guard.bind(param, self._param_view(self.slots[id(param)], gather_into=self._gathered))
+            self._bound[id(param)] = count + 1
+
+    def unbind_unit(self, unit: PagingUnit) -> None:
+        if unit not in self._open_units:
+            return  # its pre-hook raised before anything was bound (the post-hook runs anyway)
+        self._open_units.remove(unit)
+        for param in unit.params:
+            count = self._bound.get(id(param), 0) - 1
+            if count <= 0:
+                self._bound.pop(id(param), None)
+                slot = self.slots[id(param)]
+                if slot.spans_pages:
+                    self._gathered.pop(param.untyped_storage().data_ptr(), None)
+                guard.unbind(param, self._placeholders[id(param)])
+            else:
+                self._bound[id(param)] = count
+        pages = self.unit_pages[id(unit)]
+        for page in pages:
+            count = self._page_binds.get(page.id, 0) - 1
+            if count <= 0:
+                self._page_binds.pop(page.id, None)
+                self._page_by_address.pop(page.buffer.data_ptr(), None)
+            else:
+                self._page_binds[page.id] = count
         self.manager.release(pages)
 
-    def _param_view(self, slot: TensorSlot) -> torch.Tensor:
+    def _param_view(self, slot: TensorSlot, gather_into: dict | None = None) -> torch.Tensor:
+        """The parameter's values on its (pinned) device pages: a view of its page, or a gathered copy of the
+        pages it spans (registered in `gather_into` so that autograd saves it by reference)."""
         parts = [self.param_pages[s.page].view(slot.dtype)[s.offset : s.offset + s.numel] for s in slot.segments]
-        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        if len(parts) == 1:
+            return parts[0].view(slot.shape)
+        flat = torch.cat(parts)
+        if gather_into is not None:
+            gather_into[flat.untyped_storage().data_ptr()] = slot
         return flat.view(slot.shape)
+
+    # ------------------------------------------------------------------ state dicts
+    def _before_state_dict(self, module: nn.Module, _prefix, _keep_vars) -> None:
+        """Unbound parameters of `module` take copies of their values while its state_dict() runs."""
+        if self.read_values is None:
+            return
+        bound = [p for p in module.parameters(recurse=False) if id(p) not in self._bound]
+        for param in bound:
+            guard.bind(param, self.read_values(self.slots[id(param)]))
+        self._state_dict_bound.setdefault(id(module), []).extend(bound)
+
+    def _after_state_dict(self, module: nn.Module, *_args) -> None:
+        for param in self._state_dict_bound.pop(id(module), []):
+            guard.unbind(param, self._placeholders[id(param)])
 
     # ------------------------------------------------------------------ saved tensors
     @contextmanager
@@ -159,13 +228,20 @@ class ParamBinder:
             yield
 
     def _pack(self, tensor: torch.Tensor):
-        if tensor.device == self.device and self._page_by_address:
-            base = tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
-            for address, page in self._page_by_address.items():
-                if address <= tensor.data_ptr() < address + page.nbytes and base <= address:
-                    offset_bytes = tensor.data_ptr() - address
-                    return PackedPageTensor(page, offset_bytes // tensor.element_size(), tuple(tensor.size()),
-                                            tuple(tensor.stride()), tensor.dtype)
+        if tensor.device == self.device:
+            if self._gathered:
+                storage = tensor.untyped_storage().data_ptr()
+                slot = self._gathered.get(storage)
+                if slot is not None:
+                    return PackedGathered(slot, (tensor.data_ptr() - storage) // tensor.element_size(),
+                                          tuple(tensor.size()), tuple(tensor.stride()))
+            if self._page_by_address:
+                base = tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
+                for address, page in self._page_by_address.items():
+                    if address <= tensor.data_ptr() < address + page.nbytes and base <= address:
+                        offset_bytes = tensor.data_ptr() - address
+                        return PackedPageTensor(page, offset_bytes // tensor.element_size(), tuple(tensor.size()),
+                                                tuple(tensor.stride()), tensor.dtype)
         saved = _Saved(tensor)
         self.activation_bytes += saved.nbytes
         return saved
@@ -175,6 +251,15 @@ class ParamBinder:
             self.activation_bytes -= packed.nbytes  # backward is about to use it, then autograd frees it
             packed.nbytes = 0
             return packed.tensor
+        if isinstance(packed, PackedGathered):
+            self._enter_node()
+            pages = [self.param_pages[i] for i in packed.slot.pages]
+            self.manager.acquire(pages, Tier.DEVICE, label=f"bwd:{packed.slot.name}")
+            try:
+                flat = self._param_view(packed.slot).reshape(-1)  # a fresh copy: the pages may go at once
+            finally:
+                self.manager.release(pages)
+            return flat.as_strided(packed.size, packed.stride, packed.offset)
         if not isinstance(packed, PackedPageTensor):
             return packed
         self._enter_node()

@@ -14,15 +14,18 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 
 import torch
 from torch import nn
 
 from angel_ptm.binding import ParamBinder
 from angel_ptm.config import Config, load_config
-from angel_ptm.errors import BudgetError, ConfigValueError
+from angel_ptm.errors import BudgetError, ChecksumError, ConfigValueError, EngineFailedError, PageIOError
 from angel_ptm.estimate import compute_dtype, creation_order, estimate_job
 from angel_ptm.io import create_engine
+from angel_ptm.io.slot_file import aligned_empty
+from angel_ptm.lr import lr_at, schedule_given
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
 from angel_ptm.memory.budgets import device_reserve_pages, resolve_budgets, start_tiers
 from angel_ptm.memory.layout import TensorSlot
@@ -32,7 +35,10 @@ from angel_ptm.optim import PagedAdamW
 from angel_ptm.optim.delayed import DelayedUpdates
 from angel_ptm.optim.loss_scaler import LossScaler
 from angel_ptm.schedule import Scheduler
+from angel_ptm.state_dict import (load_model_state_dict, load_optimizer_state_dict, model_state_dict,
+                                  optimizer_state_dict)
 from angel_ptm.trace import TraceRecorder
+from angel_ptm.units import UnitsSpec, find_units
 
 STATE_KINDS = ("exp_avg_sq", "exp_avg", "grad", "param")  # creation order: parameters last, so warmest
 # trainer.dtype bfloat16 / float16 adds fp32 "master" pages (estimate.MIXED_CREATION_ORDER): the model computes
@@ -40,9 +46,10 @@ STATE_KINDS = ("exp_avg_sq", "exp_avg", "grad", "param")  # creation order: para
 
 
 class Engine:
-    def __init__(self, model: nn.Module, config: Config, trace: TraceRecorder | None = None):
+    def __init__(self, model: nn.Module, config: Config, trace: TraceRecorder | None = None,
+                 units: UnitsSpec = None):
         try:
-            self._set_up(model, config, trace)
+            self._set_up(model, config, trace, units)
         except BaseException:
             self._abandon()  # a refused or failed start leaves no threads, pools or page files behind
             raise
@@ -58,7 +65,7 @@ class Engine:
         if getattr(self, "_own_disk_dir", False) and getattr(self, "_disk_dir", None):
             shutil.rmtree(self._disk_dir, ignore_errors=True)
 
-    def _set_up(self, model: nn.Module, config: Config, trace: TraceRecorder | None) -> None:
+    def _set_up(self, model: nn.Module, config: Config, trace: TraceRecorder | None, units: UnitsSpec) -> None:
         self.model, self.config = model, config
         self.trace = trace or TraceRecorder(None)
         mem = config.memory
@@ -66,12 +73,14 @@ class Engine:
         self.compute_dtype = compute_dtype(config)  # None: fp32, the parameters are the master weights
         self.kinds = creation_order(config)
         self.layout = build_layout(model, mem.page_bytes, compute_dtype=self.compute_dtype)
+        self.units = find_units(model, units)
         page_bytes, n_pages = mem.page_bytes, self.layout.n_pages
         states_bytes = len(self.kinds) * n_pages * page_bytes
         self._own_disk_dir = mem.disk_dir is None
         # The estimate (angel-ptm estimate) runs first: a job that cannot fit is refused with the numbers, before
         # any allocation. It includes the largest layer's pages, which the device must hold at once.
-        self.estimate = estimate_job(config, model, layout=self.layout, disk_dir=mem.disk_dir, device=self.device)
+        self.estimate = estimate_job(config, model, layout=self.layout, disk_dir=mem.disk_dir, device=self.device,
+                                     units=self.units)
         self.estimate.check()
         self._min_device_pages = self.estimate.largest_layer_pages
         disk_dir = mem.disk_dir or tempfile.mkdtemp(prefix="angel-ptm-pages-")
@@ -109,7 +118,13 @@ class Engine:
             model.get_submodule(module_name)._buffers[leaf] = buffer.to(self.device)
 
         self.binder = ParamBinder(model, self.layout, self.manager, self.pages["param"], self.pages["grad"],
-                                  self.device)
+                                  self.device, self.units)
+        self.binder.read_values = self._read_parameter
+        self._scratch: torch.Tensor | None = None  # a page-sized aligned host buffer for disk reads (peek)
+        self._failed: str | None = None  # why the engine refuses every call (a step failed part-way)
+        self._steps_done = 0
+        # The config's lr_schedule is applied on step() when the config spells one out; set_lr turns it off.
+        self._schedule = config.lr_schedule if schedule_given(config) else None
         self.binder.attach()
         tcfg = config.trainer
         self._grad_accum = tcfg.grad_accum
@@ -144,9 +159,10 @@ class Engine:
         # forward, a group at the latest before step t+1 writes its gradient page.
         self.delayed: DelayedUpdates | None = None
         if self.staleness == 1:
-            self.delayed = DelayedUpdates(self.optimizer, self._publish, len(self.binder.module_params))
-            self.binder.before_module_forward = self._before_module_forward
+            self.delayed = DelayedUpdates(self.optimizer, self._publish, len(self.units))
+            self.binder.before_unit_forward = self._before_unit_forward
             self.binder.before_grad_write = self._before_grad_write
+        self._apply_schedule()
 
     # ------------------------------------------------------------------ set-up
     def _update_tier(self, n_state_pages: int, group: int = 4) -> Tier:
@@ -177,15 +193,8 @@ class Engine:
         the meta device is materialized straight into them, a module at a time (memory/materialize.py says with
         which values); `meta_init` reports how."""
 
-        kind = "master" if "master" in self.pages else "param"
-
         def write(slot: TensorSlot, flat: torch.Tensor) -> None:
-            for seg in slot.segments:
-                page = self.pages[kind][seg.page]
-                self.manager.acquire([page], Tier.HOST)
-                view = page.view(self.layout.state_dtype(seg.page))
-                view[seg.offset : seg.offset + seg.numel].copy_(flat[seg.start : seg.start + seg.numel])
-                self.manager.release([page], dirty=True)
+            self._write_slot(self._weights_kind, slot, flat)
 
         self.meta_init: MaterializeReport | None = None
         if has_meta_parameters(self.model):
@@ -198,9 +207,7 @@ class Engine:
     def _cast_master_into_parameters(self) -> None:
         """Mixed precision: the compute parameters are the fp32 master weights rounded to the compute dtype, page by
         page; the model's floating parameters become compute-dtype tensors (the binder points them at the pages)."""
-        tier = Tier.HOST if self.manager.pools[Tier.HOST].capacity >= 2 else Tier.DEVICE
-        for index in range(self.layout.n_pages):
-            self._copy_master_into_param(index, tier)
+        self.parameters_written()
         if self.compute_dtype is None:  # fp32 under optimizer.staleness 1: the copy is all there is to do
             return
         with torch.no_grad():
@@ -210,17 +217,32 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def __call__(self, *args, **kwargs):
-        args = tuple(a.to(self.device) if isinstance(a, torch.Tensor) else a for a in args)
-        if self.compute_dtype is not None:  # floating inputs meet bf16/fp16 parameters (FSDP2's cast_forward_inputs)
-            args = tuple(a.to(self.compute_dtype) if isinstance(a, torch.Tensor) and a.is_floating_point() else a
-                         for a in args)
+        """The model's forward on the compute device: tensors among the positional and keyword arguments (inside
+        lists, tuples and dicts too) are moved there, and floating ones cast to the compute dtype under mixed
+        precision (FSDP2's cast_forward_inputs)."""
+        self._check_alive()
+        args, kwargs = self._to_device((args, kwargs))
         with self.binder.saved_tensor_hooks():
             return self.model(*args, **kwargs)
+
+    def _to_device(self, value):
+        if isinstance(value, torch.Tensor):
+            value = value.to(self.device)
+            if self.compute_dtype is not None and value.is_floating_point():
+                value = value.to(self.compute_dtype)
+            return value
+        if isinstance(value, (list, tuple)):
+            moved = [self._to_device(v) for v in value]
+            return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)
+        if isinstance(value, dict):
+            return type(value)((k, self._to_device(v)) for k, v in value.items())
+        return value
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch. In the last one (trainer.grad_accum of them per step), with the planned
         scheduler and no clipping, each page group is updated as soon as all its gradients are in. With fp16 the
         loss is multiplied by the loss scale first (the update divides the gradients by it)."""
+        self._check_alive()
         self._micro += 1
         if self._micro > self._grad_accum and self._eager_allowed and self.optimizer.updated_this_step:
             raise ConfigValueError(
@@ -238,7 +260,8 @@ class Engine:
             self._ready_slots = set()
             self._final_order = []
         try:
-            (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
+            with self._failing_step():  # pages are updated during backward (eager updates): all or nothing
+                (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
         finally:
             self._eager_now = False
             self.binder.end_backward()
@@ -257,8 +280,8 @@ class Engine:
                 else:
                     self.optimizer.update_group(index)
 
-    def _before_module_forward(self) -> None:
-        """staleness 1: a share of the pending update before each module's forward (training steps only)."""
+    def _before_unit_forward(self) -> None:
+        """staleness 1: a share of the pending update before each unit's forward (training steps only)."""
         if self.delayed.pending and self.model.training and torch.is_grad_enabled():
             self.delayed.run_some()
 
@@ -288,6 +311,7 @@ class Engine:
             self.delayed.publish_all()
 
     def clip_grad_norm(self, max_norm: float) -> float:
+        self._check_alive()
         if self.delayed is not None:
             self.delayed.finish()  # update t has read its gradients; the norm reads step t+1's
         elif self.optimizer.updated_this_step:
@@ -304,11 +328,33 @@ class Engine:
         return total
 
     def set_lr(self, lr: float) -> None:
+        """Drive the learning rate yourself: from now on the config's lr_schedule is no longer applied."""
+        self._schedule = None
         self.optimizer.lr = lr
+
+    def _apply_schedule(self) -> None:
+        """The config's lr_schedule (when it has one) for the next optimizer step, counted from 0."""
+        if self._schedule is not None:
+            sched = self._schedule
+            self.optimizer.lr = lr_at(self._steps_done, self.config.optimizer.lr, self.config.trainer.steps,
+                                      sched.warmup_steps, sched.decay, sched.min_lr_ratio)
+
+    @property
+    def lr(self) -> float:
+        """The learning rate the next optimizer step uses."""
+        return self.optimizer.lr
 
     def step(self) -> None:
         """The optimizer step over every page, then gradients zeroed (the next backward overwrites them). With fp16
-        loss scaling, a step whose gradients overflowed is skipped whole and the loss scale adjusted."""
+        loss scaling, a step whose gradients overflowed is skipped whole and the loss scale adjusted. An error part-way
+        (I/O, checksum, disk full) marks the engine failed: every later call raises EngineFailedError."""
+        self._check_alive()
+        with self._failing_step():
+            self._step()
+        self._steps_done += 1
+        self._apply_schedule()
+
+    def _step(self) -> None:
         if self.delayed is not None:  # update t-1 done and in the parameters before update t is opened
             self.delayed.publish_all()
         self.binder.settle_grads()
@@ -348,6 +394,7 @@ class Engine:
         return order
 
     def zero_grad(self) -> None:
+        self._check_alive()
         if self.delayed is None and self.optimizer.updated_this_step:
             raise ConfigValueError("zero_grad: pages were already updated during this step's backward; "
                                    "call step() to finish it")
@@ -380,32 +427,124 @@ class Engine:
 
     def master_parameter(self, name: str) -> torch.Tensor:
         """A copy of the weights the optimizer updates for `name`: the fp32 master under mixed precision."""
-        return self.state("master" if "master" in self.pages else "param", name)
+        return self.state(self._weights_kind, name)
+
+    @property
+    def _weights_kind(self) -> str:
+        return "master" if "master" in self.pages else "param"
 
     def state(self, kind: str, name: str) -> torch.Tensor:
-        """A copy of tensor `name` in the pages of `kind` (param, grad, master, exp_avg, exp_avg_sq)."""
-        slot = self.layout.slot(name)
+        """A copy of tensor `name` in the pages of `kind` (param, grad, master, exp_avg, exp_avg_sq), on the CPU.
+        Pages are read where they are (a disk page into a scratch buffer): no page changes tier."""
+        return self._read_slot(kind, self.layout.slot(name))
+
+    def _read_slot(self, kind: str, slot: TensorSlot) -> torch.Tensor:
         dtype = self._page_dtype(kind, slot.segments[0].page)
         out = torch.empty(slot.numel, dtype=dtype)
         for seg in slot.segments:
-            page = self.pages[kind][seg.page]
-            self.manager.acquire([page], Tier.HOST if page.tier is not Tier.DEVICE else Tier.DEVICE)
-            out[seg.start : seg.start + seg.numel] = page.view(dtype)[seg.offset : seg.offset + seg.numel].cpu()
-            self.manager.release([page])
+            if self._scratch is None and self.manager.disk is not None:
+                self._scratch = aligned_empty(self.layout.page_bytes, "cpu")
+            raw = self.manager.peek(self.pages[kind][seg.page], self._scratch)
+            out[seg.start : seg.start + seg.numel] = raw.view(dtype)[seg.offset : seg.offset + seg.numel].cpu()
         return out.view(slot.shape)
 
+    def _read_parameter(self, slot: TensorSlot) -> torch.Tensor:
+        """The weights of one parameter as its model holds them outside the engine (the fp32 master under mixed
+        precision)."""
+        return self._read_slot(self._weights_kind, slot)
+
+    def write_parameter(self, name: str, value: torch.Tensor) -> None:
+        """Write `value` into parameter `name`'s weight pages (the master under mixed precision; call
+        `parameters_written` after the last one, which refreshes the compute copies)."""
+        self._check_alive()
+        self._write_slot(self._weights_kind, self.layout.slot(name), value.reshape(-1))
+
+    def write_state(self, kind: str, name: str, value: torch.Tensor) -> None:
+        """Write `value` into tensor `name`'s pages of `kind` (exp_avg, exp_avg_sq, ...)."""
+        self._check_alive()
+        self._write_slot(kind, self.layout.slot(name), value.reshape(-1))
+
+    def _write_slot(self, kind: str, slot: TensorSlot, flat: torch.Tensor) -> None:
+        for seg in slot.segments:
+            page = self.pages[kind][seg.page]
+            self.manager.acquire([page], Tier.HOST)  # a page on the device serves a host access where it is
+            view = page.view(self._page_dtype(kind, seg.page))
+            view[seg.offset : seg.offset + seg.numel].copy_(flat[seg.start : seg.start + seg.numel])
+            self.manager.release([page], dirty=True)
+
+    def parameters_written(self) -> None:
+        """After weights were written into master pages: the compute copies (param pages) take them."""
+        if "master" in self.pages:
+            tier = Tier.HOST if self.manager.pools[Tier.HOST].capacity >= 2 else Tier.DEVICE
+            for index in range(self.layout.n_pages):
+                self._copy_master_into_param(index, tier)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """`model.state_dict()`'s keys with the real values, on the CPU (angel_ptm/state_dict.py)."""
+        self._check_alive()
+        return model_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """Write a `model.state_dict()` into the pages (and the model's buffers); as `nn.Module.load_state_dict`."""
+        self._check_alive()
+        self.flush()  # staleness 1: no pending update may land on top of the loaded weights
+        return load_model_state_dict(self, state_dict, strict)
+
+    def optimizer_state_dict(self) -> dict:
+        """The AdamW state in `torch.optim.AdamW.state_dict()`'s format, for `model.parameters()` in order."""
+        self._check_alive()
+        return optimizer_state_dict(self)
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Take a `torch.optim.AdamW.state_dict()` (moments, step counts, hyperparameters) into the pages."""
+        self._check_alive()
+        self.flush()
+        load_optimizer_state_dict(self, state_dict)
+
+    # ------------------------------------------------------------------ failure
+    def _check_alive(self) -> None:
+        if self._failed is not None:
+            raise EngineFailedError(self._failed)
+
+    @contextmanager
+    def _failing_step(self):
+        """An error while pages are being updated (some page groups done, others not) leaves a half-applied step:
+        the engine is marked failed, and every later call refuses instead of training on."""
+        try:
+            yield
+        except BaseException as exc:
+            torn = self.optimizer.failed_group is not None or (self.delayed is None and self.optimizer.updated_this_step)
+            if torn or isinstance(exc, (PageIOError, ChecksumError)):
+                self._failed = (f"the engine failed during optimizer step {self.optimizer.step_count} "
+                                f"({type(exc).__name__}: {exc}); pages may hold a half-applied update, so it "
+                                f"refuses to go on: resume from the last checkpoint")
+            raise
+
     def close(self) -> None:
-        self.scheduler.close()
-        self.binder.detach()
-        self.manager.close(remove_files=True)
-        self.io.close()
-        shutil.rmtree(self._page_dir, ignore_errors=True)
-        if self._own_disk_dir:
-            shutil.rmtree(self._disk_dir, ignore_errors=True)
+        """Stop the engine and free its pages; the model keeps its trained weights as ordinary CPU tensors (the
+        fp32 master weights under mixed precision), usable and saveable. A failed engine leaves placeholders."""
+        values = None if self._failed is not None else self._read_parameter
+        try:
+            self.flush()  # staleness 1: the pending update lands in the weights first
+        except BaseException:
+            values = None
+            raise
+        finally:
+            self.scheduler.close()
+            try:
+                self.binder.detach(values)
+            finally:
+                self.manager.close(remove_files=True)
+                self.io.close()
+                shutil.rmtree(self._page_dir, ignore_errors=True)
+                if self._own_disk_dir:
+                    shutil.rmtree(self._disk_dir, ignore_errors=True)
 
 
-def initialize(model: nn.Module, config=None, trace: TraceRecorder | None = None) -> Engine:
-    """Wrap `model`; `config` is a dict, a YAML path, an angel_ptm.Config or None (defaults)."""
+def initialize(model: nn.Module, config=None, trace: TraceRecorder | None = None, units: UnitsSpec = None) -> Engine:
+    """Wrap `model`; `config` is a dict, a YAML path, an angel_ptm.Config or None (defaults). `units`: the paging
+    units (angel_ptm/units.py): None for the default (each block of the model's repeated block lists, the root
+    owning the rest), a list of module types, or a predicate `module -> bool`."""
     if not isinstance(config, Config):
         config = load_config(config)
-    return Engine(model, config, trace=trace)
+    return Engine(model, config, trace=trace, units=units)

@@ -93,3 +93,17 @@ class KernelInputError(AngelError):
 # --- scheduling -----------------------------------------------------------------------------------------------
 class ScheduleError(AngelError):
     """A recorded step that no plan can serve (an access pinning more pages than its tier holds)."""
+
+
+# --- the engine and the model ---------------------------------------------------------------------------------
+class ParameterAccessError(AngelError):
+    """A parameter used outside the forward of its paging unit, where its values live in pages (not in the tensor)."""
+
+
+class StateDictError(AngelError):
+    """A state dict that does not match the model: missing or unexpected keys, or a shape that differs."""
+
+
+class EngineFailedError(AngelError):
+    """A step failed part-way (I/O, checksum, disk full): the pages may hold a half-applied update, so every further
+    call refuses; resume from the last checkpoint."""

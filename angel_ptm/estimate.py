@@ -30,7 +30,7 @@ import json
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 import psutil
 import torch
@@ -38,8 +38,9 @@ from torch import nn
 
 from angel_ptm.config import Config, format_bytes, load_config
 from angel_ptm.errors import BudgetError, ConfigValueError
-from angel_ptm.memory import PageLayout, Tier, build_layout, compute_device, largest_module
-from angel_ptm.memory.budgets import device_reserve_pages, plan_budgets, start_tiers
+from angel_ptm.memory import PageLayout, Tier, build_layout, compute_device
+from angel_ptm.units import PagingUnit, device_pages_at_once, find_units
+from angel_ptm.memory.budgets import device_reserve_pages, plan_budgets, staging_host_pages, start_tiers
 from angel_ptm.models import GPT, build_model, estimate_activation_bytes
 
 CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # engine.STATE_KINDS: the order pages are created in
@@ -179,7 +180,8 @@ def compute_dtype(config: Config) -> Optional[torch.dtype]:
 
 # ---------------------------------------------------------------------------------------------------- the estimate
 def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Optional[PageLayout] = None,
-                 disk_dir: Optional[str] = None, device: Optional[torch.device] = None) -> Estimate:
+                 disk_dir: Optional[str] = None, device: Optional[torch.device] = None,
+                 units: Optional[Sequence[PagingUnit]] = None) -> Estimate:
     """The memory estimate of the job `config` describes (a Config, dict, YAML path or None).
 
     `model`: an existing module to estimate (default: the config's model, built on the meta device, so nothing
@@ -207,7 +209,9 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
 
     gpu_free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
     ram_available = int(psutil.virtual_memory().available)
-    largest_name, largest = largest_module(model, layout)
+    # The device holds a unit's pages and those of every unit around it at once (angel_ptm/units.py).
+    units = find_units(model) if units is None else units
+    largest_name, largest = largest_unit(model, layout, units)
     planned = plan_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes, device, page_bytes,
                            gpu_free=gpu_free, ram_available=ram_available, slack_bytes=largest * page_bytes)
     budgets = {"device": planned.device, "host": planned.host, "disk": planned.disk}
@@ -226,10 +230,15 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if disk_free is not None and disk_free < disk_reserved * page_bytes:
         problems.append(Problem("disk", disk_reserved * page_bytes, disk_free,
                                 f"page files in {disk_dir} ({disk_reserved} page slots reserved up front)"))
-    # 2. the largest layer on the device (Engine._check_largest_layer)
+    # 2. the largest unit on the device, and (when pages live on disk) the host slots its pages rise through
     if largest * page_bytes > budgets["device"]:
         problems.append(Problem("device", largest * page_bytes, budgets["device"],
-                                f"layer '{largest_name}' ({largest} pages of {format_bytes(page_bytes)})"))
+                                f"unit '{largest_name}' ({largest} pages of {format_bytes(page_bytes)})"))
+    staging = staging_host_pages(largest, on_disk=bool(needed_on_disk or start.disk))
+    if slots["host"] < staging:
+        problems.append(Problem("host", staging * page_bytes, slots["host"] * page_bytes,
+                                f"staging unit '{largest_name}' up from disk ({largest} pages pinned while they "
+                                f"rise, plus one slot for a page the device evicts)"))
     # 3. creating every page: the host must take what the device and disk cannot
     if start.failure is not None:
         problems.append(start.failure)
@@ -255,7 +264,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     peaks = expected_peaks(n_pages, slots, start, update, kinds)
     needed = {
         "device": max(largest, group if update == "device" else 0) * page_bytes,
-        "host": max(start.host_needed, group if update == "host" else 0,
+        "host": max(start.host_needed, group if update == "host" else 0, staging,
                     1 if needed_on_disk else 0) * page_bytes,
         "disk": needed_on_disk,
     }
@@ -284,6 +293,12 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
 
 
 # ---------------------------------------------------------------------------------------------------- the parts
+def largest_unit(model: nn.Module, layout: PageLayout, units: Sequence[PagingUnit]) -> tuple[str, int]:
+    """The paging unit whose forward pins the most param pages on the device at once, and that count."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return device_pages_at_once(units, lambda param: layout.slot(names[id(param)]).pages)
+
+
 def update_tier(device: torch.device, device_slots: int, host_slots: int, n_state_pages: int,
                 group: int = UPDATE_GROUP) -> str:
     """Engine._update_tier: the device on a GPU or when every state fits it, else the host (CPU). `group`: the

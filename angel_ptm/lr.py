@@ -43,3 +43,12 @@ def lr_at(
     else:
         weight = 1.0 - progress
     return min_lr + weight * (base_lr - min_lr)
+
+
+def schedule_given(config) -> bool:
+    """Whether a config spells out an lr_schedule (the engine applies it then): the section was in its source (a
+    dict, YAML file or --set), or, for a Config built in code, differs from the defaults."""
+    given = getattr(config, "given_sections", None)
+    if given is not None:
+        return "lr_schedule" in given
+    return config.lr_schedule != type(config.lr_schedule)()

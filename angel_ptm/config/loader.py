@@ -36,7 +36,12 @@ def load_config(source: ConfigSource = None, overrides: Iterable[str] = ()) -> C
     raw = _read_source(source)
     for override in overrides:
         _apply_override(raw, override)
-    return _build_config(raw)
+    config = _build_config(raw)
+    if isinstance(source, Config):  # every section is in its dict: what was spelled out is what the source says
+        given = getattr(source, "given_sections", None)
+        overridden = {str(o).split(".", 1)[0] for o in overrides}
+        config.given_sections = None if given is None else given | overridden
+    return config
 
 
 def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
@@ -164,7 +169,9 @@ def _build_config(raw: Mapping[str, Any]) -> Config:
         for section, section_class in section_classes().items()
         if section in raw
     }
-    return Config(**sections)
+    config = Config(**sections)
+    config.given_sections = frozenset(sections)  # what the source spelled out (the engine's lr_schedule rule)
+    return config
 
 
 def _section_settings(raw: Any, section: str) -> dict[str, Any]:

@@ -86,3 +86,11 @@ def start_tiers(n_new_pages: int, host_slots: int, device_room: int) -> list[Tie
     for i in host_queue[: max(0, len(host_queue) - host_slots)]:
         tiers[i] = Tier.DISK
     return tiers
+
+
+def staging_host_pages(unit_pages: int, on_disk: bool) -> int:
+    """Host slots a unit's acquisition needs when pages live on disk: a unit pins all its pages at once, and
+    those that rest on the host or are read from disk stay pinned there until they rise to the device; each one
+    that rises may displace a dirty device page, which needs a host slot of its own. So the host must have one slot
+    more than the unit has pages (then an unpinned host page can always make way, down to disk)."""
+    return unit_pages + 1 if on_disk else 0

@@ -40,6 +40,7 @@ class PagedAdamW:
         self._in_step = False
         self._updated: set[int] = set()
         self._stepped: set[str] = set()
+        self.failed_group: int | None = None  # a page group whose update raised part-way (the step is torn)
         self.slot_steps = {slot.name: 0 for slot in layout.slots}  # steps each tensor took (torch's state["step"])
         self.grad_scale = 1.0  # applied to every gradient this step (clipping), reset when the step closes
         self.use_fused = fused  # CPU-resident groups: the fused native Adam (angel_ptm.optim.fused_adam)
@@ -131,6 +132,13 @@ class PagedAdamW:
         if index in self._updated:
             raise ValueError(f"page group {index} was already updated in optimizer step {self.step_count}")
         self._updated.add(index)
+        try:
+            self._update_group(index, without_grad)
+        except BaseException:
+            self.failed_group = index  # step counts, moments and weights of this group may be half-written
+            raise
+
+    def _update_group(self, index: int, without_grad: frozenset[str] | set[str]) -> None:
         slots = self._slots_on_page[index]
         for name, _, _ in slots:  # a tensor spanning pages counts its step once
             if name not in without_grad and name not in self._stepped:

@@ -1,0 +1,126 @@
+"""State dicts in torch's own formats, read from and written to pages.
+
+- `model_state_dict(engine)`: `model.state_dict()`'s keys with the real values — each parameter read from its pages
+  wherever they are (a disk page is read into a scratch buffer; no page changes tier), buffers as the model holds
+  them. Under mixed precision (or optimizer.staleness 1) a parameter's value is its fp32 master weight.
+- `load_model_state_dict(engine, sd)`: the inverse, strict by default like `nn.Module.load_state_dict`.
+- `optimizer_state_dict(engine)` / `load_optimizer_state_dict(engine, sd)`: `torch.optim.AdamW`'s format (`state`:
+  per parameter index `step`, `exp_avg`, `exp_avg_sq`; `param_groups`: one group over `model.parameters()` in
+  order), so a run can move from or to plain PyTorch. As with torch, a parameter that never received a gradient
+  (frozen, or never used) has no state.
+"""
+
+from __future__ import annotations
+
+from collections import namedtuple
+
+import torch
+from torch import nn
+
+from angel_ptm.errors import StateDictError
+
+IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def model_state_dict(engine) -> dict[str, torch.Tensor]:
+    """`model.state_dict()` with real parameter values (the binder's state-dict hooks read them from pages)."""
+    return dict(engine.model.state_dict())
+
+
+def _parameter_keys(model: nn.Module) -> dict[str, nn.Parameter]:
+    return dict(model.named_parameters(remove_duplicate=False))
+
+
+def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        for leaf, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and leaf not in module._non_persistent_buffers_set:
+                out[f"{module_name}.{leaf}" if module_name else leaf] = buffer
+    return out
+
+
+def load_model_state_dict(engine, state_dict: dict, strict: bool = True) -> IncompatibleKeys:
+    """Write `state_dict`'s parameters into their pages (all kinds that hold the weights) and its buffers into the
+    model; missing or unexpected keys are a StateDictError when `strict`, a shape that differs always is."""
+    model = engine.model
+    params, buffers = _parameter_keys(model), _persistent_buffers(model)
+    expected = set(params) | set(buffers)
+    missing = sorted(expected - set(state_dict))
+    unexpected = sorted(set(state_dict) - expected)
+    if strict and (missing or unexpected):
+        raise StateDictError(f"load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+                             f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    for key, value in state_dict.items():
+        target = params.get(key, buffers.get(key))
+        if target is not None and tuple(value.shape) != tuple(target.shape):
+            raise StateDictError(f"load_state_dict: '{key}' has shape {tuple(value.shape)}, the model's is "
+                                 f"{tuple(target.shape)}")
+    names = {id(p): n for n, p in model.named_parameters()}  # the layout's name of each distinct parameter
+    written: set[str] = set()
+    for key, param in params.items():
+        name = names[id(param)]
+        if key in state_dict and name not in written:
+            written.add(name)
+            engine.write_parameter(name, state_dict[key].detach())
+    with torch.no_grad():
+        for key, buffer in buffers.items():
+            if key in state_dict:
+                buffer.copy_(state_dict[key])
+    engine.parameters_written()
+    return IncompatibleKeys(missing, unexpected)
+
+
+def optimizer_state_dict(engine) -> dict:
+    """The page-wise AdamW's state as `torch.optim.AdamW.state_dict()` would give it for `model.parameters()`."""
+    opt = engine.optimizer
+    state = {}
+    for index, (name, _param) in enumerate(engine.model.named_parameters()):
+        steps = opt.slot_steps[name]
+        if steps:
+            state[index] = {"step": torch.tensor(float(steps)),
+                            **{kind: engine.state(kind, name) for kind in MOMENTS}}
+    beta1, beta2 = opt.betas
+    group = {"lr": opt.lr, "betas": (beta1, beta2), "eps": opt.eps, "weight_decay": opt.weight_decay,
+             "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
+             "fused": None, "decoupled_weight_decay": True,
+             "params": list(range(len(list(engine.model.parameters()))))}
+    return {"state": state, "param_groups": [group]}
+
+
+def load_optimizer_state_dict(engine, state_dict: dict) -> None:
+    """Take a `torch.optim.AdamW.state_dict()` (one param group over `model.parameters()`, in order) into the
+    pages: moments, per-parameter step counts and the group's hyperparameters."""
+    groups = state_dict.get("param_groups")
+    named = list(engine.model.named_parameters())
+    if not isinstance(groups, list) or len(groups) != 1:
+        raise StateDictError(f"load_optimizer_state_dict: expected one param group, got "
+                             f"{len(groups) if isinstance(groups, list) else groups!r}")
+    group = groups[0]
+    if len(group.get("params", ())) != len(named):
+        raise StateDictError(f"load_optimizer_state_dict: the param group has {len(group.get('params', ()))} "
+                             f"parameters, the model {len(named)}")
+    for flag in ("amsgrad", "maximize"):
+        if group.get(flag):
+            raise StateDictError(f"load_optimizer_state_dict: param_groups[0].{flag} is true; the page-wise AdamW "
+                                 f"has no {flag}")
+    index_of = {pid: i for i, pid in enumerate(group["params"])}
+    opt = engine.optimizer
+    for i, (name, param) in enumerate(named):
+        entry = state_dict.get("state", {}).get(group["params"][i], {})
+        steps = int(float(entry["step"])) if "step" in entry else 0
+        for kind in MOMENTS:
+            value = entry.get(kind)
+            if value is None:
+                value = torch.zeros(param.shape, dtype=torch.float32)
+            elif tuple(value.shape) != tuple(param.shape):
+                raise StateDictError(f"load_optimizer_state_dict: state[{index_of[group['params'][i]]}].{kind} "
+                                     f"('{name}') has shape {tuple(value.shape)}, the parameter's is "
+                                     f"{tuple(param.shape)}")
+            engine.write_state(kind, name, value)
+        opt.slot_steps[name] = steps
+    opt.step_count = max(opt.slot_steps.values(), default=0)
+    opt.lr = float(group["lr"])
+    opt.betas = tuple(float(b) for b in group["betas"])
+    opt.eps, opt.weight_decay = float(group["eps"]), float(group["weight_decay"])

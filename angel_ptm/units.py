@@ -1,0 +1,118 @@
+"""Paging units: which module's forward brings in which parameters (FSDP2's unit, in our words).
+
+A unit is a module whose forward gathers every parameter of its subtree that no inner unit owns; the root module is
+always a unit (it owns whatever is left). Parameters are bound to device pages for the whole forward of their unit,
+so a parameter may be read anywhere inside it — `nn.MultiheadAttention` reads `out_proj.weight` in its own forward,
+not in `out_proj`'s, and that is fine once the attention's layer is the unit.
+
+Default units: the children of the model's repeated block lists — an `nn.ModuleList` or `nn.Sequential` whose
+parameter-owning children (two or more) are all of one type: GPT's `layers`, `TransformerEncoder.layers`,
+HuggingFace's `model.layers` / `transformer.h`. Lists inside a unit are not split further. `units=` overrides:
+a list of module types (as FSDP's `ModuleWrapPolicy`) or a predicate `module -> bool`.
+
+The device must hold, at once, the pages of a unit and of every unit around it (their forwards are still running):
+`device_pages_at_once` is that rule, shared by the engine's budget check and the estimate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional, Sequence, Union
+
+from torch import nn
+
+from angel_ptm.errors import ConfigValueError
+
+UnitsSpec = Union[None, Sequence[type], Callable[[nn.Module], bool]]
+
+
+@dataclass(eq=False)
+class PagingUnit:
+    """One unit: its module, its dotted name ("<root>" for the model), the parameters it owns (a tied parameter may
+    be owned by several units) and the unit around it."""
+
+    module: nn.Module
+    name: str
+    params: list[nn.Parameter] = field(default_factory=list)
+    parent: Optional["PagingUnit"] = None
+
+    def chain(self) -> list["PagingUnit"]:
+        """This unit and every unit around it, innermost first."""
+        out, unit = [], self
+        while unit is not None:
+            out.append(unit)
+            unit = unit.parent
+        return out
+
+
+def _owns_parameters(module: nn.Module) -> bool:
+    return any(True for _ in module.parameters())
+
+
+def default_unit_modules(model: nn.Module) -> set[nn.Module]:
+    """The children of repeated block lists, outermost lists only."""
+    found: set[nn.Module] = set()
+
+    def visit(module: nn.Module) -> None:
+        if isinstance(module, (nn.ModuleList, nn.Sequential)):
+            blocks = [child for child in module.children() if _owns_parameters(child)]
+            if len(blocks) >= 2 and len({type(b) for b in blocks}) == 1:
+                found.update(blocks)
+                return
+        for child in module.children():
+            visit(child)
+
+    visit(model)
+    return found
+
+
+def _unit_modules(model: nn.Module, spec: UnitsSpec) -> set[nn.Module]:
+    if spec is None:
+        return default_unit_modules(model)
+    if callable(spec) and not isinstance(spec, (list, tuple, set, frozenset)):
+        return {m for m in model.modules() if m is not model and spec(m)}
+    types = tuple(spec)
+    if not all(isinstance(t, type) and issubclass(t, nn.Module) for t in types):
+        raise ConfigValueError(f"units: expected a list of nn.Module types or a predicate, got {spec!r}")
+    return {m for m in model.modules() if m is not model and isinstance(m, types)}
+
+
+def find_units(model: nn.Module, spec: UnitsSpec = None) -> list[PagingUnit]:
+    """The paging units of `model`, the root first, then in module order (each after the units around it)."""
+    chosen = _unit_modules(model, spec)
+    units: list[PagingUnit] = []
+
+    def visit(module: nn.Module, name: str, unit: PagingUnit, seen: set[int]) -> None:
+        if module is not model and module in chosen:
+            unit = PagingUnit(module, name, parent=unit)
+            units.append(unit)
+            seen = set()
+        for param in module.parameters(recurse=False):
+            if id(param) not in seen:
+                seen.add(id(param))
+                unit.params.append(param)
+        for child_name, child in module.named_children():
+            visit(child, f"{name}.{child_name}" if module is not model else child_name, unit, seen)
+
+    root = PagingUnit(model, "<root>")
+    units.append(root)
+    visit(model, "", root, set())
+    return units
+
+
+def unit_pages(unit: PagingUnit, slot_pages: Callable[[nn.Parameter], Iterable[int]]) -> list[int]:
+    """Page indices of a unit's own parameters, in first-use order, each once."""
+    return list(dict.fromkeys(p for param in unit.params for p in slot_pages(param)))
+
+
+def device_pages_at_once(units: Sequence[PagingUnit],
+                         slot_pages: Callable[[nn.Parameter], Iterable[int]]) -> tuple[str, int]:
+    """The unit whose forward needs the most param pages on the device at once (its own and those of every unit
+    around it, whose forwards are still running), and that count."""
+    own = {id(u): set(unit_pages(u, slot_pages)) for u in units}
+    best_name, best = "", 0
+    for unit in units:
+        pages = set().union(*(own[id(u)] for u in unit.chain()))
+        if len(pages) > best:
+            best_name, best = unit.name, len(pages)
+    return best_name, best
