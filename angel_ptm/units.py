@@ -5,8 +5,8 @@ always a unit (it owns whatever is left). Parameters are bound to device pages f
 so a parameter may be read anywhere inside it — `nn.MultiheadAttention` reads `out_proj.weight` in its own forward,
 not in `out_proj`'s, and that is fine once the attention's layer is the unit.
 
-Default units: the children of the model's repeated block lists — an `nn.ModuleList` or `nn.Sequential` whose
-parameter-owning children (two or more) are all of one type: GPT's `layers`, `TransformerEncoder.layers`,
+Default units: the children of the model's repeated block lists — an `nn.ModuleList` (or an `nn.Sequential` of two
+or more) whose parameter-owning children are all of one type: GPT's `layers`, `TransformerEncoder.layers`,
 HuggingFace's `model.layers` / `transformer.h`. Lists inside a unit are not split further. `units=` overrides:
 a list of module types (as FSDP's `ModuleWrapPolicy`) or a predicate `module -> bool`.
 
@@ -56,7 +56,8 @@ def default_unit_modules(model: nn.Module) -> set[nn.Module]:
     def visit(module: nn.Module) -> None:
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             blocks = [child for child in module.children() if _owns_parameters(child)]
-            if len(blocks) >= 2 and len({type(b) for b in blocks}) == 1:
+            least = 1 if isinstance(module, nn.ModuleList) else 2  # a Sequential of one is a wrapper, not a list
+            if len(blocks) >= least and len({type(b) for b in blocks}) == 1:
                 found.update(blocks)
                 return
         for child in module.children():

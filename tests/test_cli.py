@@ -71,10 +71,11 @@ def test_invalid_value_type_is_an_error(capsys):
 
 
 def test_device_budget_smaller_than_the_largest_layer_is_a_budget_error(capsys, tmp_path):
-    # The tiny GPT's embedding (256 x 32 fp32 = 32 KiB) needs 8 pages of 4 KiB; the device holds 2.
+    # The tiny GPT's first block with the root's pages (its unit and the one around it) needs 27 pages of 4 KiB;
+    # the device holds 2.
     run_error(capsys, ["train", "--no-progress", *set_args(*TINY, "memory.page_bytes=4KiB",
                                                           "memory.device_budget=8KiB", f"run.dir={tmp_path}")],
-              "device tier budget exceeded for layer 'tok_embeddings'", "requested 32768 bytes, 8192 bytes available")
+              "device tier budget exceeded for unit 'layers.0'", "requested 110592 bytes, 8192 bytes available")
 
 
 @pytest.mark.parametrize("argv", [[], ["fly"], ["train", "--bogus"], ["train", "a.yaml", "b.yaml"]])

@@ -35,10 +35,11 @@ JOBS = {
     "default": (DEFAULT, []),  # 60 pages of 1 MiB per kind; device 56 MiB, host 72 MiB, the rest on disk
     "device": (None, [*SMALL_GPT, *SHORT_RUN, "memory.page_bytes=64KiB"]),  # "auto": every state on the device
     "device+host": (None, ["model.dim=192", "model.n_layer=3", "model.n_head=6", "model.seq_len=64", *SHORT_RUN,
-                           "memory.page_bytes=256KiB", "memory.device_budget=2MiB", "memory.host_budget=64MiB"]),
+                           "memory.page_bytes=256KiB", "memory.device_budget=4MiB", "memory.host_budget=64MiB"]),
     "device+host+disk": (None, ["model.dim=256", "model.n_layer=4", "model.n_head=4", "model.seq_len=64",
-                                *SHORT_RUN, "memory.page_bytes=128KiB", "memory.device_budget=1MiB",
-                                "memory.host_budget=4MiB"]),  # a tiny device: 8 pages, 6 of them the largest layer
+                                *SHORT_RUN, "memory.page_bytes=128KiB", "memory.device_budget=4MiB",
+                                "memory.host_budget=4MiB"]),  # a tiny device: 32 pages, 31 of them the first block's
+                                                              # unit with the root's; the host stages 32
 }
 
 
@@ -100,13 +101,13 @@ def test_the_default_job_in_numbers():
     estimate = estimate_job(job("default"))
     assert (estimate.params, estimate.page_bytes, estimate.n_pages) == (10_720_128, MiB, 60)
     assert estimate.master_extra_bytes == 0  # fp32 parameter pages are the master weights
-    assert (estimate.largest_layer, estimate.largest_layer_pages) == ("layers.0.feed_forward.w1", 2)
+    assert (estimate.largest_layer, estimate.largest_layer_pages) == ("layers.1", 13)  # a block's unit
     assert estimate.update_tier == "host"  # CPU, states larger than the device tier
     assert estimate.activation_bytes == estimate_activation_bytes(build_model(job("default").model).cfg, 8)
     assert estimate.pinned_host_bytes == 0  # pinned only with CUDA
     assert {t: estimate.tiers[t].budget for t in TIERS} == {"device": 56 * MiB, "host": 72 * MiB, "disk": 240 * MiB}
     assert estimate.tiers["disk"].needed == 112 * MiB  # 240 MiB of states - 56 - 72
-    assert estimate.start_pages == {"device": 54, "host": 72, "disk": 114}  # the device keeps 2 pages free
+    assert estimate.start_pages == {"device": 43, "host": 72, "disk": 125}  # the device keeps 13 pages free
 
 
 def test_config_alone_builds_the_model_on_the_meta_device(monkeypatch):
@@ -154,7 +155,7 @@ def test_auto_host_budget_leaves_room_to_rotate_the_largest_layer(budgets, tmp_p
 def test_an_explicit_device_budget_with_auto_host_and_no_disk_trains(tmp_path):
     # The device keeps the largest layer's pages free while pages are created; the auto host budget covers them.
     config = {"model": {"dim": 32, "n_layer": 1, "n_head": 2, "seq_len": 16, "vocab_size": 64},
-              "memory": {"page_bytes": "4KiB", "device_budget": "24KiB", "host_budget": "auto", "disk_budget": 0,
+              "memory": {"page_bytes": "4KiB", "device_budget": "128KiB", "host_budget": "auto", "disk_budget": 0,
                          "disk_dir": str(tmp_path)},
               "trainer": {"device": "cpu"}}
     model = build_model(load_config(config).model)
@@ -176,8 +177,8 @@ def test_creation_order_is_the_engines():
 
 
 def test_estimate_agrees_with_the_engine_it_predicts(tmp_path):
-    config = load_config(None, [*SMALL_GPT, "memory.page_bytes=16KiB", "memory.device_budget=256KiB",
-                                "memory.host_budget=512KiB", f"memory.disk_dir={tmp_path}", "trainer.device=cpu"])
+    config = load_config(None, [*SMALL_GPT, "memory.page_bytes=64KiB", "memory.device_budget=1280KiB",
+                                "memory.host_budget=1280KiB", f"memory.disk_dir={tmp_path}", "trainer.device=cpu"])
     model = build_model(config.model)
     estimate = estimate_job(config, model, disk_dir=str(tmp_path))
     trace = TraceRecorder(tmp_path / "trace.jsonl")
@@ -221,8 +222,8 @@ def test_device_smaller_than_the_largest_layer_is_refused_like_the_engine_refuse
                                 "memory.page_bytes=4KiB", "memory.device_budget=8KiB"])
     with pytest.raises(BudgetError) as info:
         estimate_job(config).check()
-    assert str(info.value) == ("device tier budget exceeded for layer 'tok_embeddings' (8 pages of 4.0 KiB): "
-                               "requested 32768 bytes, 8192 bytes available")
+    assert str(info.value) == ("device tier budget exceeded for unit 'layers.0' (27 pages of 4.0 KiB): "
+                               "requested 110592 bytes, 8192 bytes available")
 
 
 def test_too_little_free_disk_space_for_the_page_files_is_refused(monkeypatch):
@@ -233,16 +234,20 @@ def test_too_little_free_disk_space_for_the_page_files_is_refused(monkeypatch):
 
 
 def test_optimizer_update_needs_four_pages_on_its_tier(tmp_path):
-    config = load_config(None, ["model.dim=32", "model.n_layer=1", "model.n_head=2", "model.seq_len=16",
-                                "memory.page_bytes=16KiB", "memory.device_budget=48KiB", "memory.host_budget=32KiB",
+    # Three Linear(64, 64) units of 2 pages each (a 16 KiB weight, a page for its bias): 6 pages per kind.
+    config = load_config(None, ["memory.page_bytes=16KiB", "memory.device_budget=48KiB", "memory.host_budget=48KiB",
                                 f"memory.disk_dir={tmp_path}", "trainer.device=cpu"])
-    estimate = estimate_job(config)
+
+    def model():
+        return torch.nn.Sequential(*(torch.nn.Linear(64, 64) for _ in range(3)))
+
+    estimate = estimate_job(config, model())
     assert estimate.largest_layer_pages == 2 and estimate.update_tier == "device"  # neither tier has 4 pages
     with pytest.raises(BudgetError) as info:
         estimate.check()
     assert (info.value.tier, info.value.requested, info.value.available) == ("device", 64 * KiB, 48 * KiB)
     with pytest.raises(BudgetError) as engine_info:
-        angel_ptm.initialize(build_model(config.model), config).close()
+        angel_ptm.initialize(model(), config).close()
     assert str(engine_info.value) == str(info.value)
 
 
@@ -271,8 +276,8 @@ def test_cli_estimate_with_a_too_small_budget_exits_2_with_one_line(capsys):
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in captured.err
-    assert lines[0] == ("angel-ptm: error: device tier budget exceeded for layer 'layers.0.feed_forward.w1' "
-                        "(2 pages of 1.0 MiB): requested 2097152 bytes, 524288 bytes available")
+    assert lines[0] == ("angel-ptm: error: device tier budget exceeded for unit 'layers.1' "
+                        "(13 pages of 1.0 MiB): requested 13631488 bytes, 524288 bytes available")
     assert "fits: no" in captured.out  # the numbers are still printed
 
 

@@ -21,7 +21,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16}
 REFERENCE_SCALE = {"bfloat16": 1.0, "float16": 1024.0}
 PLACEMENTS = {
     "device": {"page_bytes": "4KiB", "device_budget": "4MiB", "host_budget": "1MiB"},
-    "device+host+disk": {"page_bytes": "4KiB", "device_budget": "48KiB", "host_budget": "24KiB"},
+    "device+host+disk": {"page_bytes": "4KiB", "device_budget": "112KiB", "host_budget": "96KiB"},
 }
 
 
