@@ -315,20 +315,12 @@ class ParamBinder:
             view[start:end].zero_()
 
     def settle_grads(self) -> None:
-        """Make every grad slot hold this step's gradient: zero the slots no gradient reached."""
+        """Close this step's gradients: `without_grad` names the tensors no gradient reached (frozen, unused, a
+        branch not taken). Their grad regions are never written nor read (the norm and the update skip them), so a
+        grad page that only such tensors use is never even materialized."""
         if self._settled:
             return
         self.without_grad = {slot.name for slot in self.layout.slots if slot.name not in self._has_grad}
-        for slot in self.layout.slots:
-            if slot.name in self._has_grad:
-                continue
-            for seg in slot.segments:
-                page = self.grad_pages[seg.page]
-                self.manager.acquire([page], Tier.HOST if page.tier is not Tier.DEVICE else Tier.DEVICE,
-                                     label=f"grad:settle:{slot.name}")
-                page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].zero_()
-                self.manager.release([page], dirty=True)
-            self._has_grad.add(slot.name)
         self._settled = True
 
     def take_overflow(self) -> bool:

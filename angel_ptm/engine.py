@@ -319,7 +319,7 @@ class Engine:
                 "trainer.grad_clip: clip_grad_norm was called after pages were already updated during backward; "
                 "set trainer.grad_clip so the engine waits for the norm (or optimizer.overlap_updates: false)")
         self.binder.settle_grads()
-        total = self.optimizer.grad_norm()
+        total = self.optimizer.grad_norm(self.binder.without_grad)
         if self.loss_scaler is not None:  # the norm of the true gradients (inf after an overflow: the step is skipped)
             total = total / self.loss_scaler.scale
         clip_coef = max_norm / (total + 1e-6)

@@ -1,7 +1,8 @@
 """AdamW over pages: page i of param, grad, exp_avg and exp_avg_sq are updated together, one page group at a time.
 
 The arithmetic is torch.optim.AdamW's single-tensor path, op for op, so results match it; padding between tensors
-is zero in every kind and stays zero. Gradients must be settled first (ParamBinder.settle_grads); the step
+is zero in every kind and stays zero. Gradients must be settled first (ParamBinder.settle_grads: which tensors got
+none; their regions are skipped, and a page none of whose tensors got one is left alone); the step
 leaves them as they are: the binder overwrites them with the next step's first gradient. The pages are acquired on
 `update_tier` (the device when a group fits there, else the host), so an update never needs more than four slots.
 
@@ -30,11 +31,9 @@ class PagedAdamW:
         self.page_dtypes = layout.page_dtypes
         self._scratch_buffers: dict = {}
         # (offset, numel) of every tensor segment on each page, computed once: the norm runs every step.
-        self._segments_on_page: list[list[tuple[int, int]]] = [[] for _ in range(layout.n_pages)]
         self._slots_on_page: list[list[tuple[str, int, int]]] = [[] for _ in range(layout.n_pages)]
         for slot in layout.slots:
             for seg in slot.segments:
-                self._segments_on_page[seg.page].append((seg.offset, seg.numel))
                 self._slots_on_page[seg.page].append((slot.name, seg.offset, seg.numel))
         self.slot_names_on_page = [[name for name, _, _ in slots] for slots in self._slots_on_page]
         self._in_step = False
@@ -60,14 +59,19 @@ class PagedAdamW:
             buffer = self._scratch_buffers[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
         return buffer[: like.numel()]
 
-    def grad_norm(self) -> float:
-        """The global L2 norm of all gradients, computed per tensor then combined (as clip_grad_norm_ does)."""
+    def grad_norm(self, without_grad: frozenset[str] | set[str] = frozenset()) -> float:
+        """The global L2 norm of all gradients, computed per tensor then combined (as clip_grad_norm_ does);
+        tensors in `without_grad` have none (torch's .grad None), and a page only they use is not read."""
         norms = []
         for index, grad_page in enumerate(self.pages["grad"]):
+            segments = [(offset, numel) for name, offset, numel in self._slots_on_page[index]
+                        if name not in without_grad]
+            if not segments:
+                continue
             self.manager.acquire([grad_page], self.update_tier, label="opt:norm")
             view = grad_page.view(self.page_dtypes[index])
             wide = None if view.dtype == torch.float32 else torch.float32  # bf16/fp16 gradients: norms in fp32
-            for offset, numel in self._segments_on_page[index]:
+            for offset, numel in segments:
                 norms.append(torch.linalg.vector_norm(view[offset : offset + numel], 2.0, dtype=wide))
             self.manager.release([grad_page])
         if not norms:
@@ -140,6 +144,8 @@ class PagedAdamW:
 
     def _update_group(self, index: int, without_grad: frozenset[str] | set[str]) -> None:
         slots = self._slots_on_page[index]
+        if all(name in without_grad for name, _, _ in slots):
+            return  # no gradient reached this page: nothing to update, and its grad page stays dead
         for name, _, _ in slots:  # a tensor spanning pages counts its step once
             if name not in without_grad and name not in self._stepped:
                 self._stepped.add(name)
