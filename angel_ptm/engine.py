@@ -74,8 +74,9 @@ class Engine:
         self.kinds = creation_order(config)
         self.layout = build_layout(model, mem.page_bytes, compute_dtype=self.compute_dtype)
         self.units = find_units(model, units)
-        page_bytes, n_pages = mem.page_bytes, self.layout.n_pages
-        states_bytes = len(self.kinds) * n_pages * page_bytes
+        page_bytes, n_pages = mem.page_bytes, self.layout.trainable_pages  # pages of every kind
+        n_states = sum(self.layout.kind_pages(kind) for kind in self.kinds)
+        states_bytes = n_states * page_bytes
         self._own_disk_dir = mem.disk_dir is None
         # The estimate (angel-ptm estimate) runs first: a job that cannot fit is refused with the numbers, before
         # any allocation. It includes the largest layer's pages, which the device must hold at once.
@@ -104,11 +105,11 @@ class Engine:
         )
         if disk is not None:  # one preallocated slot per page and kind: clean copies are dropped, never rewritten
             for kind in self.kinds:
-                disk.reserve(kind, min(n_pages, disk.capacity // len(self.kinds)))
-        tiers = iter(self._start_tiers(n_pages))
+                disk.reserve(kind, min(self.layout.kind_pages(kind), disk.capacity // len(self.kinds)))
+        tiers = iter(self._start_tiers(n_states))
         self.pages = {kind: [self.manager.create_page(kind, self._page_dtype(kind, i), index=i, tier=next(tiers),
                                                       untouched=True)  # every write below goes through acquire
-                             for i in range(n_pages)] for kind in self.kinds}
+                             for i in range(self.layout.kind_pages(kind))] for kind in self.kinds}
         self._copy_parameters_into_pages()
         if "master" in self.pages:
             self._cast_master_into_parameters()
@@ -146,7 +147,7 @@ class Engine:
                                    activation_bytes=lambda: self.binder.activation_bytes, trace=self.trace)
         opt = config.optimizer
         group = len(self.kinds)  # one optimizer update pins a page of each kind
-        update_tier = self._update_tier(group * n_pages, group)
+        update_tier = self._update_tier(n_states, group)
         if self.manager.pools[update_tier].capacity < group:
             raise BudgetError(update_tier.value, group * page_bytes,
                               self.manager.pools[update_tier].capacity * page_bytes,
@@ -179,12 +180,11 @@ class Engine:
         """Parameters and gradients in the compute dtype; master weights and Adam moments in the master's."""
         return self.layout.page_dtypes[index] if kind in ("param", "grad") else self.layout.state_dtype(index)
 
-    def _start_tiers(self, n_pages: int) -> list[Tier]:
+    def _start_tiers(self, n_states: int) -> list[Tier]:
         """Where each new page rests (kinds in creation order): the host while it has room, then the device (which
         keeps the largest layer's pages free), then the host again in place of the oldest pages there, which are
         created on disk instead, dead: the zeros they hold are never written (memory.budgets.start_tiers)."""
         pools = self.manager.pools
-        n_states = len(self.kinds) * n_pages
         reserve = device_reserve_pages(pools[Tier.DEVICE].capacity, n_states, self._min_device_pages)
         return start_tiers(n_states, pools[Tier.HOST].capacity, max(0, pools[Tier.DEVICE].capacity - reserve))
 
@@ -194,7 +194,7 @@ class Engine:
         which values); `meta_init` reports how."""
 
         def write(slot: TensorSlot, flat: torch.Tensor) -> None:
-            self._write_slot(self._weights_kind, slot, flat)
+            self._write_slot(self._weights_kind(slot), slot, flat)
 
         self.meta_init: MaterializeReport | None = None
         if has_meta_parameters(self.model):
@@ -369,7 +369,7 @@ class Engine:
             if self.delayed is not None:
                 # The order this step's gradients became final: step t+1 writes them in about that order again.
                 final = set(self._final_order)
-                order = self._final_order + [i for i in range(self.layout.n_pages) if i not in final]
+                order = self._final_order + [i for i in range(self.layout.trainable_pages) if i not in final]
                 self.delayed.enqueue(order, self.binder.without_grad)
             else:
                 self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)
@@ -390,7 +390,7 @@ class Engine:
             if page.kind == "grad" and page.index not in seen:
                 order.append(page.index)
                 seen.add(page.index)
-        order.extend(i for i in range(self.layout.n_pages) if i not in seen)
+        order.extend(i for i in range(self.layout.trainable_pages) if i not in seen)
         return order
 
     def zero_grad(self) -> None:
@@ -427,16 +427,19 @@ class Engine:
 
     def master_parameter(self, name: str) -> torch.Tensor:
         """A copy of the weights the optimizer updates for `name`: the fp32 master under mixed precision."""
-        return self.state(self._weights_kind, name)
+        return self.state(self._weights_kind(self.layout.slot(name)), name)
 
-    @property
-    def _weights_kind(self) -> str:
-        return "master" if "master" in self.pages else "param"
+    def _weights_kind(self, slot: TensorSlot) -> str:
+        """The pages that hold a tensor's weights: its master pages under mixed precision, unless it is frozen."""
+        return "master" if "master" in self.pages and not self.layout.frozen(slot) else "param"
 
     def state(self, kind: str, name: str) -> torch.Tensor:
         """A copy of tensor `name` in the pages of `kind` (param, grad, master, exp_avg, exp_avg_sq), on the CPU.
         Pages are read where they are (a disk page into a scratch buffer): no page changes tier."""
-        return self._read_slot(kind, self.layout.slot(name))
+        slot = self.layout.slot(name)
+        if kind != "param" and self.layout.frozen(slot):
+            raise KeyError(f"'{name}' is frozen (requires_grad=False at initialize): it has no {kind} pages")
+        return self._read_slot(kind, slot)
 
     def _read_slot(self, kind: str, slot: TensorSlot) -> torch.Tensor:
         dtype = self._page_dtype(kind, slot.segments[0].page)
@@ -450,14 +453,17 @@ class Engine:
 
     def _read_parameter(self, slot: TensorSlot) -> torch.Tensor:
         """The weights of one parameter as its model holds them outside the engine (the fp32 master under mixed
-        precision)."""
-        return self._read_slot(self._weights_kind, slot)
+        precision; a frozen tensor's compute-dtype values, widened to it)."""
+        values = self._read_slot(self._weights_kind(slot), slot)
+        wide = self.layout.master_dtype
+        return values.to(wide) if wide is not None and values.is_floating_point() else values
 
     def write_parameter(self, name: str, value: torch.Tensor) -> None:
         """Write `value` into parameter `name`'s weight pages (the master under mixed precision; call
         `parameters_written` after the last one, which refreshes the compute copies)."""
         self._check_alive()
-        self._write_slot(self._weights_kind, self.layout.slot(name), value.reshape(-1))
+        slot = self.layout.slot(name)
+        self._write_slot(self._weights_kind(slot), slot, value.reshape(-1))
 
     def write_state(self, kind: str, name: str, value: torch.Tensor) -> None:
         """Write `value` into tensor `name`'s pages of `kind` (exp_avg, exp_avg_sq, ...)."""
@@ -476,7 +482,7 @@ class Engine:
         """After weights were written into master pages: the compute copies (param pages) take them."""
         if "master" in self.pages:
             tier = Tier.HOST if self.manager.pools[Tier.HOST].capacity >= 2 else Tier.DEVICE
-            for index in range(self.layout.n_pages):
+            for index in range(self.layout.trainable_pages):  # frozen tensors have no master: param pages only
                 self._copy_master_into_param(index, tier)
 
     def state_dict(self) -> dict[str, torch.Tensor]:

@@ -93,7 +93,7 @@ class Estimate:
     compute_device: str
     params: int  # distinct parameter elements (a tied weight once)
     page_bytes: int
-    n_pages: int  # pages per state kind (PageLayout.n_pages)
+    n_pages: int  # parameter pages (PageLayout.n_pages); the other kinds have one per trainable page (kind_bytes)
     kind_bytes: dict  # state kind -> bytes of its pages
     master_extra_bytes: int  # master weights beyond the parameter pages (0: parameters are fp32, they are the master)
     states_bytes: int
@@ -136,9 +136,11 @@ class Estimate:
                  f"  parameters {self.params:,}: {self.n_pages} pages of {format_bytes(self.page_bytes)} "
                  f"per state kind"]
         for kind in ("param", "grad", "exp_avg", "exp_avg_sq"):
-            lines.append(f"    {kind:<11} {self.n_pages:>6} pages  {format_bytes(self.kind_bytes[kind]):>10}")
+            lines.append(f"    {kind:<11} {self.kind_bytes[kind] // self.page_bytes:>6} pages  "
+                         f"{format_bytes(self.kind_bytes[kind]):>10}")
         if self.master_extra_bytes:
-            lines.append(f"    {'master':<11} {self.n_pages:>6} pages  {format_bytes(self.master_extra_bytes):>10}"
+            lines.append(f"    {'master':<11} {self.master_extra_bytes // self.page_bytes:>6} pages  "
+                         f"{format_bytes(self.master_extra_bytes):>10}"
                          f"  (fp32; {self.master_note})")
         else:
             lines.append(f"    {'master':<11} {0:>6} extra  {format_bytes(self.master_extra_bytes):>10}"
@@ -202,8 +204,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         layout = build_layout(model, page_bytes, compute_dtype=compute_dtype(config))
     kinds = creation_order(config)
     group = len(kinds)  # pages one optimizer update pins: one of each kind
-    n_pages = layout.n_pages
-    n_states = len(kinds) * n_pages
+    counts = {kind: layout.kind_pages(kind) for kind in kinds}  # frozen tensors' pages are parameter pages only
+    n_states = sum(counts.values())
     states_bytes = n_states * page_bytes
     disk_dir = disk_dir or mem.disk_dir or str(Path(config.run.dir or "runs") / "pages")
 
@@ -217,8 +219,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     budgets = {"device": planned.device, "host": planned.host, "disk": planned.disk}
     slots = {tier: budgets[tier] // page_bytes for tier in TIERS}
     update = update_tier(device, slots["device"], slots["host"], n_states, group)
-    disk_reserved = min(n_pages, slots["disk"] // len(kinds)) * len(kinds) if slots["disk"] else 0
-    start = place_pages(n_pages, slots, device_reserve_pages(slots["device"], n_states, largest), page_bytes, kinds)
+    disk_reserved = sum(min(n, slots["disk"] // len(kinds)) for n in counts.values()) if slots["disk"] else 0
+    start = place_pages(counts, slots, device_reserve_pages(slots["device"], n_states, largest), page_bytes, kinds)
     problems: list[Problem] = []
 
     # 1. the budgets themselves (as resolve_budgets refuses them)
@@ -261,7 +263,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
                                 "the page pools" + ("" if device.type == "cuda" else " and activations")
                                 + " in available RAM"))
 
-    peaks = expected_peaks(n_pages, slots, start, update, kinds)
+    peaks = expected_peaks(counts, slots, start, update, kinds)
     needed = {
         "device": max(largest, group if update == "device" else 0) * page_bytes,
         "host": max(start.host_needed, group if update == "host" else 0, staging,
@@ -278,10 +280,9 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     }
     params = sum(p.numel() for p in model.parameters())
     return Estimate(
-        rank=0, world_size=1, compute_device=device.type, params=params, page_bytes=page_bytes, n_pages=n_pages,
-        kind_bytes={kind: n_pages * page_bytes for kind in ("param", "grad", "exp_avg", "exp_avg_sq", "master")
-                    if kind in kinds},
-        master_extra_bytes=n_pages * page_bytes if "master" in kinds else 0, states_bytes=states_bytes,
+        rank=0, world_size=1, compute_device=device.type, params=params, page_bytes=page_bytes,
+        n_pages=layout.n_pages, kind_bytes={kind: counts[kind] * page_bytes for kind in kinds},
+        master_extra_bytes=counts.get("master", 0) * page_bytes, states_bytes=states_bytes,
         largest_layer=largest_name, largest_layer_pages=largest,
         update_tier=update, activation_bytes=activation,
         pinned_host_bytes=pools["host"] if device.type == "cuda" else 0,
@@ -321,20 +322,22 @@ class StartPlacement:
     failure: Optional[Problem] = None
 
 
-def place_pages(n_pages: int, slots: dict[str, int], reserve_on_device: int, page_bytes: int,
+def place_pages(counts: dict[str, int], slots: dict[str, int], reserve_on_device: int, page_bytes: int,
                 kinds: tuple[str, ...] = CREATION_ORDER) -> StartPlacement:
-    """Where the engine creates each page (memory.budgets.start_tiers over the creation order `kinds`). A page
-    created on disk is dead (nothing written) but takes its slot in its kind's page file at once (DiskTier:
-    `min(n_pages, disk_slots // len(kinds))` reserved per kind, then grown in steps)."""
+    """Where the engine creates each page (memory.budgets.start_tiers over the creation order `kinds`, `counts[kind]`
+    pages each: PageLayout.kind_pages). A page created on disk is dead (nothing written) but takes its slot in its
+    kind's page file at once (DiskTier: `min(pages of the kind, disk_slots // len(kinds))` reserved per kind, then
+    grown in steps)."""
     place = StartPlacement()
     n_kinds = len(kinds)
-    per_kind = min(n_pages, slots["disk"] // n_kinds) if slots["disk"] else 0
-    disk_free = {kind: per_kind for kind in kinds}
-    disk_reserved = per_kind * n_kinds
+    disk_free = {kind: min(counts[kind], slots["disk"] // n_kinds) if slots["disk"] else 0 for kind in kinds}
+    disk_reserved = sum(disk_free.values())
     device_room = max(0, slots["device"] - reserve_on_device)
-    tiers = start_tiers(n_kinds * n_pages, slots["host"], device_room)
+    n_states = sum(counts[kind] for kind in kinds)
+    tiers = start_tiers(n_states, slots["host"], device_room)
+    kind_of = [kind for kind in kinds for _ in range(counts[kind])]
     for i, tier in enumerate(tiers):
-        kind = kinds[i // n_pages]
+        kind = kind_of[i]
         if tier is Tier.DEVICE:
             place.device += 1
             place.device_kinds[kind] = place.device_kinds.get(kind, 0) + 1
@@ -346,20 +349,18 @@ def place_pages(n_pages: int, slots: dict[str, int], reserve_on_device: int, pag
             if place.failure is None and (not slots["host"] or not slots["disk"] or not disk_free[kind]):
                 room = slots["disk"] - disk_reserved
                 if not slots["host"] or not slots["disk"] or room <= 0:
-                    place.failure = _placement_failure(n_pages, slots, reserve_on_device, page_bytes, n_kinds)
+                    place.failure = _placement_failure(n_states, slots, reserve_on_device, page_bytes)
                 else:
                     grow = min(DISK_GROWTH_SLOTS, room)
                     disk_reserved += grow
                     disk_free[kind] += grow
             if place.failure is None:
                 disk_free[kind] -= 1
-    place.host_needed = max(0, n_kinds * n_pages - device_room - slots["disk"])
+    place.host_needed = max(0, n_states - device_room - slots["disk"])
     return place
 
 
-def _placement_failure(n_pages: int, slots: dict[str, int], reserve_on_device: int, page_bytes: int,
-                       n_kinds: int) -> Problem:
-    states = n_kinds * n_pages
+def _placement_failure(states: int, slots: dict[str, int], reserve_on_device: int, page_bytes: int) -> Problem:
     device_takes = max(0, min(states, slots["device"] - reserve_on_device))
     disk_takes = slots["disk"]
     needed = max(1, states - device_takes - disk_takes)  # at least one host slot: pages are created there
@@ -369,22 +370,24 @@ def _placement_failure(n_pages: int, slots: dict[str, int], reserve_on_device: i
                    f"{reserve_on_device} free for the largest layer), {where}")
 
 
-def expected_peaks(n_pages: int, slots: dict[str, int], start: StartPlacement, update: str,
+def expected_peaks(counts: dict[str, int], slots: dict[str, int], start: StartPlacement, update: str,
                    kinds: tuple[str, ...] = CREATION_ORDER) -> dict[str, int]:
-    """Peak pages in use per tier over the first steps, as PageManager.in_use() reports them."""
-    n_states = len(kinds) * n_pages
+    """Peak pages in use per tier over the first steps, as PageManager.in_use() reports them (`counts`: pages of
+    each kind)."""
+    n_states = sum(counts[kind] for kind in kinds)
     # Host: filled first, to its budget or with every page.
     host = min(slots["host"], n_states)
     # Device: the pages created there, plus every page a step acquires on it (parameters and gradients; the
     # optimizer states too when the update runs there), up to its budget.
     up_kinds = kinds if update == "device" else ("param", "grad")
-    reaching = len(up_kinds) * n_pages + sum(n for kind, n in start.device_kinds.items() if kind not in up_kinds)
+    reaching = sum(counts[kind] for kind in up_kinds if kind in counts) + sum(
+        n for kind, n in start.device_kinds.items() if kind not in up_kinds)
     device = min(slots["device"], reaching)
     # Disk: a page keeps its home slot once written there, so the bytes in use are the pages that ever went
     # down. The pages created on disk are known exactly. A gradient page is live only from its backward to its
     # update (then discarded, never written), so the live states are the other three kinds; when they exceed the
     # device and host together, every step cycles them through the disk.
-    live = (len(kinds) - 1) * n_pages
+    live = n_states - counts.get("grad", 0)
     if not slots["disk"]:
         disk = 0
     elif live > slots["device"] + slots["host"]:

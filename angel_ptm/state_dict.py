@@ -105,17 +105,21 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
         if group.get(flag):
             raise StateDictError(f"load_optimizer_state_dict: param_groups[0].{flag} is true; the page-wise AdamW "
                                  f"has no {flag}")
-    index_of = {pid: i for i, pid in enumerate(group["params"])}
     opt = engine.optimizer
     for i, (name, param) in enumerate(named):
         entry = state_dict.get("state", {}).get(group["params"][i], {})
         steps = int(float(entry["step"])) if "step" in entry else 0
+        if not param.requires_grad:  # frozen at initialize: no optimizer pages
+            if steps:
+                raise StateDictError(f"load_optimizer_state_dict: state[{group['params'][i]}] is for '{name}', "
+                                     f"which is frozen (requires_grad=False) and has no optimizer state")
+            continue
         for kind in MOMENTS:
             value = entry.get(kind)
             if value is None:
                 value = torch.zeros(param.shape, dtype=torch.float32)
             elif tuple(value.shape) != tuple(param.shape):
-                raise StateDictError(f"load_optimizer_state_dict: state[{index_of[group['params'][i]]}].{kind} "
+                raise StateDictError(f"load_optimizer_state_dict: state[{group['params'][i]}].{kind} "
                                      f"('{name}') has shape {tuple(value.shape)}, the parameter's is "
                                      f"{tuple(param.shape)}")
             engine.write_state(kind, name, value)

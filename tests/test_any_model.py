@@ -170,10 +170,16 @@ def test_frozen_and_unused_parameters_train_on_with_everything_on_the_device(sch
         actual = engine_losses(engine, batches, regression_loss)
         torch.testing.assert_close(engine.parameter("frozen.weight"), FrozenAndUnused().frozen.weight.detach())
         torch.testing.assert_close(engine.parameter("unused"), torch.ones(64, 32))
-        gradless = {"frozen.weight", "frozen.bias", "unused"}
-        for index, page in enumerate(engine.pages["grad"]):
-            if {slot.name for slot in engine.layout.tensors_on(index)} <= gradless:
-                assert page.dead or page.untouched, page.name
+        # Frozen tensors are on parameter pages only (no grad, exp_avg or exp_avg_sq pages at all)...
+        layout = engine.layout
+        assert all(layout.frozen(layout.slot(n)) for n in ("frozen.weight", "frozen.bias"))
+        assert {kind: len(pages) for kind, pages in engine.pages.items()} == {
+            kind: layout.n_pages if kind == "param" else layout.trainable_pages for kind in engine.pages}
+        assert layout.n_pages - layout.trainable_pages == 5  # a 16 KiB weight and a bias, in pages of 4 KiB
+        # ...and a grad page that only the unused tensor uses is never materialized.
+        for index in layout.slot("unused").pages:
+            assert {slot.name for slot in layout.tensors_on(index)} == {"unused"}
+            assert engine.pages["grad"][index].dead or engine.pages["grad"][index].untouched
         state = engine.optimizer_state_dict()["state"]
         assert sorted(state) == sorted(opt.state_dict()["state"])  # no state for the frozen and the unused
     finally:
@@ -341,5 +347,24 @@ def test_keyword_inputs_reach_the_model_on_the_device_in_the_compute_dtype(tmp_p
         loss = engine(torch.randn(2, 4), extra=torch.randn(2, 4), pair=(torch.randn(2, 4), torch.ones(2).long()))
         engine.backward(loss)
         engine.step()
+    finally:
+        engine.close()
+
+
+def test_frozen_parameters_under_mixed_precision_stay_as_they_were_rounded_once(tmp_path):
+    g = torch.Generator().manual_seed(7)
+    batches = [(torch.randn(4, 64, generator=g),) for _ in range(3)]
+    model = FrozenAndUnused()
+    original = {name: p.detach().clone() for name, p in model.named_parameters()}
+    engine = angel_ptm.initialize(model, config({"page_bytes": "4KiB", "disk_dir": str(tmp_path)}, dtype="bfloat16"))
+    try:
+        assert "master" in engine.pages and len(engine.pages["master"]) == engine.layout.trainable_pages
+        losses = engine_losses(engine, batches, lambda m, x: regression_loss(m, x).float())
+        assert all(torch.isfinite(torch.tensor(losses)))
+        state = engine.state_dict()
+        for name in ("frozen.weight", "frozen.bias"):
+            assert state[name].dtype == torch.float32
+            torch.testing.assert_close(state[name], original[name].bfloat16().float())
+        assert not torch.equal(state["used.weight"], original["used.weight"])  # trained, in fp32
     finally:
         engine.close()

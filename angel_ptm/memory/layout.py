@@ -5,7 +5,12 @@ a tensor that does not fit the rest of the open page starts a new one, and a ten
 consecutive whole pages. Pages form groups of `dp_world_size` (the page count is padded to a multiple of it) so
 that ZeRO sharding — rank r owns page r of every group — needs no new layout. The same layout describes every
 page kind (parameters, gradients, master weights, optimizer states): page i of each kind covers the same elements.
-The layout is a pure function of (tensor names, shapes, dtypes, order, page_bytes, dp_world_size, compute_dtype).
+The layout is a pure function of (tensor names, shapes, dtypes, order, page_bytes, dp_world_size, compute_dtype,
+which tensors are frozen).
+
+Frozen tensors (`requires_grad=False` at initialize) come last, on pages of their own: pages
+[0, n_trainable_pages) hold the trainable tensors and exist in every kind; the pages after them exist only as
+parameters (no gradient, master or optimizer-state pages: `kind_pages`).
 
 Mixed precision (`compute_dtype` bf16 or fp16): floating tensors are stored in the compute dtype on the param and
 grad pages, and in fp32 on the master and optimizer-state pages. All tiers share one page size, so tensors are
@@ -65,10 +70,24 @@ class PageLayout:
     page_dtypes: list[torch.dtype]  # one per page, padding pages included (the compute dtype under mixed precision)
     page_used_bytes: list[int] = field(default_factory=list)  # as packed (fp32 bytes under mixed precision)
     master_dtype: torch.dtype | None = None  # mixed precision: the dtype of master and optimizer-state pages
+    n_trainable_pages: int | None = None  # pages of trainable tensors (None: all); frozen ones follow
 
     @property
     def n_pages(self) -> int:
         return len(self.page_dtypes)
+
+    @property
+    def trainable_pages(self) -> int:
+        """Pages that exist in every kind (the frozen tensors' pages after them are parameter pages only)."""
+        return self.n_pages if self.n_trainable_pages is None else self.n_trainable_pages
+
+    def kind_pages(self, kind: str) -> int:
+        """How many pages of `kind` the layout has: every page is a parameter page, the trainable ones only are
+        gradient, master and optimizer-state pages too."""
+        return self.n_pages if kind == "param" else self.trainable_pages
+
+    def frozen(self, slot: "TensorSlot") -> bool:
+        return slot.segments[0].page >= self.trainable_pages
 
     def state_dtype(self, page: int) -> torch.dtype:
         """The dtype of page `page` in the master and optimizer-state kinds (the param page's own without mixed
@@ -101,7 +120,8 @@ class PageLayout:
 
     def fingerprint(self) -> str:
         """A digest of the whole layout, to match checkpoints and page files on reload."""
-        h = hashlib.sha256(f"{self.page_bytes}/{self.dp_world_size}/{[str(d) for d in self.page_dtypes]}".encode())
+        h = hashlib.sha256(f"{self.page_bytes}/{self.dp_world_size}/{[str(d) for d in self.page_dtypes]}/"
+                           f"{self.trainable_pages}".encode())
         if self.master_dtype is not None:
             h.update(f"master {self.master_dtype}".encode())
         for s in self.slots:
@@ -110,8 +130,9 @@ class PageLayout:
 
     @classmethod
     def build(cls, tensors: Iterable[tuple[str, torch.Tensor]], page_bytes: int, dp_world_size: int = 1,
-              compute_dtype: torch.dtype | None = None) -> "PageLayout":
-        """`compute_dtype` (bf16/fp16): mixed precision, floating tensors stored in it and packed at fp32's size."""
+              compute_dtype: torch.dtype | None = None, frozen: Iterable[str] = ()) -> "PageLayout":
+        """`compute_dtype` (bf16/fp16): mixed precision, floating tensors stored in it and packed at fp32's size.
+        `frozen`: names of tensors without gradients, which must come after every trainable one."""
         if page_bytes <= 0 or page_bytes % ALIGN_BYTES:
             raise ValueError(f"page_bytes must be a positive multiple of {ALIGN_BYTES}, got {page_bytes}")
         if dp_world_size < 1:
@@ -127,7 +148,15 @@ class PageLayout:
             return len(page_dtypes) - 1
 
         master_dtype = torch.float32 if compute_dtype is not None else None
+        frozen = set(frozen)
+        n_trainable = None
         for name, tensor in tensors:
+            if name in frozen and n_trainable is None:  # the frozen section starts on fresh pages, a whole group
+                while len(page_dtypes) % dp_world_size:
+                    new_page(page_dtypes[-1] if page_dtypes else torch.float32)
+                n_trainable, open_page = len(page_dtypes), {}
+            elif name not in frozen and n_trainable is not None:
+                raise ValueError(f"frozen tensors must come last: '{name}' is trainable and follows a frozen one")
             dtype, esize, numel = tensor.dtype, tensor.element_size(), tensor.numel()
             if master_dtype is not None and dtype.is_floating_point:
                 dtype, esize = compute_dtype, master_dtype.itemsize  # offsets count elements, the same in all kinds
@@ -153,7 +182,7 @@ class PageLayout:
 
         while len(page_dtypes) % dp_world_size:  # pad to whole page groups
             new_page(page_dtypes[-1] if page_dtypes else torch.float32)
-        return cls(page_bytes, dp_world_size, slots, page_dtypes, used, master_dtype)
+        return cls(page_bytes, dp_world_size, slots, page_dtypes, used, master_dtype, n_trainable)
 
 
 def first_use_order(module: nn.Module, *example_inputs, **example_kwargs) -> list[str]:
@@ -181,14 +210,16 @@ def first_use_order(module: nn.Module, *example_inputs, **example_kwargs) -> lis
 
 def build_layout(module: nn.Module, page_bytes: int, dp_world_size: int = 1,
                  order: Sequence[str] | None = None, compute_dtype: torch.dtype | None = None) -> PageLayout:
-    """The layout of `module`'s parameters (shared parameters once), in `order` or registration order;
-    `compute_dtype`: mixed precision (PageLayout.build)."""
+    """The layout of `module`'s parameters (shared parameters once), in `order` or registration order, the frozen
+    ones (`requires_grad=False`) last; `compute_dtype`: mixed precision (PageLayout.build)."""
     params = dict(module.named_parameters())
     names = list(order) if order is not None else list(params)
     missing = set(params) - set(names)
     if missing:
         raise ValueError(f"order leaves out parameters: {sorted(missing)[:5]}")
-    return PageLayout.build(((n, params[n]) for n in names), page_bytes, dp_world_size, compute_dtype)
+    frozen = {n for n in names if not params[n].requires_grad}
+    names = [n for n in names if n not in frozen] + [n for n in names if n in frozen]
+    return PageLayout.build(((n, params[n]) for n in names), page_bytes, dp_world_size, compute_dtype, frozen)
 
 
 def largest_module(model: nn.Module, layout: PageLayout) -> tuple[str, int]:

@@ -91,9 +91,10 @@ class PagedAdamW:
         each index once; default: layout order. `without_grad`: tensors that got no gradient this step (a branch
         not taken, an expert not routed): as torch.optim.AdamW does for a parameter whose .grad is None, they are
         left alone, and each tensor counts its own steps for the bias corrections."""
-        indices = range(self.layout.n_pages) if order is None else order
-        if order is not None and sorted(order) != list(range(self.layout.n_pages)):
-            raise ValueError(f"order must list each of the {self.layout.n_pages} page indices once")
+        n_pages = self.layout.trainable_pages  # frozen tensors' pages have no gradient: never updated
+        indices = range(n_pages) if order is None else order
+        if order is not None and sorted(order) != list(range(n_pages)):
+            raise ValueError(f"order must list each of the {n_pages} trainable page indices once")
         self.begin_step()
         for index in indices:
             if index not in self._updated:
