@@ -23,8 +23,8 @@ from angel_ptm.binding import ParamBinder
 from angel_ptm.config import Config, load_config
 from angel_ptm.errors import BudgetError, ChecksumError, ConfigValueError, EngineFailedError, PageIOError
 from angel_ptm.estimate import compute_dtype, creation_order, estimate_job
+from angel_ptm.estimate import update_tier as update_tier_of
 from angel_ptm.io import create_engine
-from angel_ptm.io.slot_file import aligned_empty
 from angel_ptm.lr import lr_at, schedule_given
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
 from angel_ptm.memory.budgets import device_reserve_pages, resolve_budgets, start_tiers
@@ -32,6 +32,7 @@ from angel_ptm.memory.layout import TensorSlot
 from angel_ptm.memory.materialize import (MaterializeReport, has_meta_parameters, materialize_buffers,
                                           materialize_parameters)
 from angel_ptm.optim import PagedAdamW
+from angel_ptm.page_tensors import PageTensors
 from angel_ptm.optim.delayed import DelayedUpdates
 from angel_ptm.optim.loss_scaler import LossScaler
 from angel_ptm.schedule import Scheduler
@@ -74,7 +75,7 @@ class Engine:
         self.kinds = creation_order(config)
         self.layout = build_layout(model, mem.page_bytes, compute_dtype=self.compute_dtype)
         self.units = find_units(model, units)
-        page_bytes, n_pages = mem.page_bytes, self.layout.trainable_pages  # pages of every kind
+        page_bytes = mem.page_bytes
         n_states = sum(self.layout.kind_pages(kind) for kind in self.kinds)
         states_bytes = n_states * page_bytes
         self._own_disk_dir = mem.disk_dir is None
@@ -107,9 +108,11 @@ class Engine:
             for kind in self.kinds:
                 disk.reserve(kind, min(self.layout.kind_pages(kind), disk.capacity // len(self.kinds)))
         tiers = iter(self._start_tiers(n_states))
-        self.pages = {kind: [self.manager.create_page(kind, self._page_dtype(kind, i), index=i, tier=next(tiers),
+        dtype_of = PageTensors(self.manager, self.layout, {}).dtype
+        self.pages = {kind: [self.manager.create_page(kind, dtype_of(kind, i), index=i, tier=next(tiers),
                                                       untouched=True)  # every write below goes through acquire
                              for i in range(self.layout.kind_pages(kind))] for kind in self.kinds}
+        self.tensors = PageTensors(self.manager, self.layout, self.pages)
         self._copy_parameters_into_pages()
         if "master" in self.pages:
             self._cast_master_into_parameters()
@@ -120,8 +123,7 @@ class Engine:
 
         self.binder = ParamBinder(model, self.layout, self.manager, self.pages["param"], self.pages["grad"],
                                   self.device, self.units)
-        self.binder.read_values = self._read_parameter
-        self._scratch: torch.Tensor | None = None  # a page-sized aligned host buffer for disk reads (peek)
+        self.binder.read_values = self.tensors.read_weights
         self._failed: str | None = None  # why the engine refuses every call (a step failed part-way)
         self._steps_done = 0
         # The config's lr_schedule is applied on step() when the config spells one out; set_lr turns it off.
@@ -147,7 +149,9 @@ class Engine:
                                    activation_bytes=lambda: self.binder.activation_bytes, trace=self.trace)
         opt = config.optimizer
         group = len(self.kinds)  # one optimizer update pins a page of each kind
-        update_tier = self._update_tier(n_states, group)
+        pools = self.manager.pools  # the estimate's rule (estimate.update_tier: why the host on a CPU)
+        update_tier = Tier(update_tier_of(self.device, pools[Tier.DEVICE].capacity, pools[Tier.HOST].capacity,
+                                          n_states, group))
         if self.manager.pools[update_tier].capacity < group:
             raise BudgetError(update_tier.value, group * page_bytes,
                               self.manager.pools[update_tier].capacity * page_bytes,
@@ -166,20 +170,6 @@ class Engine:
         self._apply_schedule()
 
     # ------------------------------------------------------------------ set-up
-    def _update_tier(self, n_state_pages: int, group: int = 4) -> Tier:
-        """Where the optimizer updates a page group. On a GPU, the device (the host-side update is the fused CPU
-        Adam's job). On a CPU-only machine both tiers are CPU memory, so when the states do not all fit on the
-        device tier the update runs on the host: bringing optimizer states up to the device tier and back would
-        only copy them twice per step."""
-        device_slots = self.manager.pools[Tier.DEVICE].capacity
-        if self.device.type == "cuda" or device_slots >= n_state_pages:
-            return Tier.DEVICE if device_slots >= group else Tier.HOST
-        return Tier.HOST if self.manager.pools[Tier.HOST].capacity >= group else Tier.DEVICE
-
-    def _page_dtype(self, kind: str, index: int) -> torch.dtype:
-        """Parameters and gradients in the compute dtype; master weights and Adam moments in the master's."""
-        return self.layout.page_dtypes[index] if kind in ("param", "grad") else self.layout.state_dtype(index)
-
     def _start_tiers(self, n_states: int) -> list[Tier]:
         """Where each new page rests (kinds in creation order): the host while it has room, then the device (which
         keeps the largest layer's pages free), then the host again in place of the oldest pages there, which are
@@ -194,7 +184,7 @@ class Engine:
         which values); `meta_init` reports how."""
 
         def write(slot: TensorSlot, flat: torch.Tensor) -> None:
-            self._write_slot(self._weights_kind(slot), slot, flat)
+            self.tensors.write(self.tensors.weights_kind(slot), slot, flat)
 
         self.meta_init: MaterializeReport | None = None
         if has_meta_parameters(self.model):
@@ -427,56 +417,25 @@ class Engine:
 
     def master_parameter(self, name: str) -> torch.Tensor:
         """A copy of the weights the optimizer updates for `name`: the fp32 master under mixed precision."""
-        return self.state(self._weights_kind(self.layout.slot(name)), name)
-
-    def _weights_kind(self, slot: TensorSlot) -> str:
-        """The pages that hold a tensor's weights: its master pages under mixed precision, unless it is frozen."""
-        return "master" if "master" in self.pages and not self.layout.frozen(slot) else "param"
+        slot = self.layout.slot(name)
+        return self.tensors.read(self.tensors.weights_kind(slot), slot)
 
     def state(self, kind: str, name: str) -> torch.Tensor:
         """A copy of tensor `name` in the pages of `kind` (param, grad, master, exp_avg, exp_avg_sq), on the CPU.
         Pages are read where they are (a disk page into a scratch buffer): no page changes tier."""
-        slot = self.layout.slot(name)
-        if kind != "param" and self.layout.frozen(slot):
-            raise KeyError(f"'{name}' is frozen (requires_grad=False at initialize): it has no {kind} pages")
-        return self._read_slot(kind, slot)
-
-    def _read_slot(self, kind: str, slot: TensorSlot) -> torch.Tensor:
-        dtype = self._page_dtype(kind, slot.segments[0].page)
-        out = torch.empty(slot.numel, dtype=dtype)
-        for seg in slot.segments:
-            if self._scratch is None and self.manager.disk is not None:
-                self._scratch = aligned_empty(self.layout.page_bytes, "cpu")
-            raw = self.manager.peek(self.pages[kind][seg.page], self._scratch)
-            out[seg.start : seg.start + seg.numel] = raw.view(dtype)[seg.offset : seg.offset + seg.numel].cpu()
-        return out.view(slot.shape)
-
-    def _read_parameter(self, slot: TensorSlot) -> torch.Tensor:
-        """The weights of one parameter as its model holds them outside the engine (the fp32 master under mixed
-        precision; a frozen tensor's compute-dtype values, widened to it)."""
-        values = self._read_slot(self._weights_kind(slot), slot)
-        wide = self.layout.master_dtype
-        return values.to(wide) if wide is not None and values.is_floating_point() else values
+        return self.tensors.read(kind, self.layout.slot(name))
 
     def write_parameter(self, name: str, value: torch.Tensor) -> None:
         """Write `value` into parameter `name`'s weight pages (the master under mixed precision; call
         `parameters_written` after the last one, which refreshes the compute copies)."""
         self._check_alive()
         slot = self.layout.slot(name)
-        self._write_slot(self._weights_kind(slot), slot, value.reshape(-1))
+        self.tensors.write(self.tensors.weights_kind(slot), slot, value)
 
     def write_state(self, kind: str, name: str, value: torch.Tensor) -> None:
         """Write `value` into tensor `name`'s pages of `kind` (exp_avg, exp_avg_sq, ...)."""
         self._check_alive()
-        self._write_slot(kind, self.layout.slot(name), value.reshape(-1))
-
-    def _write_slot(self, kind: str, slot: TensorSlot, flat: torch.Tensor) -> None:
-        for seg in slot.segments:
-            page = self.pages[kind][seg.page]
-            self.manager.acquire([page], Tier.HOST)  # a page on the device serves a host access where it is
-            view = page.view(self._page_dtype(kind, seg.page))
-            view[seg.offset : seg.offset + seg.numel].copy_(flat[seg.start : seg.start + seg.numel])
-            self.manager.release([page], dirty=True)
+        self.tensors.write(kind, self.layout.slot(name), value)
 
     def parameters_written(self) -> None:
         """After weights were written into master pages: the compute copies (param pages) take them."""
@@ -529,7 +488,7 @@ class Engine:
     def close(self) -> None:
         """Stop the engine and free its pages; the model keeps its trained weights as ordinary CPU tensors (the
         fp32 master weights under mixed precision), usable and saveable. A failed engine leaves placeholders."""
-        values = None if self._failed is not None else self._read_parameter
+        values = None if self._failed is not None else self.tensors.read_weights
         try:
             self.flush()  # staleness 1: the pending update lands in the weights first
         except BaseException:

@@ -302,8 +302,10 @@ def largest_unit(model: nn.Module, layout: PageLayout, units: Sequence[PagingUni
 
 def update_tier(device: torch.device, device_slots: int, host_slots: int, n_state_pages: int,
                 group: int = UPDATE_GROUP) -> str:
-    """Engine._update_tier: the device on a GPU or when every state fits it, else the host (CPU). `group`: the
-    pages one update pins (one per kind)."""
+    """Where the optimizer updates a page group (the engine's choice too). On a GPU, the device (the host-side
+    update is the fused CPU Adam's job). On a CPU-only machine both tiers are CPU memory, so when the states do not
+    all fit on the device tier the update runs on the host: bringing optimizer states up to the device tier and back
+    would only copy them twice per step. `group`: the pages one update pins (one per kind)."""
     if device.type == "cuda" or device_slots >= n_state_pages:
         return "device" if device_slots >= group else "host"
     return "host" if host_slots >= group else "device"

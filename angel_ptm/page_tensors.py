@@ -1,0 +1,61 @@
+"""Tensor-level access to pages: one tensor's values in the pages of one kind, read or written whole.
+
+    tensors = PageTensors(manager, layout, pages)
+    exp_avg = tensors.read("exp_avg", layout.slot("layers.0.attention.wq.weight"))
+    tensors.write("param", slot, new_values)
+
+Reads go through `PageManager.peek`: every page is read where it is (a disk page into one page-sized scratch
+buffer), and no page changes tier, so reading a state dict between steps evicts nothing the next step needs.
+Writes acquire each page on the host (a page on the device is written there) and mark it dirty.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from angel_ptm.io.slot_file import aligned_empty
+from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
+
+
+class PageTensors:
+    def __init__(self, manager: PageManager, layout: PageLayout, pages: dict[str, list[Page]]):
+        self.manager, self.layout, self.pages = manager, layout, pages
+        self._scratch: torch.Tensor | None = None  # made at the first disk read
+
+    def dtype(self, kind: str, index: int) -> torch.dtype:
+        """Parameters and gradients in the compute dtype; master weights and Adam moments in the master's."""
+        return self.layout.page_dtypes[index] if kind in ("param", "grad") else self.layout.state_dtype(index)
+
+    def weights_kind(self, slot: TensorSlot) -> str:
+        """The pages that hold a tensor's weights: its master pages under mixed precision, unless it is frozen."""
+        return "master" if "master" in self.pages and not self.layout.frozen(slot) else "param"
+
+    def read(self, kind: str, slot: TensorSlot) -> torch.Tensor:
+        """A CPU copy of the tensor in its pages of `kind`."""
+        if kind != "param" and self.layout.frozen(slot):
+            raise KeyError(f"'{slot.name}' is frozen (requires_grad=False at initialize): it has no {kind} pages")
+        dtype = self.dtype(kind, slot.segments[0].page)
+        out = torch.empty(slot.numel, dtype=dtype)
+        for seg in slot.segments:
+            if self._scratch is None and self.manager.disk is not None:
+                self._scratch = aligned_empty(self.layout.page_bytes, "cpu")
+            raw = self.manager.peek(self.pages[kind][seg.page], self._scratch)
+            out[seg.start : seg.start + seg.numel] = raw.view(dtype)[seg.offset : seg.offset + seg.numel].cpu()
+        return out.view(slot.shape)
+
+    def read_weights(self, slot: TensorSlot) -> torch.Tensor:
+        """The weights as the model holds them outside the engine: the fp32 master under mixed precision (a frozen
+        tensor's compute-dtype values, widened to it)."""
+        values = self.read(self.weights_kind(slot), slot)
+        wide = self.layout.master_dtype
+        return values.to(wide) if wide is not None and values.is_floating_point() else values
+
+    def write(self, kind: str, slot: TensorSlot, values: torch.Tensor) -> None:
+        """Write `values` (any shape with the tensor's element count) into the tensor's pages of `kind`."""
+        flat = values.reshape(-1)
+        for seg in slot.segments:
+            page = self.pages[kind][seg.page]
+            self.manager.acquire([page], Tier.HOST)  # a page on the device serves a host access where it is
+            view = page.view(self.dtype(kind, seg.page))
+            view[seg.offset : seg.offset + seg.numel].copy_(flat[seg.start : seg.start + seg.numel])
+            self.manager.release([page], dirty=True)
