@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from angel_ptm import guard
+from angel_ptm.errors import ParameterAccessError
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
 from angel_ptm.units import PagingUnit, unit_pages
 
@@ -100,6 +101,7 @@ class ParamBinder:
         self._page_binds: dict[int, int] = {}  # page id -> units holding it now
         self._gathered: dict[int, TensorSlot] = {}  # storage address of a gathered copy -> its tensor's slot
         self._open_units: list[PagingUnit] = []  # units whose forward is running (their pages pinned)
+        self._hooks_on = False  # inside engine(...): saved tensors in pages are packed by reference
         self._node_pins: list[Page] = []
         self._current_node = None
         self._handles = []
@@ -156,6 +158,11 @@ class ParamBinder:
         return hook
 
     def bind_unit(self, unit: PagingUnit) -> None:
+        if torch.is_grad_enabled() and not self._hooks_on:
+            raise ParameterAccessError(
+                f"unit '{unit.name}' ran with gradients enabled outside engine(...): autograd would keep views of "
+                f"pages that move before backward; call engine(*inputs) instead of the model (under torch.no_grad() "
+                f"the model may be called directly)")
         if self.before_unit_forward is not None:
             self.before_unit_forward()
         pages = self.unit_pages[id(unit)]
@@ -224,8 +231,12 @@ class ParamBinder:
     # ------------------------------------------------------------------ saved tensors
     @contextmanager
     def saved_tensor_hooks(self):
-        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            yield
+        outer, self._hooks_on = self._hooks_on, True
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                yield
+        finally:
+            self._hooks_on = outer
 
     def _pack(self, tensor: torch.Tensor):
         if tensor.device == self.device:

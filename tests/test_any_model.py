@@ -196,6 +196,10 @@ def test_a_parameter_touched_outside_its_unit_raises_naming_it_and_its_unit(tmp_
         with pytest.raises(ParameterAccessError, match=r"'encoder\.layers\.1\.linear1\.weight' .* "
                                                        r"unit 'encoder\.layers\.1'"):
             model.encoder.layers[1].linear1(torch.randn(2, 32))
+        with pytest.raises(ParameterAccessError, match=r"unit '<root>' ran with gradients enabled outside engine"):
+            model(torch.randn(2, 6, 32))  # autograd would save views of pages that move
+        with torch.no_grad():
+            torch.testing.assert_close(model(torch.randn(2, 6, 32)).shape, torch.Size([2]))  # evaluating is fine
         assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in Encoder().parameters())
         assert "values in pages" in repr(model.head.weight)
         assert model.head.weight.shape == (1, 32) and model.head.weight.dtype == torch.float32
