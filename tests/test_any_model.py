@@ -372,3 +372,49 @@ def test_frozen_parameters_under_mixed_precision_stay_as_they_were_rounded_once(
         assert not torch.equal(state["used.weight"], original["used.weight"])  # trained, in fp32
     finally:
         engine.close()
+
+
+def tiny_gpt():
+    from angel_ptm.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=8, n_layer=2, n_head=2, dim=32))
+
+
+ONE_RULE_MODELS = {  # model, one batch, loss
+    "mlp": (three_layer_mlp, lambda: (torch.randn(4, 128),), lambda m, x: (m(x) - x.sin()).pow(2).mean()),
+    "matmul": (MatmulWeight, lambda: (torch.randn(4, 16),), regression_loss),
+    "gpt": (tiny_gpt, lambda: (torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))), lambda m, x, y: m(x, y)),
+}
+
+
+@pytest.mark.parametrize("scheduler", ["on_demand", "planned"])
+@pytest.mark.parametrize("case", list(ONE_RULE_MODELS))
+def test_the_estimate_accepts_exactly_the_budgets_the_engine_runs(case, scheduler, tmp_path):
+    # One rule for what a unit needs on each tier: over a grid of tight budgets, every job the estimate accepts
+    # trains (two steps, pages on disk), and every job it refuses is refused by initialize with the same error.
+    build, batch, loss_fn = ONE_RULE_MODELS[case]
+    page = 16 * 1024
+    largest = estimate_job(config({"page_bytes": page}), build()).largest_layer_pages
+    ran = refused = 0
+    for device_pages in (largest - 1, largest, largest + 2):
+        for host_pages in (largest - 1, largest, largest + 1, largest + 3):
+            memory = {"page_bytes": page, "device_budget": max(1, device_pages) * page,
+                      "host_budget": max(1, host_pages) * page, "disk_dir": str(tmp_path), "scheduler": scheduler}
+            estimate = estimate_job(config(memory), build())
+            if not estimate.fits:
+                with pytest.raises(BudgetError) as info:
+                    angel_ptm.initialize(build(), config(memory))
+                assert str(info.value) == str(estimate.problems[0].error())
+                refused += 1
+                continue
+            engine = angel_ptm.initialize(build(), config(memory))
+            try:
+                for _ in range(2):
+                    inputs = batch()
+                    engine.backward(loss_fn(engine, *inputs))
+                    engine.step()
+            finally:
+                engine.close()
+            ran += 1
+    assert ran and refused
