@@ -112,7 +112,7 @@ class ParamBinder:
         self.before_unit_forward = None  # called before each unit's forward
         self.read_values: Callable[[TensorSlot], torch.Tensor] | None = None  # a copy of a parameter's values
         # A dead gradient page comes back with only its padding zeroed: every tensor's region is overwritten by
-        # its first gradient (or zeroed by settle_grads) before anything reads it.
+        # its first gradient before anything reads it, or never read at all (a tensor without a gradient this step).
         self._padding = _padding_ranges(layout)
         manager.clearers["grad"] = self._clear_grad_padding
         self._settled = False
