@@ -44,6 +44,11 @@ td.text { text-align: left; }
 .axis text { font-size: 11px; fill: var(--muted); }
 .axis line, .axis path { stroke: #b9c0cc; }
 .grid line { stroke: #eef1f5; }
+#headline { background: #eef6ee; border-color: #b7d7b7; }
+#headline-text { font-size: 15px; margin: 0 0 8px; }
+.share-bar { display: flex; height: 16px; margin: 0 0 10px; border-radius: 3px; overflow: hidden; }
+.share-bar span { display: block; height: 100%; }
+#headline-table { width: auto; background: #fff; }
 """
 
 ERROR_HOOK = r"""
@@ -445,7 +450,8 @@ REPORT_JS = r"""
     svg += timeAxis(x, MARGIN.top + plotH, plotW) + "</svg>";
     legend(el, lanes.map(function (lane, i) {
       var mode = lane.spans ? "" : ", drawn as busy share per bin";
-      return {label: lane.name + " (" + lane.count + " intervals, busy " + fmtSeconds(lane.busy_s) + mode + ")",
+      return {label: lane.name + " (" + lane.count + " intervals, busy " + fmtSeconds(lane.union_s) + ", summed " +
+                     fmtSeconds(lane.busy_s) + mode + ")",
               color: laneColor(lane.name, i)};
     }));
     var holder = document.createElement("div");

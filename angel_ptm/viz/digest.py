@@ -14,6 +14,7 @@ from angel_ptm.viz.chrome import ChromeTraceWriter
 from angel_ptm.viz.metrics import StepTableBuilder
 from angel_ptm.viz.reader import PAGE_EVENTS, ReadIssues, is_number
 from angel_ptm.viz.residency import PageResidency
+from angel_ptm.viz.steptime import StepTime
 
 
 @dataclass(frozen=True)
@@ -28,6 +29,7 @@ class DigestLimits:
     table_rows: int = 1000  # rows of the per-step table (every k-th step, and the last)
     marks: int = 200  # `mark` events listed in the report (the first ones)
     io_errors: int = 1000  # io_error events written to the Chrome trace (the first ones)
+    union_spans: int = 4096  # disjoint spans per lane kept for the busy-time unions before the oldest are settled
 
 
 class TraceDigest:
@@ -38,6 +40,7 @@ class TraceDigest:
         self.chrome = chrome
         self.axis = TimeAxis(limits.time_bins)  # the residency map and the lanes
         self.lanes = LaneActivity(self.axis, max_spans=limits.spans_per_lane)
+        self.step_time = StepTime(max_spans=limits.union_spans, max_lanes=self.lanes.max_lanes)
         self.residency = PageResidency(self.axis, max_rows=limits.residency_rows)
         self.fine_axis = TimeAxis(limits.counter_bins)  # usage and moved bytes: the report merges their bins
         self.usage = TierUsage(self.fine_axis)
@@ -73,6 +76,7 @@ class TraceDigest:
         if not self._finished:
             self._finished = True
             self.residency.finish(self.axis.end)
+            self.step_time.finish()
             for tier in sorted(self.usage.ignored_tiers):
                 self.issues.note(f"tier:{tier}", f"trace.jsonl: more than {self.usage.max_tiers} tiers in in_use; "
                                                  f"tier {tier!r} is not drawn")
@@ -127,13 +131,17 @@ class TraceDigest:
         name = event.get("name")
         name = name if isinstance(name, str) else lane
         self._fit(t + duration)
-        self.lanes.record(lane, name, t, duration)
+        if self.lanes.record(lane, name, t, duration):
+            self.step_time.interval(lane, t, t + duration)
         if self.chrome is not None:
             self.chrome.interval(lane, name, t, duration)
 
     def _step(self, t: float, event: dict[str, Any]) -> None:
         number = event.get("step")
         self.steps.add(t)
+        step_s = event.get("step_s")
+        if is_number(step_s) and step_s > 0:
+            self.step_time.step(t, step_s)
         fields = {k: v for k, v in event.items() if k not in ("t", "event")}
         self.trace_steps.add(fields)
         if self.chrome is not None:

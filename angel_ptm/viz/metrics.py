@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from angel_ptm.viz.bins import Decimator
+from angel_ptm.viz.losscurve import LossCurve, LossSeries
 from angel_ptm.viz.reader import is_number
 
 PREFERRED_COLUMNS = ("step", "loss", "val_loss", "lr", "grad_norm", "step_s", "stall_s", "tokens_per_s", "moved",
@@ -33,6 +34,7 @@ class StepTable:
     counts: Counter = field(default_factory=Counter)  # numeric column -> rows that had it
     moved_total: Counter = field(default_factory=Counter)  # tier pair -> bytes, over every row
     source: str = ""  # where the rows came from, for the report's caption
+    loss: LossSeries = field(default_factory=lambda: LossCurve().finish())  # every row's loss and val_loss
 
     def mean(self, column: str) -> Optional[float]:
         return self.sums[column] / self.counts[column] if self.counts[column] else None
@@ -45,6 +47,7 @@ class StepTableBuilder:
         self._columns: list[str] = []
         self._ignored_columns = 0
         self._table = StepTable()
+        self._loss = LossCurve()
 
     def add(self, record: dict[str, Any]) -> None:
         """One metrics line (or a trace `step` event); lines without a numeric `step` are ignored."""
@@ -72,6 +75,7 @@ class StepTableBuilder:
         known = [c for c in PREFERRED_COLUMNS if c in self._columns]
         table.columns = known + [c for c in self._columns if c not in PREFERRED_COLUMNS]
         table.source = source
+        table.loss = self._loss.finish()
         return table
 
     def _push(self) -> None:
@@ -80,6 +84,7 @@ class StepTableBuilder:
             return
         self._pending = None
         self._kept.add(row)
+        self._loss.add(row)
         table = self._table
         for key, value in row.items():
             if is_number(value):

@@ -25,6 +25,7 @@ from angel_ptm.viz.digest import DigestLimits, TraceDigest
 from angel_ptm.viz.html import chart_data, render_report
 from angel_ptm.viz.metrics import MetricsIssues, StepTable, StepTableBuilder, read_metrics
 from angel_ptm.viz.reader import ReadIssues, iter_events
+from angel_ptm.viz.steptime import summarize
 
 log = logging.getLogger("angel_ptm.viz")
 TRACE_FILE = "trace.jsonl"
@@ -92,10 +93,12 @@ def build_report(run_dir: str | os.PathLike, output: Optional[str | os.PathLike]
     trace_bytes = trace_path.stat().st_size
     meta = {"run_dir": str(run_dir), "t_end": digest.end, "dropped": digest.dropped, "events": issues.events}
     data = chart_data(digest, _budgets(run_dir, warnings), meta)
+    data["loss"] = table.loss.export()
     for warning in warnings:
         log.warning(warning)
     page = render_report(f"angel-ptm report: {run_dir.resolve().name}", data,
-                         _facts(run_dir, trace_bytes, issues, digest, stats.path), warnings, table, digest.marks)
+                         _facts(run_dir, trace_bytes, issues, digest, stats.path), warnings, table, digest.marks,
+                         summarize(digest.step_time, table))
     _write_text(html_path, page)
     return ReportResult(
         html_path=html_path, chrome_path=stats.path, html_bytes=html_path.stat().st_size, chrome_bytes=stats.bytes,
