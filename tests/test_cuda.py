@@ -18,8 +18,8 @@ from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier
 from angel_ptm.memory.device import Copier
 from angel_ptm.trainer import Trainer
 
-from test_engine_equivalence import (CASES, PLACEMENTS, SCHEDULERS, assert_same_losses, assert_tiers_used,
-                                     train_engine, train_plain)
+from test_engine_equivalence import (CASES, PLACEMENTS, SCHEDULERS, SMALL_PLACEMENTS, assert_same_losses,
+                                     assert_tiers_used, train_engine, train_plain)
 from test_manager import assert_round_trip_is_bitwise_identical
 from test_trainer import tiny_config
 import test_mixed_precision as mixed
@@ -92,7 +92,8 @@ def test_training_on_the_gpu_matches_torch_adamw(case, placement, scheduler, tmp
     make_model, make_batches, loss_fn = CASES[case]
     batches = on_cuda(make_batches())
     expected = train_plain(make_model().cuda(), batches, loss_fn)
-    memory = dict(PLACEMENTS[placement], disk_dir=str(tmp_path), scheduler=scheduler)
+    memory = dict((PLACEMENTS if case == "gpt" else SMALL_PLACEMENTS)[placement], disk_dir=str(tmp_path),
+                  scheduler=scheduler)
     actual, stats = train_engine(make_model(), batches, loss_fn, memory, device="cuda")
     assert_same_losses(expected, actual, rel=CUDA_REL)
     assert_tiers_used(placement, stats)
@@ -156,7 +157,7 @@ def test_the_gpu_run_is_the_same_twice(staleness, tmp_path):
     batches = on_cuda(make_batches())
     runs = []
     for run in range(2):
-        memory = dict(PLACEMENTS["device+host+disk"], disk_dir=str(tmp_path / str(run)))
+        memory = dict(SMALL_PLACEMENTS["device+host+disk"], disk_dir=str(tmp_path / str(run)))
         config = {"optimizer": {"lr": 1e-2, "staleness": staleness}, "memory": memory,
                   "trainer": {"device": "cuda", "grad_clip": 0}}
         engine = angel_ptm.initialize(make_model(), config)
@@ -178,8 +179,8 @@ def test_the_gpu_run_is_the_same_twice(staleness, tmp_path):
 def test_a_training_job_runs_on_the_gpu_with_pages_on_every_tier(dtype, tmp_path):
     """The Trainer with the real engine (as `angel-ptm train --set trainer.device=cuda` runs it)."""
     config = tiny_config(tmp_path / "run", trainer={"steps": 30, "eval_every": 0, "device": "cuda", "dtype": dtype},
-                         memory={"page_bytes": "4KiB", "device_budget": "48KiB", "host_budget": "24KiB",
-                                 "disk_dir": str(tmp_path / "pages")})
+                         memory={"page_bytes": "4KiB", "device_budget": "112KiB", "host_budget": "112KiB",
+                                 "disk_dir": str(tmp_path / "pages")})  # a block's unit and the root's: 27 pages
     result = Trainer(config, progress=False).run()
     assert result.steps == 30 and all(math.isfinite(loss) for loss in result.losses)
     assert sum(result.losses[-5:]) / 5 < result.losses[0] - 1.0
