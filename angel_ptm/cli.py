@@ -64,9 +64,15 @@ def add_estimate_command(commands: argparse._SubParsersAction) -> None:
         "estimate", help="memory each tier needs, and whether the job fits",
         description="Before anything is allocated: per rank, the pages and bytes of each state kind, the resolved "
                     "budgets, the activation peak, pinned host memory, disk space, and per tier the bytes needed, "
-                    "the budget and the expected peak in use. Exits 0 if the job fits, 2 with the reason if not.")
+                    "the budget and the expected peak in use. Exits 0 if the job fits, 2 with the reason if not. "
+                    "--gpu-memory estimates a GPU job on a machine without that GPU.")
     add_job_arguments(estimate, example="memory.host_budget=8GiB")
     estimate.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    estimate.add_argument("--device", choices=("cpu", "cuda"),
+                          help="the compute device to estimate for (default: trainer.device; cuda with --gpu-memory)")
+    estimate.add_argument("--gpu-memory", metavar="SIZE",
+                          help="the GPU's memory, e.g. 80GiB: a device budget of auto resolves against it instead of "
+                               "the free memory of a GPU present here (there may be none)")
     estimate.set_defaults(handler=run_estimate)
 
 
@@ -124,9 +130,24 @@ def run_train(args: argparse.Namespace) -> int:
 
 
 def run_estimate(args: argparse.Namespace) -> int:
-    from angel_ptm.estimate import estimate_job
+    import torch
 
-    estimate = estimate_job(load_job_config(args))
+    from angel_ptm.config import parse_bytes
+    from angel_ptm.errors import ConfigValueError
+    from angel_ptm.estimate import estimate_job
+    from angel_ptm.memory import compute_device
+
+    config = load_job_config(args)
+    gpu_memory = None if args.gpu_memory is None else parse_bytes(args.gpu_memory, "--gpu-memory")
+    if gpu_memory is not None and args.device == "cpu":
+        raise ConfigValueError("--gpu-memory is the memory of a GPU: use it with --device cuda, not cpu")
+    device = torch.device(args.device or "cuda") if args.device or gpu_memory is not None else \
+        compute_device(config.trainer.device)
+    if device.type == "cuda" and gpu_memory is None and not torch.cuda.is_available():
+        where = "--device cuda" if args.device else 'trainer.device: "cuda"'
+        raise ConfigValueError(f"{where}: no CUDA device is available here to measure; to estimate for a GPU "
+                               f"elsewhere, give its memory: --gpu-memory 80GiB")
+    estimate = estimate_job(config, device=device, gpu_memory=gpu_memory)
     print(estimate.to_json() if args.json else estimate.format_table())
     sys.stdout.flush()  # the numbers first, then (on stderr) the one-line reason it does not fit
     estimate.check()

@@ -39,10 +39,19 @@ class BudgetError(AngelError):
     def __init__(self, tier: str, requested: int, available: int, what: str = ""):
         self.tier, self.requested, self.available = tier, int(requested), int(available)
         extra = f" for {what}" if what else ""
-        super().__init__(
-            f"{tier} tier budget exceeded{extra}: requested {self.requested} bytes, "
-            f"{self.available} bytes available"
-        )
+        super().__init__(f"{tier} tier budget exceeded{extra}: requested {_sizes(self.requested, self.available)}")
+
+
+def _sizes(requested: int, available: int) -> str:
+    """Readable sizes and the exact count asked for, "1.5 GiB (1610612736 bytes), 512.0 MiB available" (the exact
+    available count too where both round to the same size)."""
+    from angel_ptm.config.sizes import format_bytes  # here, not at the top: config.sizes imports this module
+
+    def exact(n: int) -> str:
+        return format_bytes(n) if abs(n) < 1024 else f"{format_bytes(n)} ({n} bytes)"
+
+    wanted, have = format_bytes(requested), format_bytes(available)
+    return f"{exact(requested)}, {exact(available) if wanted == have else have} available"
 
 
 class PageStateError(AngelError):

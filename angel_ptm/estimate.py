@@ -109,6 +109,7 @@ class Estimate:
     tiers: dict  # tier -> TierEstimate
     problems: tuple = field(default=())
     master_note: str = ""  # why there are master pages (shown with them)
+    gpu_memory_given: bool = False  # the GPU's memory came from the caller (a GPU not present here), not from CUDA
 
     @property
     def fits(self) -> bool:
@@ -132,7 +133,9 @@ class Estimate:
         return json.dumps(self.as_dict(), indent=2)
 
     def format_table(self) -> str:
-        lines = [f"memory estimate, rank {self.rank} of {self.world_size}, compute device {self.compute_device}",
+        given = f" ({format_bytes(self.tiers['device'].available)} of GPU memory given, not measured)" \
+            if self.gpu_memory_given else ""
+        lines = [f"memory estimate, rank {self.rank} of {self.world_size}, compute device {self.compute_device}{given}",
                  f"  parameters {self.params:,}: {self.n_pages} pages of {format_bytes(self.page_bytes)} "
                  f"per state kind"]
         for kind in ("param", "grad", "exp_avg", "exp_avg_sq"):
@@ -152,7 +155,8 @@ class Estimate:
         act = "unknown (not a GPT)" if self.activation_bytes is None else format_bytes(self.activation_bytes)
         lines.append(f"  activation peak {act}, on the {self.compute_device} outside the page pools")
         lines.append(f"  pinned host memory {format_bytes(self.pinned_host_bytes)}; host RAM needed "
-                     f"{format_bytes(self.host_ram_needed)} of {format_bytes(self.host_ram_available)} available")
+                     f"{format_bytes(self.host_ram_needed)} of {format_bytes(self.host_ram_available)} available"
+                     + (" on this machine" if self.gpu_memory_given else ""))
         lines.append(f"  page files in {self.disk_dir}: {format_bytes(self.tiers['disk'].pool)} reserved up front")
         header = f"  {'tier':<7}{'needed':>12}{'budget':>12}{'expected peak':>15}{'available':>12}  fits"
         lines += ["", header]
@@ -183,19 +187,23 @@ def compute_dtype(config: Config) -> Optional[torch.dtype]:
 # ---------------------------------------------------------------------------------------------------- the estimate
 def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Optional[PageLayout] = None,
                  disk_dir: Optional[str] = None, device: Optional[torch.device] = None,
-                 units: Optional[Sequence[PagingUnit]] = None) -> Estimate:
+                 units: Optional[Sequence[PagingUnit]] = None, gpu_memory: Optional[int] = None) -> Estimate:
     """The memory estimate of the job `config` describes (a Config, dict, YAML path or None).
 
     `model`: an existing module to estimate (default: the config's model, built on the meta device, so nothing
     is allocated). `layout`: its PageLayout if already built. `disk_dir`: where the page files go (default:
     memory.disk_dir, else run.dir/pages, else runs/pages, as the trainer picks). `device`: the compute device
-    (default: trainer.device resolved)."""
+    (default: trainer.device resolved). `gpu_memory`: the bytes of GPU memory to plan for instead of asking CUDA
+    for the free memory of the GPU present, so a GPU job is estimated on a machine without one (the device budget
+    "auto" resolves against it, and the device pool and activations must fit in it)."""
     if not isinstance(config, Config):
         config = load_config(config)
     mem = config.memory
     page_bytes = mem.page_bytes
     device = device or compute_device(config.trainer.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if gpu_memory is not None and device.type != "cuda":
+        raise ConfigValueError(f"gpu_memory is the memory of a CUDA device, but the compute device is {device.type}")
+    if device.type == "cuda" and gpu_memory is None and not torch.cuda.is_available():
         raise ConfigValueError('trainer.device: "cuda" requested but no CUDA device is available')
     if model is None:
         with torch.device("meta"):  # shapes and dtypes only: no parameter memory is allocated
@@ -209,7 +217,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     states_bytes = n_states * page_bytes
     disk_dir = disk_dir or mem.disk_dir or str(Path(config.run.dir or "runs") / "pages")
 
-    gpu_free = int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None
+    gpu_free = gpu_memory if gpu_memory is not None else (
+        int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None)
     ram_available = int(psutil.virtual_memory().available)
     # The device holds a unit's pages and those of every unit around it at once (angel_ptm/units.py).
     units = find_units(model) if units is None else units
@@ -257,7 +266,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if gpu_free is not None and device_memory > gpu_free:
         problems.append(Problem("device", device_memory, gpu_free,
                                 f"the device pool ({format_bytes(pools['device'])}) and activations "
-                                f"({format_bytes(activation or 0)}) in free GPU memory"))
+                                f"({format_bytes(activation or 0)}) in "
+                                + ("the given GPU memory" if gpu_memory is not None else "free GPU memory")))
     if host_ram > ram_available:
         problems.append(Problem("host", host_ram, ram_available,
                                 "the page pools" + ("" if device.type == "cuda" else " and activations")
@@ -290,6 +300,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         start_pages={"device": start.device, "host": start.host, "disk": start.disk},
         tiers=tiers, problems=tuple(problems),
         master_note=STALE_MASTER_NOTE if config.trainer.dtype == "float32" else MIXED_MASTER_NOTE,
+        gpu_memory_given=gpu_memory is not None,
     )
 
 

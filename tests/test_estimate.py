@@ -15,7 +15,7 @@ import angel_ptm
 from angel_ptm import cli
 from angel_ptm import estimate as estimate_module
 from angel_ptm.config import load_config
-from angel_ptm.errors import BudgetError
+from angel_ptm.errors import BudgetError, ConfigValueError
 from angel_ptm.estimate import CREATION_ORDER, estimate_job
 from angel_ptm.memory import Tier, build_layout
 from angel_ptm.memory.budgets import plan_budgets, resolve_budgets
@@ -223,7 +223,7 @@ def test_device_smaller_than_the_largest_layer_is_refused_like_the_engine_refuse
     with pytest.raises(BudgetError) as info:
         estimate_job(config).check()
     assert str(info.value) == ("device tier budget exceeded for unit 'layers.0' (27 pages of 4.0 KiB): "
-                               "requested 110592 bytes, 8192 bytes available")
+                               "requested 108.0 KiB (110592 bytes), 8.0 KiB available")
 
 
 def test_too_little_free_disk_space_for_the_page_files_is_refused(monkeypatch):
@@ -262,6 +262,55 @@ def test_pools_and_activations_beyond_available_ram_are_refused(monkeypatch):
                                                                              200 * MiB)
 
 
+# --- a GPU job estimated where there is no GPU -------------------------------------------------------------------
+@pytest.fixture
+def no_gpu(monkeypatch):
+    """A machine without CUDA, even where the tests run on one: the estimate must not ask it anything."""
+    def no_cuda(*args, **kwargs):
+        raise AssertionError("the estimate asked CUDA")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", no_cuda)
+
+
+def test_an_auto_device_budget_resolves_against_the_given_gpu_memory(no_gpu):
+    estimate = estimate_job(job("default", "memory.device_budget=auto"), device=torch.device("cuda"),
+                            gpu_memory=100 * MiB)
+    device = estimate.tiers["device"]
+    assert (device.budget, device.available) == (80 * MiB, 100 * MiB)  # plan_budgets' 80% of the GPU's memory
+    assert estimate.compute_device == "cuda" and estimate.gpu_memory_given and estimate.update_tier == "device"
+    assert estimate.pinned_host_bytes == estimate.tiers["host"].pool == 72 * MiB  # the host pool is pinned
+    assert estimate.host_ram_needed == 72 * MiB  # the device pool and activations are GPU memory, not RAM
+    assert "compute device cuda (100.0 MiB of GPU memory given, not measured)" in estimate.format_table()
+
+
+def test_an_auto_device_budget_takes_every_state_when_the_gpu_holds_them(no_gpu):
+    estimate = estimate_job(job("default", "memory.device_budget=auto"), device=torch.device("cuda"),
+                            gpu_memory=80 << 30)
+    assert estimate.tiers["device"].budget == estimate.states_bytes == 240 * MiB and estimate.fits
+
+
+def test_a_gpu_too_small_for_the_pool_and_activations_is_refused_in_readable_sizes(no_gpu):
+    estimate = estimate_job(job("default"), device=torch.device("cuda"), gpu_memory=100 * MiB)
+    with pytest.raises(BudgetError) as info:
+        estimate.check()
+    activation = estimate.activation_bytes
+    assert str(info.value) == (
+        f"device tier budget exceeded for the device pool (56.0 MiB) and activations (210.5 MiB) in the given GPU "
+        f"memory: requested 266.5 MiB ({56 * MiB + activation} bytes), 100.0 MiB available")
+
+
+def test_cuda_without_a_gpu_and_without_its_memory_is_still_refused(no_gpu):
+    with pytest.raises(ConfigValueError, match='trainer.device: "cuda" requested but no CUDA device is available'):
+        estimate_job(job("default"), device=torch.device("cuda"))
+
+
+def test_gpu_memory_for_a_cpu_job_is_refused():
+    with pytest.raises(ConfigValueError, match="gpu_memory is the memory of a CUDA device, but the compute device "
+                                               "is cpu"):
+        estimate_job(job("default"), device=torch.device("cpu"), gpu_memory=80 << 30)
+
+
 # --- the command line -------------------------------------------------------------------------------------------
 def test_cli_estimate_prints_the_table_and_exits_0(capsys):
     assert cli.main(["estimate"]) == 0
@@ -277,7 +326,7 @@ def test_cli_estimate_with_a_too_small_budget_exits_2_with_one_line(capsys):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in captured.err
     assert lines[0] == ("angel-ptm: error: device tier budget exceeded for unit 'layers.1' "
-                        "(13 pages of 1.0 MiB): requested 13631488 bytes, 524288 bytes available")
+                        "(13 pages of 1.0 MiB): requested 13.0 MiB (13631488 bytes), 512.0 KiB available")
     assert "fits: no" in captured.out  # the numbers are still printed
 
 
@@ -288,3 +337,37 @@ def test_cli_estimate_json_is_one_object(capsys):
     assert data["n_pages"] == 60 and data["master_extra_bytes"] == 0
     assert set(data["tiers"]) == set(TIERS)
     assert set(data["tiers"]["disk"]) == {"tier", "needed", "budget", "pool", "peak", "available", "fits"}
+
+
+def test_cli_estimate_for_a_gpu_that_is_not_here(capsys, no_gpu):
+    assert cli.main(["estimate", "--device", "cuda", "--gpu-memory", "80GiB"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("memory estimate, rank 0 of 1, compute device cuda (80.0 GiB of GPU memory given, "
+                          "not measured)")
+    assert "  pinned host memory 72.0 MiB; host RAM needed 72.0 MiB" in out
+    device_row = next(line.split() for line in out.splitlines() if line.startswith("  device "))
+    assert device_row[-3:] == ["80.0", "GiB", "yes"]
+
+
+def test_cli_estimate_with_gpu_memory_alone_means_cuda(capsys, no_gpu):
+    assert cli.main(["estimate", "--json", "--gpu-memory", "2GiB", "--set", "memory.device_budget=auto"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["compute_device"], data["gpu_memory_given"]) == ("cuda", True)
+    assert data["tiers"]["device"]["budget"] == 240 * MiB  # every state: 80% of 2 GiB holds them
+
+
+def test_cli_estimate_for_cuda_without_a_gpu_says_to_give_its_memory(capsys, no_gpu):
+    assert cli.main(["estimate", "--device", "cuda"]) == 2
+    assert capsys.readouterr().err == ("angel-ptm: error: --device cuda: no CUDA device is available here to "
+                                       "measure; to estimate for a GPU elsewhere, give its memory: --gpu-memory "
+                                       "80GiB\n")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--gpu-memory", "lots"], "--gpu-memory: not a byte size"),
+    (["--device", "cpu", "--gpu-memory", "8GiB"], "--gpu-memory is the memory of a GPU: use it with --device cuda"),
+])
+def test_cli_estimate_refuses_a_bad_gpu_memory_in_one_line(capsys, argv, message):
+    assert cli.main(["estimate", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"angel-ptm: error: {message}") and err.count("\n") == 1

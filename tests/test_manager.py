@@ -99,14 +99,15 @@ def test_budget_error_names_the_tier_and_bytes(tmp_path, io_engine):
     manager = make_manager(tmp_path, io_engine, device_pages=2)
     pages = [manager.create_page("param", torch.float32) for _ in range(3)]
     with pytest.raises(BudgetError, match=r"device tier budget exceeded for 3 pages pinned at once: "
-                                          r"requested 196608 bytes, 131072 bytes available"):
+                                          r"requested 192.0 KiB \(196608 bytes\), 128.0 KiB available"):
         manager.acquire(pages, Tier.DEVICE)
     assert all(p.pin_count == 0 for p in pages)
     manager.close()
 
 
 def test_pool_larger_than_the_machine_is_refused_before_allocation():
-    with pytest.raises(BudgetError, match=r"host tier budget exceeded .* requested \d+ bytes, \d+ bytes available"):
+    with pytest.raises(BudgetError, match=r"host tier budget exceeded .* requested [\d.]+ TiB \(\d+ bytes\), "
+                                          r"[\d.]+ [KMGT]iB available"):
         BufferPool(Tier.HOST, PAGE, 1 << 60)
 
 
@@ -362,5 +363,6 @@ def test_a_pinned_host_pool_locks_exactly_its_bytes_until_it_is_collected(monkey
 def test_a_refused_page_lock_is_a_budget_error_naming_the_host_tier(monkeypatch):
     monkeypatch.setattr(torch.cuda, "cudart", lambda: FakeCudart(error=2))  # cudaErrorMemoryAllocation
     with pytest.raises(BudgetError, match=r"host tier budget exceeded for page-locked \(pinned\) memory: "
-                                          r"cudaHostRegister failed with CUDA error 2: requested 196608 bytes"):
+                                          r"cudaHostRegister failed with CUDA error 2: "
+                                          r"requested 192.0 KiB \(196608 bytes\)"):
         BufferPool(Tier.HOST, PAGE, 3 * PAGE, "cpu", pin=True)
