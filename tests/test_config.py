@@ -148,6 +148,35 @@ def test_size_of_wrong_type_is_a_type_error():
         parse_bytes(True, "k")
 
 
+def test_sizes_up_to_one_exbibyte_are_accepted():
+    assert parse_bytes(2**60, "k") == 2**60
+    assert parse_bytes("1048576TiB", "k") == 2**60
+
+
+@pytest.mark.parametrize("value", [2**60 + 1, "1e400", "1.0e400", "1048577TiB"])
+def test_a_size_past_one_exbibyte_is_a_value_error_naming_the_key(value):
+    with pytest.raises(ConfigValueError) as info:
+        parse_bytes(value, "memory.page_bytes")
+    assert str(info.value) == f"memory.page_bytes: must be at most 2**60 bytes (1 EiB), got {value!r}"
+
+
+@pytest.mark.parametrize("override", ["memory.device_budget=1e400", "memory.host_budget=1.0e400",
+                                      "memory.disk_budget=1152921504606846977"])
+def test_a_budget_past_one_exbibyte_is_refused_naming_the_key(override):
+    key, _, value = override.partition("=")
+    with pytest.raises(ConfigValueError) as info:
+        load_config(overrides=[override])
+    shown = repr(int(value)) if value.isdigit() else repr(value)
+    assert str(info.value) == f"{key}: must be at most 2**60 bytes (1 EiB), got {shown}"
+
+
+@pytest.mark.parametrize("value", [float("inf"), float("nan")])
+def test_an_infinite_or_nan_budget_is_refused_naming_the_key(value):
+    with pytest.raises(ConfigValueError) as info:
+        load_config({"memory": {"device_budget": value}})
+    assert str(info.value) == f'memory.device_budget: must be "auto" or a finite size, got {value!r}'
+
+
 @settings(max_examples=50, deadline=None)
 @given(st.integers(min_value=0, max_value=2**50))
 def test_plain_and_kib_sizes_round_trip(n):
@@ -255,6 +284,27 @@ def test_n_head_not_divisible_by_n_kv_head_is_rejected():
 def test_impossible_values_are_value_errors_naming_the_key(section, name, value):
     with pytest.raises(ConfigValueError, match=rf"^{section}\.{name}: must be "):
         load_config({section: {name: value}})
+
+
+@pytest.mark.parametrize(("name", "value", "bound"), [("io_threads", 65, 64), ("io_threads", 1_000_000, 64),
+                                                     ("queue_depth", 1025, 1024), ("queue_depth", 0, 1024)])
+def test_io_threads_and_queue_depth_are_bounded_naming_the_key(name, value, bound):
+    with pytest.raises(ConfigValueError) as info:
+        load_config({"memory": {name: value}})
+    assert str(info.value) == f"memory.{name}: must be from 1 to {bound}, got {value}"
+
+
+def test_the_largest_io_threads_and_queue_depth_are_accepted():
+    memory = load_config({"memory": {"io_threads": 64, "queue_depth": 1024}}).memory
+    assert (memory.io_threads, memory.queue_depth) == (64, 1024)
+
+
+def test_trace_max_bytes_defaults_to_256_mib_and_may_be_null():
+    assert load_config().trace.max_bytes == 256 * MiB
+    assert load_config(overrides=["trace.max_bytes=1GiB"]).trace.max_bytes == 1024 * MiB
+    assert load_config(overrides=["trace.max_bytes=null"]).trace.max_bytes is None
+    with pytest.raises(ConfigValueError, match=r"^trace\.max_bytes: must be a size >= 0, got -1$"):
+        load_config({"trace": {"max_bytes": -1}})
 
 
 def test_sections_built_in_python_are_validated_too():

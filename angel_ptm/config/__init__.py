@@ -13,6 +13,7 @@ from angel_ptm.config.schema import (
     ModelConfig,
     OptimizerConfig,
     RunConfig,
+    TraceConfig,
     TrainerConfig,
 )
 from angel_ptm.config.sizes import format_bytes, parse_bytes
@@ -25,6 +26,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "RunConfig",
+    "TraceConfig",
     "TrainerConfig",
     "config_to_dict",
     "format_bytes",

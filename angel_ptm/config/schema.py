@@ -18,6 +18,13 @@ from angel_ptm.config.sizes import Budget, ByteSize, show_value
 from angel_ptm.errors import ConfigTypeError, ConfigValueError
 
 PAGE_ALIGNMENT = 4096  # pages are read and written with O_DIRECT, which needs 4 KiB-aligned sizes
+# Upper bounds on the SSD engine's knobs (io/engine.py). A worker thread keeps one transfer of up to 16 MiB in
+# flight: 4 threads read at 0.97 of a raw preadv loop and 8 already made the training step slower, so 64 is far
+# past any gain on one node's SSDs, while 1e6 made the engine start 32k threads and hang. The queue holds up to
+# queue_depth transfers (reads twice that), each split by the block layer into requests: 1024 already matches the
+# Linux NVMe driver's default depth of a hardware queue (io_queue_depth=1024), and 1024 x 16 MiB is 16 GiB queued.
+MAX_IO_THREADS = 64
+MAX_QUEUE_DEPTH = 1024
 
 
 def parse_loss_scale(value: object, key: str) -> Union[str, float]:
@@ -193,8 +200,19 @@ class MemoryConfig(_Section):
             self.page_bytes > 0 and self.page_bytes % PAGE_ALIGNMENT == 0,
             f"a positive multiple of {PAGE_ALIGNMENT}",
         )
-        self._require_positive("io_threads", "queue_depth")
+        self._require("io_threads", 1 <= self.io_threads <= MAX_IO_THREADS, f"from 1 to {MAX_IO_THREADS}")
+        self._require("queue_depth", 1 <= self.queue_depth <= MAX_QUEUE_DEPTH, f"from 1 to {MAX_QUEUE_DEPTH}")
         self._require("lookahead", self.lookahead >= 0, ">= 0")
+
+
+@dataclass
+class TraceConfig(_Section):
+    SECTION: ClassVar[str] = "trace"
+
+    # Once trace.jsonl holds this many bytes, the recorder writes one summary event per step instead of every page
+    # event (and notes once, in a "mark" event, that it did). null: no bound. A page-heavy job writes ~100 bytes per
+    # page event, thousands per step, so an unbounded multi-day run fills a disk with its trace.
+    max_bytes: Optional[ByteSize] = "256MiB"  # type: ignore[assignment]
 
 
 @dataclass
@@ -240,6 +258,7 @@ class Config:
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    trace: TraceConfig = field(default_factory=TraceConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:

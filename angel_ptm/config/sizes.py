@@ -24,6 +24,10 @@ for _power, _letter in enumerate("kmgt", start=1):
 _SIZE_PATTERN = re.compile(r"\s*([+-]?(?:\d+\.?\d*|\.\d+)(?:e[+-]?\d+)?)\s*([a-z]*)\s*")
 
 _SIZE_EXAMPLES = 'an int or a string like "64MiB", "2GB", "4096"'
+# The largest size a config may name: 1 EiB, a thousand times any machine's memory or disk today. Past it a size is
+# a typo or an overflow ("1e400" reads as a 1330-bit integer), and it would go on to overflow the int64 byte counts
+# of torch and the native I/O engine instead of being refused here.
+MAX_BYTES = 2**60
 
 
 def show_value(value: object) -> str:
@@ -33,10 +37,15 @@ def show_value(value: object) -> str:
 
 
 def parse_bytes(value: object, key: str) -> int:
-    """Return ``value`` (int, whole float or size string) as a number of bytes >= 0.
+    """Return ``value`` (int, whole float or size string) as a number of bytes from 0 to MAX_BYTES.
 
     ``key`` is the dotted config key, used only to name the culprit in errors.
     """
+    return _at_most_max(_parse_size(value, key), value, key)
+
+
+def _parse_size(value: object, key: str) -> int:
+    """``value`` as a whole number of bytes >= 0, however large."""
     # bool is an int subclass; True bytes is always a mistake.
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
         raise ConfigTypeError(
@@ -65,8 +74,10 @@ def parse_budget(value: object, key: str) -> Union[int, str]:
     """A tier budget: the string "auto" (resolved later, once the hardware is known) or a byte size."""
     if isinstance(value, str) and value.strip().lower() == "auto":
         return "auto"
+    if isinstance(value, float) and not math.isfinite(value):  # YAML's .inf, or 1.0e400 read as a float
+        raise ConfigValueError(f'{key}: must be "auto" or a finite size, got {show_value(value)}')
     try:
-        return parse_bytes(value, key)
+        size = _parse_size(value, key)
     except ConfigValueError:
         raise ConfigValueError(f'{key}: must be "auto" or a size >= 0, got {show_value(value)}') from None
     except ConfigTypeError:
@@ -74,6 +85,13 @@ def parse_budget(value: object, key: str) -> Union[int, str]:
             f'{key}: expected "auto" or a byte size ({_SIZE_EXAMPLES}), '
             f"got {show_value(value)} ({type(value).__name__})"
         ) from None
+    return _at_most_max(size, value, key)
+
+
+def _at_most_max(size: int, value: object, key: str) -> int:
+    if size > MAX_BYTES:
+        raise ConfigValueError(f"{key}: must be at most 2**60 bytes (1 EiB), got {show_value(value)}")
+    return size
 
 
 def format_bytes(n: int) -> str:
@@ -89,4 +107,4 @@ def format_bytes(n: int) -> str:
 ByteSize = Annotated[int, parse_bytes]
 Budget = Annotated[Union[int, str], parse_budget]
 
-__all__ = ["Budget", "ByteSize", "format_bytes", "parse_budget", "parse_bytes", "show_value"]
+__all__ = ["MAX_BYTES", "Budget", "ByteSize", "format_bytes", "parse_budget", "parse_bytes", "show_value"]
