@@ -11,7 +11,6 @@ a ParamBinder that points parameters at pages around each module's forward and b
 
 from __future__ import annotations
 
-import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ from angel_ptm.io import create_engine
 from angel_ptm.lr import lr_at, schedule_given
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
 from angel_ptm.memory.budgets import device_reserve_pages, resolve_budgets, start_tiers
+from angel_ptm.memory.disk_dir import page_dir, remove_dead_page_dirs
 from angel_ptm.memory.layout import TensorSlot
 from angel_ptm.memory.materialize import (MaterializeReport, has_meta_parameters, materialize_buffers,
                                           materialize_parameters)
@@ -79,22 +79,22 @@ class Engine:
         n_states = sum(self.layout.kind_pages(kind) for kind in self.kinds)
         states_bytes = n_states * page_bytes
         self._own_disk_dir = mem.disk_dir is None
+        if mem.disk_dir is not None:  # page files of killed runs: their space is this run's (memory/disk_dir.py)
+            remove_dead_page_dirs(mem.disk_dir)
+        self._disk_dir = disk_dir = mem.disk_dir or tempfile.mkdtemp(prefix="angel-ptm-pages-")
         # The estimate (angel-ptm estimate) runs first: a job that cannot fit is refused with the numbers, before
         # any allocation. It includes the largest layer's pages, which the device must hold at once.
-        self.estimate = estimate_job(config, model, layout=self.layout, disk_dir=mem.disk_dir, device=self.device,
+        self.estimate = estimate_job(config, model, layout=self.layout, disk_dir=disk_dir, device=self.device,
                                      units=self.units)
         self.estimate.check()
         self._min_device_pages = self.estimate.largest_layer_pages
-        disk_dir = mem.disk_dir or tempfile.mkdtemp(prefix="angel-ptm-pages-")
-        self._disk_dir = disk_dir
         self.budgets = resolve_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes,
                                        self.device, disk_dir, page_bytes,
                                        slack_bytes=self._min_device_pages * page_bytes)
 
         self.io = create_engine(mem.io_threads, mem.queue_depth)
         pin = self.device.type == "cuda"
-        self._disk_dir = disk_dir
-        self._page_dir = os.path.join(disk_dir, f"pages-{os.getpid()}-{id(self):x}")
+        self._page_dir = page_dir(disk_dir, id(self))
         disk = DiskTier(self._page_dir, page_bytes, self.budgets.disk, self.io) if self.budgets.disk else None
         self.manager = PageManager(
             BufferPool(Tier.DEVICE, page_bytes, self.budgets.device, self.device),

@@ -32,6 +32,14 @@ class DataError(AngelError):
     """A data directory or token file that is missing, empty or malformed."""
 
 
+class DiskDirError(ConfigError):
+    """A `memory.disk_dir` that cannot hold page files: a file, not creatable, not writable, or without room."""
+
+
+class RunDirInUseError(ConfigError):
+    """A `run.dir` that already holds an earlier run's metrics.jsonl: a run never overwrites another's record."""
+
+
 # --- memory ---------------------------------------------------------------------------------------------------
 class BudgetError(AngelError):
     """A request that a tier cannot hold; raised before anything is allocated."""
@@ -116,3 +124,13 @@ class StateDictError(AngelError):
 class EngineFailedError(AngelError):
     """A step failed part-way (I/O, checksum, disk full): the pages may hold a half-applied update, so every further
     call refuses; resume from the last checkpoint."""
+
+
+# --- signals --------------------------------------------------------------------------------------------------
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what Slurm and Kubernetes send before they kill a job), raised where the run is: it unwinds and
+    cleans up exactly as Ctrl-C does, and like KeyboardInterrupt no `except Exception` swallows it."""
+
+    def __init__(self, signum: int):
+        self.signum = int(signum)
+        super().__init__(f"terminated by signal {self.signum}")

@@ -41,6 +41,7 @@ from angel_ptm.errors import BudgetError, ConfigValueError
 from angel_ptm.memory import PageLayout, Tier, build_layout, compute_device
 from angel_ptm.units import PagingUnit, device_pages_at_once, find_units
 from angel_ptm.memory.budgets import device_reserve_pages, plan_budgets, staging_host_pages, start_tiers
+from angel_ptm.memory.disk_dir import check_disk_dir
 from angel_ptm.models import GPT, build_model, estimate_activation_bytes
 
 CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # engine.STATE_KINDS: the order pages are created in
@@ -237,10 +238,13 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if needed_on_disk and budgets["disk"] < needed_on_disk:
         problems.append(Problem("disk", needed_on_disk, budgets["disk"],
                                 "the model states that fit neither the device nor the host budget"))
+    if disk_reserved:  # the path before its space: a file or a read-only mount is named so, not as a budget
+        check_disk_dir(disk_dir, create=False)  # DiskDirError; creates nothing
     disk_free = free_disk_bytes(disk_dir) if disk_reserved else None
     if disk_free is not None and disk_free < disk_reserved * page_bytes:
         problems.append(Problem("disk", disk_reserved * page_bytes, disk_free,
-                                f"page files in {disk_dir} ({disk_reserved} page slots reserved up front)"))
+                                f"page files in memory.disk_dir {disk_dir} ({disk_reserved} page slots reserved "
+                                f"up front)"))
     # 2. the largest unit on the device, and (when pages live on disk) the host slots its pages rise through
     if largest * page_bytes > budgets["device"]:
         problems.append(Problem("device", largest * page_bytes, budgets["device"],

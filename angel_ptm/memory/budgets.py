@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
-import shutil
 from dataclasses import dataclass
 
 import psutil
 import torch
 
 from angel_ptm.errors import BudgetError
+from angel_ptm.memory.disk_dir import check_disk_dir
 from angel_ptm.memory.page import Tier
 
 
@@ -51,14 +50,11 @@ def resolve_budgets(device_budget, host_budget, disk_budget, states_bytes: int, 
                            slack_bytes=slack_bytes)
     device_budget, host_budget, disk_budget = budgets.device, budgets.host, budgets.disk
     needed_on_disk = max(0, states_bytes - device_budget - host_budget)
-    if needed_on_disk:
-        if disk_budget < needed_on_disk:
-            raise BudgetError("disk", needed_on_disk, disk_budget,
-                              what="the model states that fit neither the device nor the host budget")
-        os.makedirs(disk_dir, exist_ok=True)
-        free = shutil.disk_usage(disk_dir).free
-        if free < needed_on_disk:
-            raise BudgetError("disk", needed_on_disk, free, what=f"model states in {disk_dir}")
+    if needed_on_disk and disk_budget < needed_on_disk:
+        raise BudgetError("disk", needed_on_disk, disk_budget,
+                          what="the model states that fit neither the device nor the host budget")
+    if disk_budget:  # slot files go there: memory.disk_dir created, writable, with room, or a DiskDirError
+        check_disk_dir(disk_dir, needed_on_disk)
     return budgets
 
 

@@ -20,7 +20,7 @@ from typing import Iterable
 import psutil
 import torch
 
-from angel_ptm.errors import BudgetError
+from angel_ptm.errors import BudgetError, PageIOError
 from angel_ptm.io.slot_file import ALIGNMENT, SlotFile, aligned_empty
 from angel_ptm.memory.device import pin_host_memory
 from angel_ptm.memory.page import Page, Tier
@@ -121,7 +121,11 @@ class DiskTier:
         self.directory, self.page_bytes, self.budget_bytes = directory, int(page_bytes), int(budget_bytes)
         self.engine, self.rank, self.growth_slots = engine, rank, max(1, growth_slots)
         self.capacity = self.budget_bytes // self.page_bytes
-        os.makedirs(directory, exist_ok=True)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:  # the engine checked memory.disk_dir (disk_dir.py); a tier built by hand gets this
+            raise PageIOError(f"cannot create the page directory {directory}: {exc.strerror}",
+                              errno=exc.errno or 0, path=directory) from None
         self.files: dict[str, SlotFile] = {}
         self._free: dict[str, list[int]] = {}
         self._reserved = 0  # slots reserved on disk, all kinds
