@@ -11,7 +11,8 @@ prints, before anything is allocated, the bytes each tier needs per rank and whe
 ``viz`` reads a run directory's trace.jsonl and metrics.jsonl and writes a self-contained HTML report (default
 RUN_DIR/report.html) and a Chrome trace-event JSON for Perfetto (default RUN_DIR/trace.chrome.json). A user mistake
 (bad key or value, missing file or run directory, budget too small) prints one line, ``angel-ptm: error:
-<message>``, and exits 2.
+<message>``, and exits 2. A run stopped by Ctrl-C or SIGTERM cleans up (its page files removed) and exits 130 or
+143, as a shell reports those signals.
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import signal
 import sys
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-from angel_ptm.errors import AngelError
+from angel_ptm.errors import AngelError, Terminated
 
 PROG = "angel-ptm"
 EXIT_USAGE = 2  # user mistakes, as argparse reports its own
 EXIT_INTERRUPTED = 130  # the shell's code for Ctrl-C
+EXIT_TERMINATED = 128 + signal.SIGTERM  # 143: the shell's code for SIGTERM (Slurm, Kubernetes, kill)
 
 
 def default_config_path() -> Path:
@@ -95,6 +98,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return args.handler(args)
     except AngelError as err:
         return fail(str(err))
+    except Terminated:  # raised by the trainer's SIGTERM handler, once the run has cleaned up as on Ctrl-C
+        print(f"{PROG}: terminated (SIGTERM)", file=sys.stderr)
+        return EXIT_TERMINATED
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -6,8 +6,14 @@ A run directory holds everything one run writes:
   config.yaml    the resolved config (run.dir filled in); ``load_config`` reads it back
   metrics.jsonl  one JSON line per logged step (step, loss, lr, grad_norm, tokens_per_s, step_s, in_use, moved,
                  and the scheduler's stall_s, deviations, planned_moves, replanned)
-                 and one per evaluation (step, val_loss); written line by line, so a crash keeps what was logged
-  trace.jsonl    the memory trace (page events from the engine; a ``step`` event and a compute interval per step)
+                 and one per evaluation (step, val_loss); written line by line, so a crash keeps what was logged.
+                 A run never overwrites another's: a run.dir whose metrics.jsonl holds lines is refused.
+  trace.jsonl    the memory trace (page events from the engine; a ``step`` event and a compute interval per step),
+                 up to trace.max_bytes, then one summary event per step (trace/recorder.py)
+
+On a terminal the loop shows a progress bar; where stdout is not one (nohup, Slurm, a pipe) it prints one plain line
+every trainer.log_every steps instead. SIGTERM (what Slurm and Kubernetes send) stops a run as Ctrl-C does: the
+engine closes and its page files are removed.
 """
 
 from __future__ import annotations
@@ -16,10 +22,13 @@ import contextlib
 import dataclasses
 import json
 import math
+import signal
+import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -27,7 +36,7 @@ from tqdm import tqdm
 
 from angel_ptm.config import Config, format_bytes, save_config
 from angel_ptm.data import BatchSampler, load_tokens, split_train_val
-from angel_ptm.errors import ConfigValueError, DataError
+from angel_ptm.errors import ConfigValueError, DataError, RunDirInUseError, Terminated
 from angel_ptm.lr import lr_at
 from angel_ptm.models import build_model
 from angel_ptm.trace import TraceRecorder
@@ -53,6 +62,10 @@ class Trainer:
         self.progress = progress
 
     def run(self) -> TrainResult:
+        with sigterm_raises_terminated():
+            return self._run()
+
+    def _run(self) -> TrainResult:
         cfg = self.config
         tcfg = cfg.trainer
         torch.manual_seed(tcfg.seed)
@@ -77,6 +90,7 @@ class Trainer:
 
         # The run directory, created only once the inputs are known to be good.
         run_dir = make_run_dir(cfg.run.dir)
+        refuse_an_earlier_run(run_dir)
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)))
         if cfg.memory.disk_dir is None:  # page files live in the run directory unless the job says otherwise
             cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, disk_dir=str(run_dir / "pages")))
@@ -88,12 +102,14 @@ class Trainer:
         train_seconds = 0.0
         with contextlib.ExitStack() as cleanup:  # closes engine, then trace, then files, even on an exception
             (run_dir / "trace.jsonl").unlink(missing_ok=True)  # the recorder appends; a run dir holds one run
-            trace = TraceRecorder(run_dir / "trace.jsonl")
+            trace = TraceRecorder(run_dir / "trace.jsonl", max_bytes=cfg.trace.max_bytes)
             cleanup.callback(trace.close)
             metrics = cleanup.enter_context(open(run_dir / "metrics.jsonl", "w", encoding="utf-8"))
+            # A bar on a terminal; nohup, Slurm and pipes get a plain line per logged step, which a log file keeps.
+            print_lines = self.progress and not sys.stdout.isatty()
             bar = cleanup.enter_context(
                 tqdm(total=tcfg.steps, desc=run_dir.name, unit="step", dynamic_ncols=True,
-                     disable=None if self.progress else True)  # None: tqdm turns itself off when not a TTY
+                     disable=None if self.progress and not print_lines else True)  # None: off when not a TTY
             )
             engine = self._create_engine(model, cfg, trace)
             cleanup.callback(engine.close)
@@ -140,6 +156,8 @@ class Trainer:
                         **schedule_metrics(stats.get("schedule")),
                         **precision_metrics(engine),
                     })
+                    if print_lines:
+                        print(progress_line(step, tcfg.steps, step_loss, lr, tokens_per_step / step_s), flush=True)
                 bar.update(1)
                 bar.set_postfix_str(progress_text(step_loss, tokens_per_step / step_s, stats["in_use"]))
 
@@ -216,6 +234,37 @@ def make_run_dir(requested: Optional[str]) -> Path:
         raise ConfigValueError(f"run.dir: cannot create {err.filename or requested}: {err.strerror}") from None
 
 
+def refuse_an_earlier_run(run_dir: Path) -> None:
+    """A run directory whose metrics.jsonl holds lines belongs to an earlier run: refused, never overwritten. (An
+    empty one is what a run refused at start leaves; the next attempt may take its place.)"""
+    metrics = run_dir / "metrics.jsonl"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        raise RunDirInUseError(f"run.dir: {run_dir} already holds the metrics of an earlier run ({metrics}, "
+                               f"{metrics.stat().st_size} bytes); choose another run.dir or move that file away")
+
+
+@contextlib.contextmanager
+def sigterm_raises_terminated() -> Iterator[None]:
+    """While active, SIGTERM raises Terminated (a KeyboardInterrupt) where the run is, so it unwinds as on Ctrl-C:
+    the engine closes and removes its page files. The previous handler is restored after. Signal handlers belong to
+    the main thread: a run on another thread keeps the default (the process dies at once)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the cleanup short
+        raise Terminated(signum)
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    if previous is None:  # a handler installed outside Python: the default is the closest we can restore
+        previous = signal.SIG_DFL
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def precision_metrics(engine: Any) -> dict[str, Any]:
     """fp16 loss scaling: the scale after the step and whether the step was skipped for an overflow."""
     scale = getattr(engine, "loss_scale", None)
@@ -235,6 +284,11 @@ def schedule_metrics(schedule: dict | None) -> dict[str, Any]:
 def write_metrics(file: Any, record: dict[str, Any]) -> None:
     file.write(json.dumps(record, separators=(",", ":")) + "\n")
     file.flush()  # a crash keeps every line logged so far
+
+
+def progress_line(step: int, steps: int, loss: float, lr: float, tokens_per_s: float) -> str:
+    """The plain line printed per logged step where there is no terminal for a bar."""
+    return f"step {step}/{steps} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tokens/s"
 
 
 def progress_text(loss: float, tokens_per_s: float, in_use: dict[str, int]) -> str:

@@ -10,6 +10,7 @@ import json
 import math
 import os
 import re
+import signal
 from pathlib import Path
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 from angel_ptm.config import Config, load_config
 from angel_ptm.data import BatchSampler, load_tokens, split_train_val
-from angel_ptm.errors import ConfigValueError, DataError
+from angel_ptm.errors import ConfigValueError, DataError, RunDirInUseError, Terminated
 from angel_ptm.lr import lr_at
 from angel_ptm.models import build_model
 from angel_ptm.trainer import Trainer, TrainResult
@@ -265,3 +266,71 @@ def test_a_run_dir_that_cannot_be_created_is_a_config_error_naming_run_dir(tmp_p
     blocker.write_text("")
     with pytest.raises(ConfigValueError, match=r"run\.dir: cannot create .*file"):
         train(tiny_config(blocker / "run"))
+
+
+# --- a run directory holds one run ----------------------------------------------------------------------------
+def test_a_run_dir_with_an_earlier_runs_metrics_is_refused_and_left_as_it_was(tmp_path):
+    train(tiny_config(tmp_path, trainer={"steps": 1, "eval_every": 0}))
+    before = {name: (tmp_path / name).read_bytes() for name in ("metrics.jsonl", "config.yaml", "trace.jsonl")}
+    size = len(before["metrics.jsonl"])
+    with pytest.raises(RunDirInUseError) as info:
+        train(tiny_config(tmp_path, trainer={"steps": 2, "eval_every": 0}))
+    assert str(info.value) == (f"run.dir: {tmp_path.resolve()} already holds the metrics of an earlier run "
+                               f"({tmp_path.resolve() / 'metrics.jsonl'}, {size} bytes); choose another run.dir or "
+                               f"move that file away")
+    assert {name: (tmp_path / name).read_bytes() for name in before} == before
+
+
+def test_an_empty_metrics_file_left_by_a_refused_start_does_not_block_the_next_run(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text("")
+    result, _ = train(tiny_config(tmp_path, trainer={"steps": 1, "eval_every": 0}))
+    assert [line["step"] for line in read_jsonl(tmp_path / "metrics.jsonl")] == [1]
+
+
+# --- progress without a terminal ------------------------------------------------------------------------------
+def test_without_a_terminal_one_plain_line_is_printed_per_logged_step(tmp_path, capsys):
+    config = tiny_config(tmp_path, trainer={"steps": 5, "log_every": 2, "eval_every": 0})
+    result = Trainer(config, engine_factory=PlainEngine, progress=True).run()  # capsys: stdout is no terminal
+    lines = capsys.readouterr().out.splitlines()
+    metrics = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [line["step"] for line in metrics] == [2, 4, 5]
+    assert lines == [f"step {m['step']}/5 | loss {m['loss']:.4f} | lr {m['lr']:.3e} | {m['tokens_per_s']:,.0f} tokens/s"
+                     for m in metrics]
+    assert [m["loss"] for m in metrics] == [result.losses[1], result.losses[3], result.losses[4]]
+
+
+def test_no_progress_prints_nothing_per_step(tmp_path, capsys):
+    train(tiny_config(tmp_path, trainer={"steps": 3, "eval_every": 0}))
+    assert capsys.readouterr().out == ""
+
+
+# --- trace.max_bytes ------------------------------------------------------------------------------------------
+def test_trace_max_bytes_bounds_the_runs_trace_to_one_step_event_per_step(tmp_path):
+    train(tiny_config(tmp_path, trainer={"steps": 4, "eval_every": 0}, trace={"max_bytes": 120}))  # one interval line
+    events = read_jsonl(tmp_path / "trace.jsonl")
+    assert [e["event"] for e in events] == ["interval", "mark", "step", "step", "step", "step"]
+    assert events[1]["name"] == "trace truncated" and events[1]["max_bytes"] == 120
+    assert [e["left_out"] for e in events[2:]] == [{}, {"interval": 1}, {"interval": 1}, {"interval": 1}]
+
+
+# --- SIGTERM --------------------------------------------------------------------------------------------------
+def test_sigterm_during_a_run_raises_terminated_closes_the_engine_and_restores_the_handler(tmp_path):
+    engines: list[PlainEngine] = []
+
+    class SignalledEngine(PlainEngine):
+        def step(self):
+            super().step()
+            if self.steps == 2:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    def factory(model, cfg, trace=None):
+        engines.append(SignalledEngine(model, cfg, trace))
+        return engines[-1]
+
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(Terminated) as info:
+        Trainer(tiny_config(tmp_path, trainer={"steps": 5, "eval_every": 0}), engine_factory=factory,
+                progress=False).run()
+    assert info.value.signum == signal.SIGTERM and isinstance(info.value, KeyboardInterrupt)
+    assert engines[0].closed and engines[0].steps == 2
+    assert signal.getsignal(signal.SIGTERM) == before

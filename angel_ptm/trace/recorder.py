@@ -4,6 +4,12 @@ Contract (ARCHITECTURE.md): every event has `t` (seconds since the recorder star
 `page`, `kind`, `src`, `dst`, `bytes` and `in_use` (bytes in use per tier after the event). Intervals (compute,
 disk I/O, copies, communication) are `{"event": "interval", "lane", "name", "t", "dur"}`. Nothing in the runtime
 reads the trace back, so recording is write-only and cheap: lines are buffered and written in batches.
+
+The file is bounded (`max_bytes`, the config's trace.max_bytes). The event that would take it past the bound is
+not written; a `mark` event named "trace truncated" is, once, and from then on page events and intervals are only
+counted: each `step` event carries what its step left out (`left_out`: events per type, `moved`: bytes per tier
+pair, `in_use`: the bytes per tier after the step's last page event). `mark` and `io_error` events, a few per run,
+are still written whole.
 """
 
 from __future__ import annotations
@@ -13,12 +19,14 @@ import os
 import time
 
 EVENTS = ("alloc", "free", "move", "moved", "evict", "drop", "io_error", "interval", "step", "mark")
+KEPT_WHEN_TRUNCATED = frozenset(("step", "mark", "io_error"))
+TRUNCATED_MARK = "trace truncated"
 
 
 class TraceRecorder:
     """Appends events to `path`; with `path=None` it records nothing (every method is a cheap no-op)."""
 
-    def __init__(self, path: str | os.PathLike | None = None, flush_every: int = 512):
+    def __init__(self, path: str | os.PathLike | None = None, flush_every: int = 512, max_bytes: int | None = None):
         self.path = os.fspath(path) if path is not None else None
         self.enabled = self.path is not None
         self._t0 = time.perf_counter()
@@ -26,6 +34,10 @@ class TraceRecorder:
         self._flush_every = flush_every
         self._file = open(self.path, "a", encoding="utf-8") if self.enabled else None
         self.counts: dict[str, int] = {}
+        self.max_bytes = max_bytes  # None: no bound
+        self.bytes = self._file.tell() if self._file is not None else 0  # in the file and buffered
+        self.truncated = False
+        self._left_out = StepSummary()
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
@@ -52,7 +64,25 @@ class TraceRecorder:
         self._write(record)
 
     def _write(self, record: dict) -> None:
-        self._lines.append(json.dumps(record, separators=(",", ":")))
+        if not self.truncated:
+            line = json.dumps(record, separators=(",", ":"))
+            if self.max_bytes is None or self.bytes + len(line) + 1 <= self.max_bytes:
+                self._append(line)
+                return
+            self.truncated = True
+            self._append(json.dumps({"t": record["t"], "event": "mark", "name": TRUNCATED_MARK,
+                                     "max_bytes": self.max_bytes}, separators=(",", ":")))
+        if record["event"] not in KEPT_WHEN_TRUNCATED:
+            self._left_out.add(record)
+            return
+        if record["event"] == "step":
+            record.update(self._left_out.fields())
+            self._left_out = StepSummary()
+        self._append(json.dumps(record, separators=(",", ":")))
+
+    def _append(self, line: str) -> None:
+        self._lines.append(line)
+        self.bytes += len(line) + 1  # json.dumps escapes to ASCII: one byte a character
         if len(self._lines) >= self._flush_every:
             self.flush()
 
@@ -68,3 +98,27 @@ class TraceRecorder:
             self._file.close()
             self._file = None
         self.enabled = False
+
+
+class StepSummary:
+    """What a step left out of a truncated trace: events per type, bytes moved per tier pair, the latest in_use."""
+
+    def __init__(self) -> None:
+        self.events: dict[str, int] = {}
+        self.moved: dict[str, int] = {}
+        self.in_use: dict | None = None
+
+    def add(self, record: dict) -> None:
+        event = record["event"]
+        self.events[event] = self.events.get(event, 0) + 1
+        if event == "moved":
+            pair = f"{record.get('src')}->{record.get('dst')}"
+            self.moved[pair] = self.moved.get(pair, 0) + int(record.get("bytes") or 0)
+        if record.get("in_use") is not None:
+            self.in_use = record["in_use"]
+
+    def fields(self) -> dict:
+        fields: dict = {"left_out": self.events, "moved": self.moved}
+        if self.in_use is not None:
+            fields["in_use"] = self.in_use
+        return fields
