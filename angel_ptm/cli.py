@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import signal
 import sys
 from pathlib import Path
@@ -83,7 +84,8 @@ def add_viz_command(commands: argparse._SubParsersAction) -> None:
     viz = commands.add_parser(
         "viz", help="HTML report and Chrome trace of a run's memory trace",
         description="Read RUN_DIR/trace.jsonl (as a stream, any size) and metrics.jsonl; write a self-contained HTML "
-                    "report (tier usage, page residency, bytes moved, lanes, per-step table) and a Chrome "
+                    "report (where step time went, loss curve, tier usage, page residency, bytes moved, lanes "
+                    "with busy and summed time, per-step table with bytes in use per tier) and a Chrome "
                     "trace-event JSON that Perfetto and chrome://tracing open.")
     viz.add_argument("run_dir", metavar="RUN_DIR", help="a run directory written by angel-ptm train")
     viz.add_argument("-o", "--output", metavar="REPORT.html", help="the HTML report (default: RUN_DIR/report.html)")
@@ -104,6 +106,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `angel-ptm estimate | head`: the reader left; nothing more to say
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
+        return 0
 
 
 def load_job_config(args: argparse.Namespace):

@@ -151,7 +151,7 @@ class Estimate:
                          f"  (fp32 parameters are the master weights)")
         n_states = self.states_bytes // self.page_bytes
         lines.append(f"    {'states':<11} {n_states:>6} pages  {format_bytes(self.states_bytes):>10}")
-        lines.append(f"  largest layer '{self.largest_layer}': {self.largest_layer_pages} pages on the device at once;"
+        lines.append(f"  largest unit '{self.largest_layer}': {self.largest_layer_pages} pages on the device at once;"
                      f" optimizer updates on the {self.update_tier}")
         act = "unknown (not a GPT)" if self.activation_bytes is None else format_bytes(self.activation_bytes)
         lines.append(f"  activation peak {act}, on the {self.compute_device} outside the page pools")

@@ -22,12 +22,13 @@ from angel_ptm import cli
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHARTS = ("usage", "residency", "moved", "lanes")
-# A tiny GPT whose model states (~80 pages of 4 KiB) are far larger than the device and host budgets (16 pages
-# each), so pages move between all three tiers on every step; six steps take a few seconds on a CPU.
+# A tiny GPT whose model states (~108 pages of 4 KiB) are far larger than the device and host budgets (40 pages
+# each: the one block's unit with the root's pages is 27), so pages move between all three tiers on every step;
+# six steps take a few seconds on a CPU.
 TINY_JOB = [
     "model.dim=32", "model.n_layer=1", "model.n_head=2", "model.seq_len=16", f"data.path={os.__file__}",
     "data.batch_size=4", "trainer.steps=6", "trainer.eval_every=0", "memory.page_bytes=4KiB",
-    "memory.device_budget=64KiB", "memory.host_budget=64KiB",
+    "memory.device_budget=160KiB", "memory.host_budget=160KiB",
 ]
 
 pytestmark = pytest.mark.skipif(not CHROMIUM.exists(),
