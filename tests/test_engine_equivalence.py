@@ -89,21 +89,30 @@ def train_plain(model, batches, loss_fn, clip=None):
     return losses
 
 
-def train_engine(model, batches, loss_fn, memory, clip=None, device="cpu"):
+def engine_config(memory, clip=None, device="cpu", dtype="float32", **optimizer):
+    """The engine job of train_plain's optimizer (lr 1e-2, betas (0.9, 0.95), eps 1e-8, weight decay 0.1)."""
     # Without clipping, trainer.grad_clip 0 lets the planned scheduler update pages during backward.
-    config = {"optimizer": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
-              "memory": memory, "trainer": {"device": device, "grad_clip": clip or 0}}
-    engine = angel_ptm.initialize(model, config)
+    return {"optimizer": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1, **optimizer},
+            "memory": memory, "trainer": {"device": device, "grad_clip": clip or 0, "dtype": dtype}}
+
+
+def run_steps(engine, batches, loss_fn, clip=None):
+    """One optimizer step per batch; the losses."""
     losses = []
+    for batch in batches:
+        loss = loss_fn(engine, *batch)
+        engine.backward(loss)
+        if clip:
+            engine.clip_grad_norm(clip)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
+def train_engine(model, batches, loss_fn, memory, clip=None, device="cpu"):
+    engine = angel_ptm.initialize(model, engine_config(memory, clip, device))
     try:
-        for batch in batches:
-            loss = loss_fn(engine, *batch)
-            engine.backward(loss)
-            if clip:
-                engine.clip_grad_norm(clip)
-            engine.step()
-            losses.append(loss.item())
-        return losses, engine.memory_stats()
+        return run_steps(engine, batches, loss_fn, clip), engine.memory_stats()
     finally:
         engine.close()
 
