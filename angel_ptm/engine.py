@@ -23,6 +23,7 @@ from angel_ptm.config import Config, load_config
 from angel_ptm.errors import BudgetError, ChecksumError, ConfigValueError, EngineFailedError, PageIOError
 from angel_ptm.estimate import compute_dtype, creation_order, estimate_job
 from angel_ptm.estimate import update_tier as update_tier_of
+from angel_ptm.inputs import to_device
 from angel_ptm.io import create_engine
 from angel_ptm.lr import lr_at, schedule_given
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
@@ -172,7 +173,7 @@ class Engine:
     # ------------------------------------------------------------------ set-up
     def _start_tiers(self, n_states: int) -> list[Tier]:
         """Where each new page rests (kinds in creation order): the host while it has room, then the device (which
-        keeps the largest layer's pages free), then the host again in place of the oldest pages there, which are
+        keeps the largest unit's pages free), then the host again in place of the oldest pages there, which are
         created on disk instead, dead: the zeros they hold are never written (memory.budgets.start_tiers)."""
         pools = self.manager.pools
         reserve = device_reserve_pages(pools[Tier.DEVICE].capacity, n_states, self._min_device_pages)
@@ -207,26 +208,11 @@ class Engine:
 
     # ------------------------------------------------------------------ the step
     def __call__(self, *args, **kwargs):
-        """The model's forward on the compute device: tensors among the positional and keyword arguments (inside
-        lists, tuples and dicts too) are moved there, and floating ones cast to the compute dtype under mixed
-        precision (FSDP2's cast_forward_inputs)."""
+        """The model's forward, its inputs on the compute device (angel_ptm/inputs.py)."""
         self._check_alive()
-        args, kwargs = self._to_device((args, kwargs))
+        args, kwargs = to_device((args, kwargs), self.device, self.compute_dtype)
         with self.binder.saved_tensor_hooks():
             return self.model(*args, **kwargs)
-
-    def _to_device(self, value):
-        if isinstance(value, torch.Tensor):
-            value = value.to(self.device)
-            if self.compute_dtype is not None and value.is_floating_point():
-                value = value.to(self.compute_dtype)
-            return value
-        if isinstance(value, (list, tuple)):
-            moved = [self._to_device(v) for v in value]
-            return type(value)(*moved) if hasattr(value, "_fields") else type(value)(moved)
-        if isinstance(value, dict):
-            return type(value)((k, self._to_device(v)) for k, v in value.items())
-        return value
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch. In the last one (trainer.grad_accum of them per step), with the planned
@@ -473,8 +459,7 @@ class Engine:
 
     @contextmanager
     def _failing_step(self):
-        """An error while pages are being updated (some page groups done, others not) leaves a half-applied step:
-        the engine is marked failed, and every later call refuses instead of training on."""
+        """An error part-way through updating pages (some groups done, others not) fails the engine for good."""
         try:
             yield
         except BaseException as exc:

@@ -4,8 +4,8 @@
     exp_avg = tensors.read("exp_avg", layout.slot("layers.0.attention.wq.weight"))
     tensors.write("param", slot, new_values)
 
-Reads go through `PageManager.peek`: every page is read where it is (a disk page into one page-sized scratch
-buffer), and no page changes tier, so reading a state dict between steps evicts nothing the next step needs.
+Reads take every page where it is (a disk page is read into one page-sized scratch buffer) and change no page's
+tier, so reading a state dict between steps evicts nothing the next step needs.
 Writes acquire each page on the host (a page on the device is written there) and mark it dirty.
 """
 
@@ -37,11 +37,23 @@ class PageTensors:
         dtype = self.dtype(kind, slot.segments[0].page)
         out = torch.empty(slot.numel, dtype=dtype)
         for seg in slot.segments:
-            if self._scratch is None and self.manager.disk is not None:
-                self._scratch = aligned_empty(self.layout.page_bytes, "cpu")
-            raw = self.manager.peek(self.pages[kind][seg.page], self._scratch)
+            raw = self._peek(self.pages[kind][seg.page])
             out[seg.start : seg.start + seg.numel] = raw.view(dtype)[seg.offset : seg.offset + seg.numel].cpu()
         return out.view(slot.shape)
+
+    def _peek(self, page: Page) -> torch.Tensor:
+        """The page's bytes now: its device or host buffer (once a move in flight lands), a checked read of its disk
+        slot into the scratch buffer, or zeros for a dead page. It may alias the page."""
+        self.manager.flush([page])
+        if page.buffer is not None:
+            return page.buffer
+        if page.dead or page.disk_slot is None:
+            return torch.zeros(self.layout.page_bytes, dtype=torch.uint8)
+        if self._scratch is None:
+            self._scratch = aligned_empty(self.layout.page_bytes, "cpu")
+        disk = self.manager.disk
+        disk.check_read(page, disk.read(page.kind, page.disk_slot, self._scratch))
+        return self._scratch
 
     def read_weights(self, slot: TensorSlot) -> torch.Tensor:
         """The weights as the model holds them outside the engine: the fp32 master under mixed precision (a frozen

@@ -13,7 +13,7 @@ from angel_ptm.errors import (BudgetError, EngineFailedError, PageIOError, Param
 from angel_ptm.estimate import estimate_job
 from angel_ptm.lr import lr_at
 from angel_ptm.units import find_units
-from tests.test_engine_equivalence import assert_same_losses
+from tests.test_engine_equivalence import assert_same_losses, run_steps
 
 ADAMW = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
 STEPS = 5
@@ -35,16 +35,6 @@ def torch_losses(model, batches, loss_fn, lrs=None):
         opt.zero_grad()
         losses.append(loss.item())
     return losses, opt
-
-
-def engine_losses(engine, batches, loss_fn):
-    losses = []
-    for batch in batches:
-        loss = loss_fn(engine, *batch)
-        engine.backward(loss)
-        engine.step()
-        losses.append(loss.item())
-    return losses
 
 
 class MatmulWeight(nn.Module):
@@ -76,7 +66,7 @@ def test_a_saved_parameter_spanning_pages_trains_like_torch(scheduler, tmp_path)
                                                           "scheduler": scheduler}))
     assert engine.layout.slot("w").spans_pages
     try:
-        actual = engine_losses(engine, matmul_batches(), regression_loss)
+        actual = run_steps(engine, matmul_batches(), regression_loss)
     finally:
         engine.close()
     assert_same_losses(expected, actual)
@@ -106,7 +96,7 @@ def test_multihead_attention_reads_out_proj_inside_its_layer_unit(tmp_path):
     assert [u.name for u in find_units(model)] == ["<root>", "encoder.layers.0", "encoder.layers.1"]
     engine = angel_ptm.initialize(model, config({"page_bytes": "4KiB", "disk_dir": str(tmp_path)}))
     try:
-        actual = engine_losses(engine, batches, loss_fn)
+        actual = run_steps(engine, batches, loss_fn)
     finally:
         engine.close()
     assert_same_losses(expected, actual)
@@ -135,7 +125,7 @@ def test_the_estimate_refuses_a_unit_the_host_cannot_stage_from_disk(tmp_path):
     expected, _ = torch_losses(three_layer_mlp(), batches, loss_fn)
     engine = angel_ptm.initialize(three_layer_mlp(), config(memory))
     try:
-        actual = engine_losses(engine, batches, loss_fn)
+        actual = run_steps(engine, batches, loss_fn)
         assert engine.memory_stats()["moved"]["disk->host"] > 0
     finally:
         engine.close()
@@ -167,7 +157,7 @@ def test_frozen_and_unused_parameters_train_on_with_everything_on_the_device(sch
     engine = angel_ptm.initialize(FrozenAndUnused(), config({"page_bytes": "4KiB", "disk_dir": str(tmp_path),
                                                              "scheduler": scheduler}))
     try:
-        actual = engine_losses(engine, batches, regression_loss)
+        actual = run_steps(engine, batches, regression_loss)
         torch.testing.assert_close(engine.parameter("frozen.weight"), FrozenAndUnused().frozen.weight.detach())
         torch.testing.assert_close(engine.parameter("unused"), torch.ones(64, 32))
         # Frozen tensors are on parameter pages only (no grad, exp_avg or exp_avg_sq pages at all)...
@@ -221,7 +211,7 @@ def test_state_dicts_hold_real_values_in_torch_formats(tmp_path):
     engine = angel_ptm.initialize(model, config({"page_bytes": "64KiB", "device_budget": "1MiB",
                                                  "host_budget": "1MiB", "disk_dir": str(tmp_path)}))
     try:
-        engine_losses(engine, batches, regression_loss)
+        run_steps(engine, batches, regression_loss)
         expected = reference.state_dict()
         for state in (engine.state_dict(), model.state_dict()):
             assert list(state) == list(expected)
@@ -252,7 +242,7 @@ def test_a_run_moves_from_torch_and_back_through_state_dicts(tmp_path):
     try:
         engine.load_state_dict(start.state_dict())
         engine.load_optimizer_state_dict(opt.state_dict())
-        actual = engine_losses(engine, batches[half:], regression_loss)
+        actual = run_steps(engine, batches[half:], regression_loss)
         with pytest.raises(StateDictError, match="missing keys"):
             engine.load_state_dict({"w": torch.zeros(64, 512)})
         with pytest.raises(StateDictError, match=r"'w' has shape \(2, 2\)"):
@@ -268,7 +258,7 @@ def test_after_close_the_model_holds_its_trained_weights(tmp_path):
     torch_losses(reference, batches, regression_loss)
     model = MatmulWeight()
     engine = angel_ptm.initialize(model, config(disk_memory(tmp_path)))
-    engine_losses(engine, batches, regression_loss)
+    run_steps(engine, batches, regression_loss)
     engine.close()
     assert type(model.w) is nn.Parameter
     for key, value in reference.state_dict().items():
@@ -283,7 +273,7 @@ def test_an_io_error_inside_step_fails_the_engine_instead_of_training_on(tmp_pat
     engine = angel_ptm.initialize(MatmulWeight(), config(disk_memory(tmp_path)))
     try:
         batches = matmul_batches()
-        engine_losses(engine, batches[:2], regression_loss)
+        run_steps(engine, batches[:2], regression_loss)
         disk = engine.manager.disk
         real_read, reads = disk.read, []
 
@@ -363,7 +353,7 @@ def test_frozen_parameters_under_mixed_precision_stay_as_they_were_rounded_once(
     engine = angel_ptm.initialize(model, config({"page_bytes": "4KiB", "disk_dir": str(tmp_path)}, dtype="bfloat16"))
     try:
         assert "master" in engine.pages and len(engine.pages["master"]) == engine.layout.trainable_pages
-        losses = engine_losses(engine, batches, lambda m, x: regression_loss(m, x).float())
+        losses = run_steps(engine, batches, lambda m, x: regression_loss(m, x).float())
         assert all(torch.isfinite(torch.tensor(losses)))
         state = engine.state_dict()
         for name in ("frozen.weight", "frozen.bias"):

@@ -19,7 +19,7 @@ from angel_ptm.memory.device import Copier
 from angel_ptm.trainer import Trainer
 
 from test_engine_equivalence import (CASES, PLACEMENTS, SCHEDULERS, SMALL_PLACEMENTS, assert_same_losses,
-                                     assert_tiers_used, train_engine, train_plain)
+                                     assert_tiers_used, run_steps, train_engine, train_plain)
 from test_manager import assert_round_trip_is_bitwise_identical
 from test_trainer import tiny_config
 import test_mixed_precision as mixed
@@ -162,13 +162,7 @@ def test_the_gpu_run_is_the_same_twice(staleness, tmp_path):
                   "trainer": {"device": "cuda", "grad_clip": 0}}
         engine = angel_ptm.initialize(make_model(), config)
         try:
-            losses = []
-            for batch in batches:
-                loss = loss_fn(engine, *batch)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            runs.append(losses)
+            runs.append(run_steps(engine, batches, loss_fn))
         finally:
             engine.close()
     assert runs[0] == runs[1]

@@ -21,7 +21,6 @@ from angel_ptm.memory.device import Copier, CopyHandle
 from angel_ptm.memory.moves import AccessObserver, Hop, Move, Prefetch
 from angel_ptm.memory.page import RESTING_STATE, Page, PageState, Tier
 from angel_ptm.memory.policy import LRUPolicy, Policy
-from angel_ptm.io.slot_file import aligned_empty
 from angel_ptm.memory.tiers import BufferPool, DiskTier
 from angel_ptm.trace.recorder import TraceRecorder
 
@@ -252,21 +251,6 @@ class PageManager:
         for page in list(self.pages if pages is None else pages):
             self._wait_move(page)
 
-    def peek(self, page: Page, scratch: torch.Tensor | None = None) -> torch.Tensor:
-        """The page's bytes as they are now, without changing where any page lives: its buffer on the device or
-        host (after a move in flight lands), a disk read into `scratch` (a page-sized aligned host buffer; one is
-        made when None), or zeros for a dead page. The result may alias the page: copy what you keep."""
-        self._wait_move(page)
-        if page.buffer is not None:
-            return page.buffer
-        if page.dead or page.disk_slot is None:
-            return torch.zeros(self.page_bytes, dtype=torch.uint8)
-        scratch = aligned_empty(self.page_bytes, torch.device("cpu")) if scratch is None else scratch
-        checksum = self.disk.read(page.kind, page.disk_slot, scratch).wait()
-        if checksum != page.disk_checksum:
-            raise ChecksumError(page.name, self.disk.path(page.kind), page.disk_checksum or 0, checksum)
-        return scratch
-
     # ------------------------------------------------------------------ internals: bringing pages up
     def _check_fits(self, pages: Sequence[Page], tier: Tier) -> None:
         if tier not in self.pools:
@@ -475,9 +459,7 @@ class PageManager:
     def _finish_read(self, move: Move) -> None:
         page = move.page
         try:
-            checksum = move.handle.wait()
-            if checksum != page.disk_checksum:
-                raise ChecksumError(page.name, self.disk.path(page.kind), page.disk_checksum or 0, checksum)
+            self.disk.check_read(page, move.handle)
         except (PageIOError, ChecksumError) as exc:
             self.pools[Tier.HOST].free(move.new_buffer)
             page.transition(PageState.DISK)  # the slot still holds what it held

@@ -20,7 +20,7 @@ from typing import Iterable
 import psutil
 import torch
 
-from angel_ptm.errors import BudgetError, PageIOError
+from angel_ptm.errors import BudgetError, ChecksumError, PageIOError
 from angel_ptm.io.slot_file import ALIGNMENT, SlotFile, aligned_empty
 from angel_ptm.memory.device import pin_host_memory
 from angel_ptm.memory.page import Page, Tier
@@ -180,6 +180,12 @@ class DiskTier:
 
     def read(self, kind: str, slot: int, buffer: torch.Tensor):
         return self.files[kind].read(slot, buffer)
+
+    def check_read(self, page: Page, handle) -> None:
+        """Wait for a read of `page`'s slot: its bytes must have the checksum recorded when they were written."""
+        checksum = handle.wait()
+        if checksum != page.disk_checksum:
+            raise ChecksumError(page.name, self.path(page.kind), page.disk_checksum or 0, checksum)
 
     def path(self, kind: str) -> str:
         return self._file(kind).path
