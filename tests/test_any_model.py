@@ -12,6 +12,7 @@ import angel_ptm
 from angel_ptm.errors import (BudgetError, EngineFailedError, PageIOError, ParameterAccessError, StateDictError)
 from angel_ptm.estimate import estimate_job
 from angel_ptm.lr import lr_at
+from angel_ptm.memory import Tier
 from angel_ptm.units import find_units
 from tests.test_engine_equivalence import assert_same_losses, run_steps
 
@@ -208,16 +209,20 @@ def test_state_dicts_hold_real_values_in_torch_formats(tmp_path):
     reference = MatmulWeight()
     _, opt = torch_losses(reference, batches, regression_loss)
     model = MatmulWeight()
-    engine = angel_ptm.initialize(model, config({"page_bytes": "64KiB", "device_budget": "1MiB",
-                                                 "host_budget": "1MiB", "disk_dir": str(tmp_path)}))
+    engine = angel_ptm.initialize(model, config(disk_memory(tmp_path)))
     try:
         run_steps(engine, batches, regression_loss)
         expected = reference.state_dict()
-        for state in (engine.state_dict(), model.state_dict()):
+        pages = [page for kind in engine.pages.values() for page in kind]
+        tiers, moved = [page.tier for page in pages], dict(engine.memory_stats()["moved"])
+        assert Tier.DISK in tiers  # some states are read from disk
+        states = (engine.state_dict(), model.state_dict(), engine.optimizer_state_dict())
+        assert [page.tier for page in pages] == tiers and engine.memory_stats()["moved"] == moved  # nothing moved
+        for state in states[:2]:
             assert list(state) == list(expected)
             for key in expected:
                 torch.testing.assert_close(state[key], expected[key], rtol=1e-5, atol=1e-6)
-        ours, theirs = engine.optimizer_state_dict(), opt.state_dict()
+        ours, theirs = states[2], opt.state_dict()
         assert ours["param_groups"] == theirs["param_groups"]
         assert sorted(ours["state"]) == sorted(theirs["state"])
         for index, entry in theirs["state"].items():
