@@ -21,7 +21,7 @@ from torch import nn
 from angel_ptm.binding import ParamBinder
 from angel_ptm.config import Config, load_config
 from angel_ptm.errors import BudgetError, ChecksumError, ConfigValueError, EngineFailedError, PageIOError
-from angel_ptm.estimate import compute_dtype, creation_order, estimate_job
+from angel_ptm.estimate import CREATION_ORDER, compute_dtype, creation_order, estimate_job
 from angel_ptm.estimate import update_tier as update_tier_of
 from angel_ptm.inputs import to_device
 from angel_ptm.io import create_engine
@@ -42,9 +42,7 @@ from angel_ptm.state_dict import (load_model_state_dict, load_optimizer_state_di
 from angel_ptm.trace import TraceRecorder
 from angel_ptm.units import UnitsSpec, find_units
 
-STATE_KINDS = ("exp_avg_sq", "exp_avg", "grad", "param")  # creation order: parameters last, so warmest
-# trainer.dtype bfloat16 / float16 adds fp32 "master" pages (estimate.MIXED_CREATION_ORDER): the model computes
-# with bf16/fp16 parameters and gradients, whose page i holds the same tensors as master page i (layout.py).
+STATE_KINDS = CREATION_ORDER  # the fp32 job's kinds in creation order (estimate.creation_order: per job)
 
 
 class Engine:
@@ -126,6 +124,7 @@ class Engine:
                                   self.device, self.units)
         self.binder.read_values = self.tensors.read_weights
         self._failed: str | None = None  # why the engine refuses every call (a step failed part-way)
+        self._closed = False
         self._steps_done = 0
         # The config's lr_schedule is applied on step() when the config spells one out; set_lr turns it off.
         self._schedule = config.lr_schedule if schedule_given(config) else None
@@ -412,8 +411,7 @@ class Engine:
         return self.tensors.read(kind, self.layout.slot(name))
 
     def write_parameter(self, name: str, value: torch.Tensor) -> None:
-        """Write `value` into parameter `name`'s weight pages (the master under mixed precision; call
-        `parameters_written` after the last one, which refreshes the compute copies)."""
+        """Write `value` into `name`'s weight pages (the master under mixed precision: then `parameters_written`)."""
         self._check_alive()
         slot = self.layout.slot(name)
         self.tensors.write(self.tensors.weights_kind(slot), slot, value)
@@ -472,13 +470,15 @@ class Engine:
 
     def close(self) -> None:
         """Stop the engine and free its pages; the model keeps its trained weights as ordinary CPU tensors (the
-        fp32 master weights under mixed precision), usable and saveable. A failed engine leaves placeholders."""
-        values = None if self._failed is not None else self.tensors.read_weights
+        fp32 master weights under mixed precision), usable and saveable; a failed one leaves placeholders. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        values = None  # the weights the model keeps: none from a failed engine, or when the last update fails
         try:
-            self.flush()  # staleness 1: the pending update lands in the weights first
-        except BaseException:
-            values = None
-            raise
+            if self._failed is None:
+                self.flush()  # staleness 1: the pending update lands in the weights first
+                values = self.tensors.read_weights
         finally:
             self.scheduler.close()
             try:

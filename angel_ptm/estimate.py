@@ -44,7 +44,7 @@ from angel_ptm.memory.budgets import device_reserve_pages, plan_budgets, staging
 from angel_ptm.memory.disk_dir import check_disk_dir
 from angel_ptm.models import GPT, build_model, estimate_activation_bytes
 
-CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # engine.STATE_KINDS: the order pages are created in
+CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # creation order: parameters last, so warmest
 # Mixed precision (trainer.dtype bfloat16/float16): fp32 master weights get pages of their own, created with the
 # other optimizer-only kinds (colder than the parameters and gradients the forward and backward touch). So do fp32
 # weights under optimizer.staleness 1: the delayed update writes the master while the step computes with the params.

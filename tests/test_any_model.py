@@ -265,6 +265,7 @@ def test_after_close_the_model_holds_its_trained_weights(tmp_path):
     engine = angel_ptm.initialize(model, config(disk_memory(tmp_path)))
     run_steps(engine, batches, regression_loss)
     engine.close()
+    engine.close()  # a second close does nothing
     assert type(model.w) is nn.Parameter
     for key, value in reference.state_dict().items():
         torch.testing.assert_close(model.state_dict()[key], value, rtol=1e-5, atol=1e-6)
@@ -300,7 +301,9 @@ def test_an_io_error_inside_step_fails_the_engine_instead_of_training_on(tmp_pat
             with pytest.raises(EngineFailedError, match="optimizer step 3 .*injected read error.*resume"):
                 call()
     finally:
-        engine.close()
+        engine.close()  # frees everything without touching the torn pages
+    with pytest.raises(ParameterAccessError):
+        engine.model.w.sum()  # no weights are handed back from a torn step
 
 
 def test_the_engine_applies_the_configs_lr_schedule_until_set_lr(tmp_path):
