@@ -111,6 +111,8 @@ class ParamBinder:
         self.before_grad_write = None  # called with a TensorSlot before its gradient is written into its pages
         self.before_unit_forward = None  # called before each unit's forward
         self.read_values: Callable[[TensorSlot], torch.Tensor] | None = None  # a copy of a parameter's values
+        # Acquires parameter pages: the manager, or (ZeRO-3) the gatherer, which first all-gathers their groups.
+        self.param_access = manager
         # A dead gradient page comes back with only its padding zeroed: every tensor's region is overwritten by
         # its first gradient before anything reads it, or never read at all (a tensor without a gradient this step).
         self._padding = _padding_ranges(layout)
@@ -166,7 +168,7 @@ class ParamBinder:
         if self.before_unit_forward is not None:
             self.before_unit_forward()
         pages = self.unit_pages[id(unit)]
-        self.manager.acquire(pages, Tier.DEVICE, label=f"fwd:{unit.name}")
+        self.param_access.acquire(pages, Tier.DEVICE, label=f"fwd:{unit.name}")
         self._open_units.append(unit)
         for page in pages:
             count = self._page_binds.get(page.id, 0)
@@ -265,7 +267,7 @@ class ParamBinder:
         if isinstance(packed, PackedGathered):
             self._enter_node()
             pages = [self.param_pages[i] for i in packed.slot.pages]
-            self.manager.acquire(pages, Tier.DEVICE, label=f"bwd:{packed.slot.name}")
+            self.param_access.acquire(pages, Tier.DEVICE, label=f"bwd:{packed.slot.name}")
             try:
                 flat = self._param_view(packed.slot).reshape(-1)  # a fresh copy: the pages may go at once
             finally:
@@ -274,7 +276,7 @@ class ParamBinder:
         if not isinstance(packed, PackedPageTensor):
             return packed
         self._enter_node()
-        self.manager.acquire([packed.page], Tier.DEVICE, label=f"bwd:{packed.page.name}")
+        self.param_access.acquire([packed.page], Tier.DEVICE, label=f"bwd:{packed.page.name}")
         self._node_pins.append(packed.page)
         view = packed.page.view(packed.dtype)  # as_strided's offset counts from the start of the storage (the slab)
         return view.as_strided(packed.size, packed.stride, view.storage_offset() + packed.offset)

@@ -11,6 +11,7 @@ a ParamBinder that points parameters at pages around each module's forward and b
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from contextlib import contextmanager
@@ -19,7 +20,7 @@ import torch
 from torch import nn
 
 from angel_ptm.binding import ParamBinder
-from angel_ptm.config import Config, load_config
+from angel_ptm.config import Config, config_to_dict, load_config
 from angel_ptm.errors import BudgetError, ChecksumError, ConfigValueError, EngineFailedError, PageIOError
 from angel_ptm.estimate import CREATION_ORDER, compute_dtype, creation_order, estimate_job
 from angel_ptm.estimate import update_tier as update_tier_of
@@ -33,9 +34,15 @@ from angel_ptm.memory.layout import TensorSlot
 from angel_ptm.memory.materialize import (MaterializeReport, has_meta_parameters, materialize_buffers,
                                           materialize_parameters)
 from angel_ptm.optim import PagedAdamW
+from angel_ptm.optim.fused_adam import set_threads as set_adam_threads
 from angel_ptm.page_tensors import PageTensors
 from angel_ptm.optim.delayed import DelayedUpdates
 from angel_ptm.optim.loss_scaler import LossScaler
+from angel_ptm.parallel import Ownership, init_mesh, rank_device
+from angel_ptm.parallel.collectives import Collectives
+from angel_ptm.parallel.data_parallel import (DataParallel, SingleRank, broadcast_module, check_same_job,
+                                              config_digest)
+from angel_ptm.parallel.ownership import gather_capacity
 from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import (load_model_state_dict, load_optimizer_state_dict, model_state_dict,
                                   optimizer_state_dict)
@@ -69,13 +76,22 @@ class Engine:
         self.model, self.config = model, config
         self.trace = trace or TraceRecorder(None)
         mem = config.memory
-        self.device = compute_device(config.trainer.device)
+        # torchrun: the process group from the environment, one GPU per process (parallel/mesh.py)
+        self.mesh = init_mesh(config.parallel, compute_device(config.trainer.device).type)
+        self.device = rank_device(compute_device(config.trainer.device), self.mesh)
+        self.ownership = Ownership(self.mesh.rank, self.mesh.dp, config.parallel.zero)
+        self.collectives = Collectives(self.mesh, self.trace) if self.mesh.distributed else None
         self.compute_dtype = compute_dtype(config)  # None: fp32, the parameters are the master weights
         self.kinds = creation_order(config)
-        self.layout = build_layout(model, mem.page_bytes, compute_dtype=self.compute_dtype)
+        self.layout = build_layout(model, mem.page_bytes, dp_world_size=self.mesh.dp,
+                                   compute_dtype=self.compute_dtype)
+        if self.collectives is not None:  # same job everywhere, then rank 0's initial values everywhere
+            check_same_job(self.collectives, config_digest(config_to_dict(config)), self.layout)
+            broadcast_module(model, self.collectives)
         self.units = find_units(model, units)
         page_bytes = mem.page_bytes
-        n_states = sum(self.layout.kind_pages(kind) for kind in self.kinds)
+        own = self.ownership
+        n_states = sum(own.local_count(kind, self.layout.kind_pages(kind)) for kind in self.kinds)
         states_bytes = n_states * page_bytes
         self._own_disk_dir = mem.disk_dir is None
         if mem.disk_dir is not None:  # page files of killed runs: their space is this run's (memory/disk_dir.py)
@@ -84,16 +100,20 @@ class Engine:
         # The estimate (angel-ptm estimate) runs first: a job that cannot fit is refused with the numbers, before
         # any allocation. It includes the largest layer's pages, which the device must hold at once.
         self.estimate = estimate_job(config, model, layout=self.layout, disk_dir=disk_dir, device=self.device,
-                                     units=self.units)
+                                     units=self.units, ownership=own, local_world_size=self.mesh.local_world_size)
         self.estimate.check()
         self._min_device_pages = self.estimate.largest_layer_pages
         self.budgets = resolve_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes,
                                        self.device, disk_dir, page_bytes,
-                                       slack_bytes=self._min_device_pages * page_bytes)
+                                       slack_bytes=self._min_device_pages * page_bytes,
+                                       share=self.mesh.local_world_size)
 
+        if self.mesh.local_world_size > 1:  # the processes on this machine share its cores
+            set_adam_threads(max(1, (os.cpu_count() or 1) // self.mesh.local_world_size))
         self.io = create_engine(mem.io_threads, mem.queue_depth)
         pin = self.device.type == "cuda"
-        self._page_dir = page_dir(disk_dir, id(self))
+        self._page_dir = page_dir(os.path.join(disk_dir, f"rank{self.mesh.rank}") if self.mesh.distributed
+                                  else disk_dir, id(self))
         disk = DiskTier(self._page_dir, page_bytes, self.budgets.disk, self.io) if self.budgets.disk else None
         self.manager = PageManager(
             BufferPool(Tier.DEVICE, page_bytes, self.budgets.device, self.device),
@@ -105,13 +125,10 @@ class Engine:
         )
         if disk is not None:  # one preallocated slot per page and kind: clean copies are dropped, never rewritten
             for kind in self.kinds:
-                disk.reserve(kind, min(self.layout.kind_pages(kind), disk.capacity // len(self.kinds)))
-        tiers = iter(self._start_tiers(n_states))
-        dtype_of = PageTensors(self.manager, self.layout, {}).dtype
-        self.pages = {kind: [self.manager.create_page(kind, dtype_of(kind, i), index=i, tier=next(tiers),
-                                                      untouched=True)  # every write below goes through acquire
-                             for i in range(self.layout.kind_pages(kind))] for kind in self.kinds}
-        self.tensors = PageTensors(self.manager, self.layout, self.pages)
+                disk.reserve(kind, min(own.local_count(kind, self.layout.kind_pages(kind)),
+                                       disk.capacity // len(self.kinds)))
+        self.pages = self._create_pages(n_states)
+        self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         self._copy_parameters_into_pages()
         if "master" in self.pages:
             self._cast_master_into_parameters()
@@ -137,9 +154,13 @@ class Engine:
         self.binder.check_finite = self.loss_scaler is not None
         self.last_step_skipped = False
         self.staleness = config.optimizer.staleness
+        # Updates during backward need every gradient final and reduced: not with more than one rank (the reduction
+        # runs once backward is over on every rank).
         self._eager_allowed = (mem.scheduler == "planned" and config.optimizer.overlap_updates
-                               and not tcfg.grad_clip and self.loss_scaler is None and self.staleness == 0)
+                               and not tcfg.grad_clip and self.loss_scaler is None and self.staleness == 0
+                               and not self.mesh.distributed)
         self._micro = 0  # backward passes since the last optimizer step
+        self._grads_final = False  # this step's gradients are settled, agreed and reduced (_finish_grads)
         self._eager_now = False
         self._pending_slots: list[int] = []
         self._ready_slots: set[str] = set()
@@ -157,7 +178,13 @@ class Engine:
                               self.manager.pools[update_tier].capacity * page_bytes,
                               what=f"the optimizer update (one page each of {', '.join(sorted(self.kinds))})")
         self.optimizer = PagedAdamW(self.manager, self.layout, self.pages, opt.lr, opt.betas, opt.eps,
-                                    opt.weight_decay, update_tier, write_params=self.staleness == 0)
+                                    opt.weight_decay, update_tier, write_params=self.staleness == 0,
+                                    updates=own.updated)
+        self.data_parallel = SingleRank() if self.collectives is None else DataParallel(
+            self.collectives, own, self.manager, self.layout, self.pages, update_tier,
+            gather_capacity(self.estimate.largest_unit_groups))
+        if self.data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
+            self.binder.param_access = self.data_parallel.gatherer
         # Distinct tensors on each page: every last micro-batch counts them down as their gradients become final.
         self._tensors_per_page = [len(set(names)) for names in self.optimizer.slot_names_on_page]
         # optimizer.staleness 1: update t runs during step t+1 (optim/delayed.py), a share before each module's
@@ -178,6 +205,26 @@ class Engine:
         reserve = device_reserve_pages(pools[Tier.DEVICE].capacity, n_states, self._min_device_pages)
         return start_tiers(n_states, pools[Tier.HOST].capacity, max(0, pools[Tier.DEVICE].capacity - reserve))
 
+    def _create_pages(self, n_states: int) -> dict[str, list]:
+        """Every page this rank holds, kind by kind in creation order, each where it will rest (`_start_tiers`); a
+        parameter page another rank owns (ZeRO-3) is a REMOTE page, and an optimizer-state page it owns (ZeRO-1+) is
+        None here (parallel/ownership.py)."""
+        tiers = iter(self._start_tiers(n_states))
+        dtype_of = PageTensors(self.manager, self.layout, {}).dtype
+        pages: dict[str, list] = {}
+        for kind in self.kinds:
+            pages[kind] = []
+            for i in range(self.layout.kind_pages(kind)):
+                if self.ownership.local(kind, i):  # untouched: every write below goes through acquire
+                    page = self.manager.create_page(kind, dtype_of(kind, i), index=i, tier=next(tiers),
+                                                    untouched=True)
+                elif self.ownership.remote(kind, i):
+                    page = self.manager.create_remote_page(kind, dtype_of(kind, i), i, self.ownership.home(i))
+                else:
+                    page = None
+                pages[kind].append(page)
+        return pages
+
     def _copy_parameters_into_pages(self) -> None:
         """Parameter values into their param pages (the fp32 master pages under mixed precision). A model built on
         the meta device is materialized straight into them, a module at a time (memory/materialize.py says with
@@ -196,8 +243,9 @@ class Engine:
 
     def _cast_master_into_parameters(self) -> None:
         """Mixed precision: the compute parameters are the fp32 master weights rounded to the compute dtype, page by
-        page; the model's floating parameters become compute-dtype tensors (the binder points them at the pages)."""
-        self.parameters_written()
+        page; the model's floating parameters become compute-dtype tensors (the binder points them at the pages).
+        Every rank wrote every parameter page it holds from the same values, so no rank needs another's yet."""
+        self._copy_masters_into_params()
         if self.compute_dtype is None:  # fp32 under optimizer.staleness 1: the copy is all there is to do
             return
         with torch.no_grad():
@@ -293,10 +341,10 @@ class Engine:
             raise ConfigValueError(
                 "trainer.grad_clip: clip_grad_norm was called after pages were already updated during backward; "
                 "set trainer.grad_clip so the engine waits for the norm (or optimizer.overlap_updates: false)")
-        self.binder.settle_grads()
-        total = self.optimizer.grad_norm(self.binder.without_grad)
+        self._finish_grads()
+        total = self.data_parallel.grad_norm(self.optimizer, self.binder.without_grad)
         if self.loss_scaler is not None:  # the norm of the true gradients (inf after an overflow: the step is skipped)
-            total = total / self.loss_scaler.scale
+            total = float("inf") if self.last_step_skipped else total / self.loss_scaler.scale
         clip_coef = max_norm / (total + 1e-6)
         if clip_coef < 1.0:
             self.optimizer.scale_grads(clip_coef)
@@ -329,12 +377,21 @@ class Engine:
         self._steps_done += 1
         self._apply_schedule()
 
+    def _finish_grads(self) -> None:
+        """Close this step's gradients (once per step): the tensors that got one and an fp16 overflow, agreed over
+        the data-parallel ranks, then the gradients reduced onto their owners (parallel/data_parallel.py)."""
+        if self._grads_final:
+            return
+        self.binder.settle_grads()
+        overflow = self.loss_scaler is not None and self.binder.take_overflow()
+        self.binder.without_grad, self.last_step_skipped = self.data_parallel.finish_grads(
+            self.binder.without_grad, overflow)
+        self._grads_final = True
+
     def _step(self) -> None:
         if self.delayed is not None:  # update t-1 done and in the parameters before update t is opened
             self.delayed.publish_all()
-        self.binder.settle_grads()
-        if self.loss_scaler is not None:
-            self.last_step_skipped = self.binder.take_overflow()
+        self._finish_grads()
         if self.last_step_skipped:  # nothing updated: parameters, master weights, moments and step counts stay
             self.optimizer.skip_step()
             self.manager.discard(self.pages["grad"])  # dead: never written back
@@ -344,14 +401,16 @@ class Engine:
             if self.delayed is not None:
                 # The order this step's gradients became final: step t+1 writes them in about that order again.
                 final = set(self._final_order)
-                order = self._final_order + [i for i in range(self.layout.trainable_pages) if i not in final]
-                self.delayed.enqueue(order, self.binder.without_grad)
+                order = self._final_order + [i for i in self.optimizer.local_indices if i not in final]
+                self.delayed.enqueue([i for i in order if self.ownership.updated(i)], self.binder.without_grad)
             else:
                 self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)
+        self.data_parallel.params_updated()  # the owners' new parameters reach every rank
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.last_step_skipped)
         self.binder.start_new_step()
         self._micro = 0
+        self._grads_final = False
         self.scheduler.end_step()
 
     def _update_order(self) -> list[int] | None:
@@ -362,10 +421,10 @@ class Engine:
         order, seen = [], set()
         for pid in planned:
             page = self.manager.pages[pid]
-            if page.kind == "grad" and page.index not in seen:
+            if page.kind == "grad" and page.index not in seen and self.ownership.updated(page.index):
                 order.append(page.index)
                 seen.add(page.index)
-        order.extend(i for i in range(self.layout.trainable_pages) if i not in seen)
+        order.extend(i for i in self.optimizer.local_indices if i not in seen)
         return order
 
     def zero_grad(self) -> None:
@@ -375,6 +434,7 @@ class Engine:
                                    "call step() to finish it")
         self.binder.start_new_step()
         self._micro = 0
+        self._grads_final = False
 
     def train(self, mode: bool = True) -> "Engine":
         """Training mode; evaluation passes (mode False) are not part of the scheduled step."""
@@ -422,11 +482,16 @@ class Engine:
         self.tensors.write(kind, self.layout.slot(name), value)
 
     def parameters_written(self) -> None:
-        """After weights were written into master pages: the compute copies (param pages) take them."""
+        """After weights were written into master pages: the compute copies (param pages) take them, on every rank."""
+        self._copy_masters_into_params()
+        self.data_parallel.params_updated()
+
+    def _copy_masters_into_params(self) -> None:
         if "master" in self.pages:
             tier = Tier.HOST if self.manager.pools[Tier.HOST].capacity >= 2 else Tier.DEVICE
             for index in range(self.layout.trainable_pages):  # frozen tensors have no master: param pages only
-                self._copy_master_into_param(index, tier)
+                if self.ownership.updated(index):  # ZeRO 1+: this rank's master pages only
+                    self._copy_master_into_param(index, tier)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """`model.state_dict()`'s keys with the real values, on the CPU (angel_ptm/state_dict.py)."""

@@ -126,6 +126,21 @@ class EngineFailedError(AngelError):
     call refuses; resume from the last checkpoint."""
 
 
+# --- distributed ----------------------------------------------------------------------------------------------
+class DistributedError(AngelError):
+    """A data-parallel run that cannot start: a world size the mesh does not divide, a process group that cannot
+    be set up."""
+
+
+class ConfigMismatchError(DistributedError):
+    """Ranks started with different configs or page layouts (compared at start): their collectives would not match."""
+
+
+class CollectiveError(DistributedError):
+    """A collective failed or timed out (parallel.timeout_s): a peer died or hung. Fatal: the process group is
+    poisoned and a step may be half-done, so every rank stops."""
+
+
 # --- signals --------------------------------------------------------------------------------------------------
 class Terminated(KeyboardInterrupt):
     """SIGTERM (what Slurm and Kubernetes send before they kill a job), raised where the run is: it unwinds and

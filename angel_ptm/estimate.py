@@ -43,6 +43,7 @@ from angel_ptm.units import PagingUnit, device_pages_at_once, find_units
 from angel_ptm.memory.budgets import device_reserve_pages, plan_budgets, staging_host_pages, start_tiers
 from angel_ptm.memory.disk_dir import check_disk_dir
 from angel_ptm.models import GPT, build_model, estimate_activation_bytes
+from angel_ptm.parallel.ownership import Ownership, gather_capacity, gathered_device_pages
 
 CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # creation order: parameters last, so warmest
 # Mixed precision (trainer.dtype bfloat16/float16): fp32 master weights get pages of their own, created with the
@@ -111,6 +112,10 @@ class Estimate:
     problems: tuple = field(default=())
     master_note: str = ""  # why there are master pages (shown with them)
     gpu_memory_given: bool = False  # the GPU's memory came from the caller (a GPU not present here), not from CUDA
+    zero: int = 0  # ZeRO stage (parallel.zero; no effect with one rank)
+    largest_unit_groups: int = 1  # page groups the largest unit and those around it span (ZeRO-3 gathers them)
+    gather_pages: int = 0  # ZeRO-3: device slots the gathered page groups take at most (in the device's needs)
+    collective_bytes: dict = field(default_factory=dict)  # per step, bytes this rank hands to each collective
 
     @property
     def fits(self) -> bool:
@@ -136,7 +141,8 @@ class Estimate:
     def format_table(self) -> str:
         given = f" ({format_bytes(self.tiers['device'].available)} of GPU memory given, not measured)" \
             if self.gpu_memory_given else ""
-        lines = [f"memory estimate, rank {self.rank} of {self.world_size}, compute device {self.compute_device}{given}",
+        lines = [f"memory estimate, rank {self.rank} of {self.world_size}, compute device {self.compute_device}{given}"
+                 + (f", ZeRO stage {self.zero} (per-rank pages below)" if self.world_size > 1 else ""),
                  f"  parameters {self.params:,}: {self.n_pages} pages of {format_bytes(self.page_bytes)} "
                  f"per state kind"]
         for kind in ("param", "grad", "exp_avg", "exp_avg_sq"):
@@ -154,6 +160,13 @@ class Estimate:
         lines.append(f"  largest unit '{self.largest_layer}': {self.largest_layer_pages} pages on the device at once;"
                      f" optimizer updates on the {self.update_tier}")
         act = "unknown (not a GPT)" if self.activation_bytes is None else format_bytes(self.activation_bytes)
+        if self.gather_pages:
+            lines.append(f"  gathered parameter pages up to {self.gather_pages} on the device "
+                         f"({format_bytes(self.gather_pages * self.page_bytes)}: "
+                         f"{gather_capacity(self.largest_unit_groups)} page groups of {self.world_size})")
+        if self.collective_bytes:
+            lines.append("  collectives per step: " + ", ".join(
+                f"{name} {format_bytes(n)}" for name, n in self.collective_bytes.items()))
         lines.append(f"  activation peak {act}, on the {self.compute_device} outside the page pools")
         lines.append(f"  pinned host memory {format_bytes(self.pinned_host_bytes)}; host RAM needed "
                      f"{format_bytes(self.host_ram_needed)} of {format_bytes(self.host_ram_available)} available"
@@ -188,7 +201,8 @@ def compute_dtype(config: Config) -> Optional[torch.dtype]:
 # ---------------------------------------------------------------------------------------------------- the estimate
 def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Optional[PageLayout] = None,
                  disk_dir: Optional[str] = None, device: Optional[torch.device] = None,
-                 units: Optional[Sequence[PagingUnit]] = None, gpu_memory: Optional[int] = None) -> Estimate:
+                 units: Optional[Sequence[PagingUnit]] = None, gpu_memory: Optional[int] = None,
+                 ownership: Optional[Ownership] = None, local_world_size: int = 1) -> Estimate:
     """The memory estimate of the job `config` describes (a Config, dict, YAML path or None).
 
     `model`: an existing module to estimate (default: the config's model, built on the meta device, so nothing
@@ -196,7 +210,9 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     memory.disk_dir, else run.dir/pages, else runs/pages, as the trainer picks). `device`: the compute device
     (default: trainer.device resolved). `gpu_memory`: the bytes of GPU memory to plan for instead of asking CUDA
     for the free memory of the GPU present, so a GPU job is estimated on a machine without one (the device budget
-    "auto" resolves against it, and the device pool and activations must fit in it)."""
+    "auto" resolves against it, and the device pool and activations must fit in it). `ownership`: this rank's
+    share of the pages under data parallelism (default: one rank); `local_world_size`: processes on this machine,
+    which split its RAM."""
     if not isinstance(config, Config):
         config = load_config(config)
     mem = config.memory
@@ -209,11 +225,13 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if model is None:
         with torch.device("meta"):  # shapes and dtypes only: no parameter memory is allocated
             model = build_model(config.model)
+    own = ownership or Ownership()
     if layout is None:
-        layout = build_layout(model, page_bytes, compute_dtype=compute_dtype(config))
+        layout = build_layout(model, page_bytes, dp_world_size=own.dp, compute_dtype=compute_dtype(config))
     kinds = creation_order(config)
     group = len(kinds)  # pages one optimizer update pins: one of each kind
-    counts = {kind: layout.kind_pages(kind) for kind in kinds}  # frozen tensors' pages are parameter pages only
+    # This rank's pages of each kind (parallel/ownership.py); frozen tensors' pages are parameter pages only.
+    counts = {kind: own.local_count(kind, layout.kind_pages(kind)) for kind in kinds}
     n_states = sum(counts.values())
     states_bytes = n_states * page_bytes
     disk_dir = disk_dir or mem.disk_dir or str(Path(config.run.dir or "runs") / "pages")
@@ -224,8 +242,12 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     # The device holds a unit's pages and those of every unit around it at once (angel_ptm/units.py).
     units = find_units(model) if units is None else units
     largest_name, largest = largest_unit(model, layout, units)
+    names = {id(p): n for n, p in model.named_parameters()}
+    _, chain_groups = device_pages_at_once(units, lambda p: {i // own.dp for i in layout.slot(names[id(p)]).pages})
+    gather_pages = gathered_device_pages(chain_groups, own.dp) if own.gathers else 0
     planned = plan_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes, device, page_bytes,
-                           gpu_free=gpu_free, ram_available=ram_available, slack_bytes=largest * page_bytes)
+                           gpu_free=gpu_free, ram_available=ram_available, slack_bytes=largest * page_bytes,
+                           share=local_world_size)
     budgets = {"device": planned.device, "host": planned.host, "disk": planned.disk}
     slots = {tier: budgets[tier] // page_bytes for tier in TIERS}
     update = update_tier(device, slots["device"], slots["host"], n_states, group)
@@ -249,6 +271,10 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if largest * page_bytes > budgets["device"]:
         problems.append(Problem("device", largest * page_bytes, budgets["device"],
                                 f"unit '{largest_name}' ({largest} pages of {format_bytes(page_bytes)})"))
+    if gather_pages * page_bytes > budgets["device"]:
+        problems.append(Problem("device", gather_pages * page_bytes, budgets["device"],
+                                f"ZeRO-3's gathered parameter groups ({gather_capacity(chain_groups)} groups of "
+                                f"{own.dp} pages of {format_bytes(page_bytes)})"))
     staging = staging_host_pages(largest, on_disk=bool(needed_on_disk or start.disk))
     if slots["host"] < staging:
         problems.append(Problem("host", staging * page_bytes, slots["host"] * page_bytes,
@@ -279,7 +305,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
 
     peaks = expected_peaks(counts, slots, start, update, kinds)
     needed = {
-        "device": max(largest, group if update == "device" else 0) * page_bytes,
+        "device": max(largest, gather_pages, group if update == "device" else 0) * page_bytes,
         "host": max(start.host_needed, group if update == "host" else 0, staging,
                     1 if needed_on_disk else 0) * page_bytes,
         "disk": needed_on_disk,
@@ -294,7 +320,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     }
     params = sum(p.numel() for p in model.parameters())
     return Estimate(
-        rank=0, world_size=1, compute_device=device.type, params=params, page_bytes=page_bytes,
+        rank=own.rank, world_size=own.dp, compute_device=device.type, params=params, page_bytes=page_bytes,
         n_pages=layout.n_pages, kind_bytes={kind: counts[kind] * page_bytes for kind in kinds},
         master_extra_bytes=counts.get("master", 0) * page_bytes, states_bytes=states_bytes,
         largest_layer=largest_name, largest_layer_pages=largest,
@@ -305,7 +331,25 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         tiers=tiers, problems=tuple(problems),
         master_note=STALE_MASTER_NOTE if config.trainer.dtype == "float32" else MIXED_MASTER_NOTE,
         gpu_memory_given=gpu_memory is not None,
+        zero=own.stage, largest_unit_groups=chain_groups, gather_pages=gather_pages,
+        collective_bytes=collective_bytes(own, layout, page_bytes),
     )
+
+
+def collective_bytes(own: Ownership, layout: PageLayout, page_bytes: int) -> dict:
+    """Per optimizer step, the bytes this rank hands to each collective (its inputs, as Collectives counts them):
+    the gradient reduction over every trainable page (fp32), the parameters' all-gather of one page per group
+    (stages 1 and 2: after the update; stage 3: before the forward and again before the backward of each unit, at
+    most, when the gathered groups did not stay)."""
+    if own.dp == 1:
+        return {}
+    trainable = layout.trainable_pages
+    out = {"all_reduce" if own.stage <= 1 else "reduce_scatter": trainable * page_bytes}
+    if own.stage in (1, 2):
+        out["all_gather"] = trainable // own.dp * page_bytes
+    elif own.stage == 3:
+        out["all_gather"] = 2 * (layout.n_pages // own.dp) * page_bytes
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------- the parts

@@ -7,6 +7,10 @@
 Reads take every page where it is (a disk page is read into one page-sized scratch buffer) and change no page's
 tier, so reading a state dict between steps evicts nothing the next step needs.
 Writes acquire each page on the host (a page on the device is written there) and mark it dirty.
+
+Data parallelism (ZeRO): a write touches only the pages this rank holds as its own (every rank writes the same
+values; each keeps its share). A read of a sharded kind is collective: each page's owner broadcasts it, so every
+rank must read the same tensors in the same order (state dicts are collective, as FSDP's full state dicts are).
 """
 
 from __future__ import annotations
@@ -15,12 +19,16 @@ import torch
 
 from angel_ptm.io.slot_file import aligned_empty
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
+from angel_ptm.parallel.ownership import Ownership
 
 
 class PageTensors:
-    def __init__(self, manager: PageManager, layout: PageLayout, pages: dict[str, list[Page]]):
+    def __init__(self, manager: PageManager, layout: PageLayout, pages: dict[str, list[Page]],
+                 ownership: Ownership | None = None, collectives=None):
         self.manager, self.layout, self.pages = manager, layout, pages
+        self.ownership, self.collectives = ownership or Ownership(), collectives
         self._scratch: torch.Tensor | None = None  # made at the first disk read
+        self._carrier: torch.Tensor | None = None  # a page broadcast by its owner (sharded kinds)
 
     def dtype(self, kind: str, index: int) -> torch.dtype:
         """Parameters and gradients in the compute dtype; master weights and Adam moments in the master's."""
@@ -37,9 +45,22 @@ class PageTensors:
         dtype = self.dtype(kind, slot.segments[0].page)
         out = torch.empty(slot.numel, dtype=dtype)
         for seg in slot.segments:
-            raw = self._peek(self.pages[kind][seg.page])
+            raw = self._from_owner(kind, seg.page) if self.ownership.sharded(kind) else \
+                self._peek(self.pages[kind][seg.page])
             out[seg.start : seg.start + seg.numel] = raw.view(dtype)[seg.offset : seg.offset + seg.numel].cpu()
         return out.view(slot.shape)
+
+    def _from_owner(self, kind: str, index: int) -> torch.Tensor:
+        """Page `index` of a sharded kind, broadcast by the rank that owns it (a collective)."""
+        mesh = self.collectives.mesh
+        if self._carrier is None:
+            device = torch.device("cuda", mesh.local_rank) if mesh.backend == "nccl" else torch.device("cpu")
+            self._carrier = torch.empty(self.layout.page_bytes, dtype=torch.uint8, device=device)
+        home = self.ownership.home(index)
+        if home == self.ownership.rank:
+            self._carrier.copy_(self._peek(self.pages[kind][index]))
+        self.collectives.broadcast(self._carrier, home, what=f"{kind} page {index} for a state read")
+        return self._carrier
 
     def _peek(self, page: Page) -> torch.Tensor:
         """The page's bytes now: its device or host buffer (once a move in flight lands), a checked read of its disk
@@ -67,6 +88,8 @@ class PageTensors:
         flat = values.reshape(-1)
         for seg in slot.segments:
             page = self.pages[kind][seg.page]
+            if page is None or page.home is not None:
+                continue  # another rank's page (ZeRO): it writes the same values into its own
             self.manager.acquire([page], Tier.HOST)  # a page on the device serves a host access where it is
             view = page.view(self.dtype(kind, seg.page))
             view[seg.offset : seg.offset + seg.numel].copy_(flat[seg.start : seg.start + seg.numel])

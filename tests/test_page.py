@@ -14,8 +14,11 @@ def make_page(state):
 
 
 def test_transition_table_has_the_documented_edges():
-    assert len(LEGAL) == 14
+    assert len(LEGAL) == 18
     assert TRANSITIONS[PageState.DISK] == {PageState.FROM_DISK}
+    # ZeRO: another rank's page is filled by a gather onto the device or host, and dropped back (never to disk)
+    assert TRANSITIONS[PageState.REMOTE] == {PageState.DEVICE, PageState.HOST}
+    assert [a for a, b in LEGAL if b is PageState.REMOTE] == [PageState.DEVICE, PageState.HOST]
 
 
 @pytest.mark.parametrize("src,dst", LEGAL, ids=[f"{a.name}->{b.name}" for a, b in LEGAL])

@@ -240,6 +240,27 @@ class TrainerConfig(_Section):
 
 
 @dataclass
+class ParallelConfig(_Section):
+    SECTION: ClassVar[str] = "parallel"
+
+    # Data-parallel ranks (ZeRO shards page groups across them). null: the world size (torchrun's WORLD_SIZE, 1
+    # without torchrun). Until tensor parallelism exists it must equal the world size.
+    dp: Optional[int] = None
+    # 0: every rank holds every state (gradients all-reduced, as DDP). 1: optimizer states (moments, fp32 master)
+    # sharded: rank r keeps page r of every page group. 2: gradients too (reduce-scattered). 3: parameters too
+    # (a page group is all-gathered before its unit computes and dropped after).
+    zero: Literal[0, 1, 2, 3] = 3
+    # Seconds a collective may wait for its peers (process-group set-up included): past it, a dead or hung rank ends
+    # every rank with a CollectiveError naming the collective, instead of a hang.
+    timeout_s: float = 300.0
+
+    def validate(self) -> None:
+        if self.dp is not None:
+            self._require("dp", self.dp >= 1, ">= 1 or null")
+        self._require("timeout_s", 0 < self.timeout_s <= 86400, "> 0 and at most 86400 (a day)")
+
+
+@dataclass
 class RunConfig(_Section):
     SECTION: ClassVar[str] = "run"
 
@@ -259,6 +280,7 @@ class Config:
     memory: MemoryConfig = field(default_factory=MemoryConfig)
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:

@@ -20,10 +20,12 @@ class Budgets:
 
 
 def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, device: torch.device, page_bytes: int,
-                 *, gpu_free: int | None = None, ram_available: int | None = None, slack_bytes: int = 0) -> Budgets:
+                 *, gpu_free: int | None = None, ram_available: int | None = None, slack_bytes: int = 0,
+                 share: int = 1) -> Budgets:
     """Bytes per tier, no checks, no side effects. "auto": device = everything (CPU) or 80% of free GPU memory;
     host = the rest of the states plus `slack_bytes` (room to rotate the largest layer through the device), up to
-    half the available RAM; disk = a slot for every page when some must live there."""
+    half the available RAM; disk = a slot for every page when some must live there. `share`: the processes on this
+    machine (torchrun's LOCAL_WORLD_SIZE), which split its RAM between them."""
     if device_budget == "auto":
         if device.type == "cuda":
             gpu_free = int(torch.cuda.mem_get_info(device)[0]) if gpu_free is None else gpu_free
@@ -35,7 +37,8 @@ def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, dev
         ram_available = psutil.virtual_memory().available if ram_available is None else ram_available
         rest = states_bytes - device_budget
         # At least the four pages one optimizer update needs (and room to stage disk reads).
-        host_budget = min(max(rest + slack_bytes if rest > 0 else 0, 4 * page_bytes), ram_available // 2)
+        host_budget = min(max(rest + slack_bytes if rest > 0 else 0, 4 * page_bytes),
+                          ram_available // (2 * max(1, share)))
     host_budget = int(host_budget)
     needed_on_disk = max(0, states_bytes - device_budget - host_budget)
     if disk_budget == "auto":  # room for a home slot per page, so clean copies are dropped, never rewritten
@@ -44,10 +47,10 @@ def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, dev
 
 
 def resolve_budgets(device_budget, host_budget, disk_budget, states_bytes: int, device: torch.device,
-                    disk_dir: str, page_bytes: int, slack_bytes: int = 0) -> Budgets:
+                    disk_dir: str, page_bytes: int, slack_bytes: int = 0, share: int = 1) -> Budgets:
     """`plan_budgets`, then refuse budgets that cannot hold the states, before anything is allocated."""
     budgets = plan_budgets(device_budget, host_budget, disk_budget, states_bytes, device, page_bytes,
-                           slack_bytes=slack_bytes)
+                           slack_bytes=slack_bytes, share=share)
     device_budget, host_budget, disk_budget = budgets.device, budgets.host, budgets.disk
     needed_on_disk = max(0, states_bytes - device_budget - host_budget)
     if needed_on_disk and disk_budget < needed_on_disk:

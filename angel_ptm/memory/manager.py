@@ -16,7 +16,7 @@ from typing import Callable, Iterable, Sequence
 
 import torch
 
-from angel_ptm.errors import BudgetError, ChecksumError, PageIOError
+from angel_ptm.errors import BudgetError, ChecksumError, PageIOError, PageStateError
 from angel_ptm.memory.device import Copier, CopyHandle
 from angel_ptm.memory.moves import AccessObserver, Hop, Move, Prefetch
 from angel_ptm.memory.page import RESTING_STATE, Page, PageState, Tier
@@ -74,6 +74,51 @@ class PageManager:
         page.pin_count = 0
         self._emit("alloc", page, None, tier)
         return page
+
+    def create_remote_page(self, kind: str, dtype: torch.dtype, index: int, home: int) -> Page:
+        """A page whose home is rank `home` (ZeRO): no slot and no disk copy here until its group is gathered."""
+        page = Page(id=len(self.pages), kind=kind, index=index, dtype=dtype, nbytes=self.page_bytes,
+                    state=PageState.REMOTE, home=home)
+        self.pages.append(page)
+        return page
+
+    def hold_remote(self, pages: Sequence[Page], tier: Tier) -> list[torch.Tensor]:
+        """Slots on `tier` for remote pages about to be filled by a collective (evicting others if the tier is
+        full); each page is pinned once, for its holder, until `drop_remote`. Returns the slots, in order."""
+        buffers = []
+        for page in pages:
+            if page.state is not PageState.REMOTE:
+                raise ValueError(f"page {page.name} is {page.state.name}, not REMOTE: it is already held")
+        self._check_fits(pages, tier)
+        for page in pages:
+            page.pin_count = 1
+            self._pinned.add(page.id)
+            try:
+                page.buffer = self._alloc(tier)
+            except Exception:
+                page.pin_count = 0
+                self._pinned.discard(page.id)
+                raise
+            page.transition(RESTING_STATE[tier])
+            page.mark_dirty()
+            self._emit("gather", page, None, tier)
+            buffers.append(page.buffer)
+        return buffers
+
+    def drop_remote(self, pages: Iterable[Page]) -> None:
+        """Give up the copies `hold_remote` made: their slots are freed, the pages are REMOTE again."""
+        for page in pages:
+            if page.state is PageState.REMOTE:
+                continue
+            if page.pin_count != 1:
+                raise ValueError(f"page {page.name} is pinned {page.pin_count} times; only its holder may drop it")
+            page.pin_count = 0
+            self._pinned.discard(page.id)
+            src = page.tier
+            self.pools[src].free(page.buffer)
+            page.buffer = None
+            page.transition(PageState.REMOTE)
+            self._emit("drop", page, src, None)
 
     # ------------------------------------------------------------------ public moves
     def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None) -> None:
@@ -169,6 +214,8 @@ class PageManager:
         With `need` (the position in the policy's known future at which the page is needed), a full tier makes
         room: the eviction of a resting, unpinned page whose next use comes after `need` is started (also without
         waiting), and the hop itself starts on a later call, once that slot is free."""
+        if page.state is PageState.REMOTE or page.home is not None:
+            return Hop.NOTHING  # a copy of another rank's page: its holder (the ZeRO gatherer) moves it
         if page.state.in_flight:
             move = self._moves.get(page.id)
             if move is not None and move.done():
@@ -269,6 +316,9 @@ class PageManager:
         """Bring every page up to `tier`: disk reads overlap each other, host slots are recycled as we go."""
         reads: list[Page] = []
         for page in pages:
+            if page.state is PageState.REMOTE:
+                raise PageStateError(f"page {page.name} lives on rank {page.home}: its page group must be gathered "
+                                     f"before it is acquired")
             if page.state in (PageState.TO_DISK, PageState.TO_HOST, PageState.TO_DEVICE):
                 self._wait_move(page)  # land the move under way (an eviction, or a prefetch to the device)
             if page.dead and page.state is PageState.DISK and tier is not Tier.DISK:
@@ -332,7 +382,7 @@ class PageManager:
                 raise ValueError(f"page {page.name} is pinned ({page.pin_count}); release it before discarding it")
             self._wait_move(page)
             page.dead = True
-            if page.state is not PageState.DISK:
+            if page.state not in (PageState.DISK, PageState.REMOTE):
                 src = page.tier
                 self.pools[src].free(page.buffer)
                 page.buffer = None
@@ -355,6 +405,12 @@ class PageManager:
     def _start_down(self, page: Page, wait_for_room: bool, target: Tier | None = None) -> None:
         """Issue one downward move: drop (clean on disk), device -> host (copy) or host -> disk (write)."""
         src = page.tier
+        if page.home is not None:  # a gathered copy of another rank's page: dropped, its home keeps the page
+            self.pools[src].free(page.buffer)
+            page.buffer = None
+            page.transition(PageState.REMOTE)
+            self._emit("drop", page, src, None)
+            return
         # A clean page leaving the device is dropped, unless the host has a free slot: keeping it there costs a
         # copy and may save a disk read later (so is an untouched one). A dead page is always dropped. (`target`:
         # where the caller wants the page; an explicit move to disk drops a clean page at once.)

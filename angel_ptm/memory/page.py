@@ -30,6 +30,10 @@ class PageState(enum.Enum):
     TO_HOST = "to_host"  # device -> host copy in flight
     TO_DISK = "to_disk"  # host -> disk write in flight
     FROM_DISK = "from_disk"  # disk -> host read in flight
+    # ZeRO: a page whose home is another data-parallel rank (`Page.home`) and that has no copy here. A collective
+    # fills a slot for it (REMOTE -> DEVICE/HOST: its group was gathered); leaving the tier drops the copy (back to
+    # REMOTE): it is never written to this rank's disk nor read from it.
+    REMOTE = "remote"
 
     @property
     def in_flight(self) -> bool:
@@ -47,13 +51,14 @@ _IN_FLIGHT = {PageState.TO_DEVICE, PageState.TO_HOST, PageState.TO_DISK, PageSta
 # Legal moves. A failed or cancelled move returns to where it started; DEVICE/HOST -> DISK without a write is
 # the drop of a working copy whose clean copy is already on disk.
 TRANSITIONS: dict[PageState, frozenset[PageState]] = {
-    PageState.DEVICE: frozenset({PageState.TO_HOST, PageState.DISK}),
-    PageState.HOST: frozenset({PageState.TO_DEVICE, PageState.TO_DISK, PageState.DISK}),
+    PageState.DEVICE: frozenset({PageState.TO_HOST, PageState.DISK, PageState.REMOTE}),
+    PageState.HOST: frozenset({PageState.TO_DEVICE, PageState.TO_DISK, PageState.DISK, PageState.REMOTE}),
     PageState.DISK: frozenset({PageState.FROM_DISK}),
     PageState.TO_DEVICE: frozenset({PageState.DEVICE, PageState.HOST}),
     PageState.TO_HOST: frozenset({PageState.HOST, PageState.DEVICE}),
     PageState.TO_DISK: frozenset({PageState.DISK, PageState.HOST}),
     PageState.FROM_DISK: frozenset({PageState.HOST, PageState.DISK}),
+    PageState.REMOTE: frozenset({PageState.DEVICE, PageState.HOST}),
 }
 
 RESTING_STATE = {tier: state for state, tier in _RESTING.items()}
@@ -79,6 +84,7 @@ class Page:
     # Created as zeros for an owner that writes it only through acquire, and not acquired since: it can leave its
     # tier without a write, as a dead page (PageManager.create_page(untouched=True)).
     untouched: bool = False
+    home: int | None = None  # ZeRO: the rank that owns this page, when it is not this one (state REMOTE at rest)
 
     @property
     def name(self) -> str:
@@ -94,8 +100,9 @@ class Page:
 
     @property
     def droppable(self) -> bool:
-        """Leaving this tier needs no write: a clean copy is on disk, or the contents are dead or untouched zeros."""
-        return self.dead or self.untouched or self.clean_on_disk
+        """Leaving this tier needs no write: a clean copy is on disk (or on its home rank), or the contents are dead
+        or untouched zeros."""
+        return self.dead or self.untouched or self.clean_on_disk or self.home is not None
 
     def transition(self, new_state: PageState) -> None:
         if new_state not in TRANSITIONS[self.state]:

@@ -12,6 +12,8 @@ moments, and writes master, moments and the bf16/fp16 parameter copy in one pass
 
 from __future__ import annotations
 
+import math
+from typing import Callable
 
 import torch
 
@@ -22,7 +24,7 @@ from angel_ptm.optim.fused_adam import fused_adamw_
 class PagedAdamW:
     def __init__(self, manager: PageManager, layout: PageLayout, pages: dict[str, list[Page]], lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, update_tier: Tier,
-                 fused: bool = True, write_params: bool = True):
+                 fused: bool = True, write_params: bool = True, updates: Callable[[int], bool] | None = None):
         self.manager, self.layout, self.pages = manager, layout, pages
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.step_lr = lr  # the learning rate of the open step (taken when it opens: a delayed update keeps its own)
@@ -36,6 +38,8 @@ class PagedAdamW:
             for seg in slot.segments:
                 self._slots_on_page[seg.page].append((slot.name, seg.offset, seg.numel))
         self.slot_names_on_page = [[name for name, _, _ in slots] for slots in self._slots_on_page]
+        # The page groups this rank updates (data parallelism: ZeRO's owned groups; all of them on one rank).
+        self.local_indices = [i for i in range(layout.trainable_pages) if updates is None or updates(i)]
         self._in_step = False
         self._updated: set[int] = set()
         self._stepped: set[str] = set()
@@ -59,25 +63,36 @@ class PagedAdamW:
             buffer = self._scratch_buffers[key] = torch.empty(like.numel(), dtype=like.dtype, device=like.device)
         return buffer[: like.numel()]
 
-    def grad_norm(self, without_grad: frozenset[str] | set[str] = frozenset()) -> float:
-        """The global L2 norm of all gradients, computed per tensor then combined (as clip_grad_norm_ does);
-        tensors in `without_grad` have none (torch's .grad None), and a page only they use is not read."""
-        norms = []
-        for index, grad_page in enumerate(self.pages["grad"]):
+    def grad_squares(self, without_grad: frozenset[str] | set[str] = frozenset()) -> dict[int, float]:
+        """Per updated page, the sum of squares of its gradients (per tensor segment, as clip_grad_norm_ takes norms
+        per tensor); tensors in `without_grad` have none (torch's .grad None), and a page only they use is not read."""
+        per_page: list[tuple[int, torch.Tensor]] = []
+        for index in self.local_indices:
             segments = [(offset, numel) for name, offset, numel in self._slots_on_page[index]
                         if name not in without_grad]
             if not segments:
                 continue
+            grad_page = self.pages["grad"][index]
             self.manager.acquire([grad_page], self.update_tier, label="opt:norm")
             view = grad_page.view(self.page_dtypes[index])
             wide = None if view.dtype == torch.float32 else torch.float32  # bf16/fp16 gradients: norms in fp32
-            for offset, numel in segments:
-                norms.append(torch.linalg.vector_norm(view[offset : offset + numel], 2.0, dtype=wide))
+            norms = torch.stack([torch.linalg.vector_norm(view[offset : offset + numel], 2.0, dtype=wide)
+                                 for offset, numel in segments])
+            per_page.append((index, norms.to(torch.float64).square().sum()))
             self.manager.release([grad_page])
-        if not norms:
-            return 0.0
-        # A tensor that spans pages contributes one norm per segment; sqrt(sum of squares) is the same total.
-        return float(torch.linalg.vector_norm(torch.stack([n.to(torch.float32).cpu() for n in norms]), 2.0))
+        if not per_page:
+            return {}
+        values = torch.stack([value.cpu() for _, value in per_page]).tolist()  # one sync for every page
+        return {index: value for (index, _), value in zip(per_page, values)}
+
+    def grad_norm(self, without_grad: frozenset[str] | set[str] = frozenset(),
+                  combine: Callable[[dict[int, float]], float] | None = None) -> float:
+        """The global L2 norm of all gradients: pages' sums of squares added exactly (math.fsum), so the total does
+        not depend on the order, nor on which data-parallel rank summed which page (`combine`: the ranks' sum)."""
+        squares = self.grad_squares(without_grad)
+        if combine is not None:
+            return combine(squares)
+        return math.sqrt(math.fsum(squares.values()))
 
     def scale_grads(self, factor: float) -> None:
         """Scale this step's gradients by `factor` (gradient clipping). Folded into the update, which reads the
@@ -91,10 +106,9 @@ class PagedAdamW:
         each index once; default: layout order. `without_grad`: tensors that got no gradient this step (a branch
         not taken, an expert not routed): as torch.optim.AdamW does for a parameter whose .grad is None, they are
         left alone, and each tensor counts its own steps for the bias corrections."""
-        n_pages = self.layout.trainable_pages  # frozen tensors' pages have no gradient: never updated
-        indices = range(n_pages) if order is None else order
-        if order is not None and sorted(order) != list(range(n_pages)):
-            raise ValueError(f"order must list each of the {n_pages} trainable page indices once")
+        indices = self.local_indices if order is None else order  # frozen tensors' pages: no gradient, no update
+        if order is not None and sorted(order) != self.local_indices:
+            raise ValueError(f"order must list each of the {len(self.local_indices)} page groups this rank updates once")
         self.begin_step()
         for index in indices:
             if index not in self._updated:

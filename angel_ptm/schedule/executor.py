@@ -300,6 +300,9 @@ class Scheduler:
         manager = self.manager
         residency, dirty, dead = {}, [], []
         for page in manager.pages:
+            if page.home is not None:  # another rank's page (ZeRO-3): its gatherer moves it; planned as dropped
+                dead.append(page.id)
+                continue
             residency[page.id] = _planning_tier(page)
             if page.dead:
                 dead.append(page.id)

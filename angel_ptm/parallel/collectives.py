@@ -1,0 +1,79 @@
+"""Collectives over the data-parallel group, with one error type: pure functions of buffers, no page logic.
+
+Every call names what it moves (`what`, e.g. "all_gather param group 3"); a peer that died (gloo sees the
+connection close in well under a second) or hung past `parallel.timeout_s` surfaces as a `CollectiveError` naming
+this rank, the collective and the elapsed time. The process group is unusable after that (torch poisons it), so the
+engine treats it as fatal. Each collective is timed on the trace's "comm" lane.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Sequence
+
+import torch
+import torch.distributed as dist
+
+from angel_ptm.errors import CollectiveError
+from angel_ptm.parallel.mesh import Mesh
+from angel_ptm.trace.recorder import TraceRecorder
+
+SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
+
+
+class Collectives:
+    """The data-parallel group's collectives (the world's default group while dp is the world)."""
+
+    def __init__(self, mesh: Mesh, trace: TraceRecorder | None = None):
+        if not mesh.distributed:
+            raise ValueError("collectives need a world of more than one rank")
+        self.mesh = mesh
+        self.rank, self.size = mesh.rank, mesh.dp
+        self.trace = trace or TraceRecorder(None)
+        self.bytes_sent = 0  # bytes this rank contributed to collectives, cumulative (the estimate's figure)
+        self.calls = 0
+
+    def _run(self, name: str, what: str, nbytes: int, fn, *args, **kwargs):
+        t0 = time.perf_counter()
+        start = self.trace.now() if self.trace.enabled else 0.0
+        try:
+            result = fn(*args, **kwargs)
+        except (RuntimeError, ValueError) as exc:  # DistBackendError and gloo's errors are RuntimeErrors
+            detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise CollectiveError(
+                f"rank {self.rank} of {self.size}: {name} ({what}) failed after {time.perf_counter() - t0:.1f} s "
+                f"(parallel.timeout_s {self.mesh.timeout_s:g}): a peer rank died or hung: {detail[:300]}") from None
+        self.calls += 1
+        self.bytes_sent += nbytes
+        if self.trace.enabled:
+            self.trace.interval("comm", f"{name} {what}", start, self.trace.now(), bytes=nbytes)
+        return result
+
+    def all_gather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, what: str) -> None:
+        """outputs[r] <- rank r's `tensor` (outputs[self.rank] may be `tensor` itself: gathered in place)."""
+        self._run("all_gather", what, _nbytes(tensor), dist.all_gather, list(outputs), tensor)
+
+    def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], what: str) -> None:
+        """output <- the sum over ranks of their inputs[self.rank]."""
+        self._run("reduce_scatter", what, sum(_nbytes(t) for t in inputs), dist.reduce_scatter, output,
+                  list(inputs))
+
+    def all_reduce(self, tensor: torch.Tensor, what: str, op=SUM) -> None:
+        self._run("all_reduce", what, _nbytes(tensor), dist.all_reduce, tensor, op=op)
+
+    def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
+        self._run("broadcast", what, _nbytes(tensor) if src == self.rank else 0, dist.broadcast, tensor, src=src)
+
+    def all_gather_object(self, obj: Any, what: str) -> list[Any]:
+        out: list[Any] = [None] * self.size
+        self._run("all_gather_object", what, 0, dist.all_gather_object, out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int, what: str) -> Any:
+        box = [obj if self.rank == src else None]
+        self._run("broadcast_object", what, 0, dist.broadcast_object_list, box, src=src)
+        return box[0]
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return tensor.numel() * tensor.element_size()

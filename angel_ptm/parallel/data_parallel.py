@@ -1,0 +1,117 @@
+"""The data-parallel side of the engine's step: one object the engine calls at fixed points, so the engine has no
+branch on the world size. `SingleRank` does nothing (a world of one); `DataParallel` agrees, reduces and publishes.
+
+    finish_grads(without, overflow)  after the last backward, before the norm or the update: the tensors no rank
+                                     gave a gradient, an overflow anywhere, and the reduction of the gradients
+    grad_norm(optimizer, without)    the norm over every rank's pages
+    params_updated()                 the owners' parameter pages changed: the others take them (stages 1, 2) or
+                                     drop their gathered copies (stage 3)
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import torch
+from torch import nn
+
+from angel_ptm.errors import ConfigMismatchError
+from angel_ptm.memory import Page, PageLayout, PageManager, Tier
+from angel_ptm.parallel.collectives import Collectives
+from angel_ptm.parallel.ownership import Ownership
+from angel_ptm.parallel.zero import GradSync, ParamGatherer
+
+
+class SingleRank:
+    """A world of one: every page is this rank's, nothing to agree on."""
+
+    ownership = Ownership()
+    collectives = None
+    gatherer = None
+
+    def finish_grads(self, without: set[str], overflow: bool) -> tuple[set[str], bool]:
+        return without, overflow
+
+    def grad_norm(self, optimizer, without: set[str]) -> float:
+        return optimizer.grad_norm(without)
+
+    def params_updated(self) -> None:
+        pass
+
+    def mean(self, value: float, what: str) -> float:
+        return value
+
+
+class DataParallel:
+    def __init__(self, collectives: Collectives, ownership: Ownership, manager: PageManager, layout: PageLayout,
+                 pages: dict[str, list[Page | None]], update_tier: Tier, gather_capacity: int):
+        self.collectives, self.ownership = collectives, ownership
+        self.sync = GradSync(manager, layout, pages, collectives, ownership, update_tier)
+        self.gatherer = ParamGatherer(manager, pages["param"], collectives, ownership, gather_capacity) \
+            if ownership.gathers else None
+
+    def finish_grads(self, without: set[str], overflow: bool) -> tuple[set[str], bool]:
+        """Once per step, after the last backward (the engine calls it before the norm and the update)."""
+        without = self.sync.agree_without_grad(without)
+        overflow = self.sync.agree_flag(overflow, "fp16 overflow")
+        if not overflow:  # a skipped step needs no reduced gradient
+            self.sync.reduce(without)
+        return without, overflow
+
+    def grad_norm(self, optimizer, without: set[str]) -> float:
+        return optimizer.grad_norm(without, combine=self.sync.grad_norm)
+
+    def params_updated(self) -> None:
+        self.sync.publish_params()
+        if self.gatherer is not None:
+            self.gatherer.clear()
+
+    def mean(self, value: float, what: str) -> float:
+        return self.sync.mean_over_ranks(value, what)
+
+
+def _comm_device(collectives: Collectives) -> torch.device:
+    return torch.device("cuda", collectives.mesh.local_rank) if collectives.mesh.backend == "nccl" \
+        else torch.device("cpu")
+
+
+def broadcast_module(model: nn.Module, collectives: Collectives) -> None:
+    """Rank 0's parameter and buffer values on every rank (as DDP does at construction): ranks that built the model
+    with different random states start equal. A model on the meta device has no values yet: rank 0's random state is
+    taken instead, so every rank materializes the same values."""
+    device = _comm_device(collectives)
+    tensors = list(dict.fromkeys(t for t in list(model.parameters()) + list(model.buffers())))
+    if any(t.is_meta for t in tensors):
+        state = collectives.broadcast_object(torch.get_rng_state(), 0, "rank 0's random state")
+        torch.set_rng_state(state)
+    with torch.no_grad():
+        for tensor in tensors:
+            if tensor.is_meta:
+                continue
+            carrier = tensor.data if tensor.device == device else tensor.data.to(device)
+            collectives.broadcast(carrier, 0, "initial parameters")
+            if carrier is not tensor.data:
+                tensor.data.copy_(carrier)
+
+
+def check_same_job(collectives: Collectives, config_digest: str, layout: PageLayout) -> None:
+    """Every rank runs the same job: the config (less per-rank paths) and the page layout match rank 0's, else a
+    ConfigMismatchError on every rank naming the ranks that differ."""
+    mine = (config_digest, layout.fingerprint())
+    everyone = collectives.all_gather_object(mine, "config and layout fingerprints")
+    differ = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
+    if differ:
+        what = "config" if any(everyone[r][0] != everyone[0][0] for r in differ) else "page layout"
+        raise ConfigMismatchError(
+            f"rank {collectives.rank}: ranks {differ} started with a different {what} than rank 0 "
+            f"(fingerprints {[everyone[r][0 if what == 'config' else 1] for r in differ]} vs "
+            f"{everyone[0][0 if what == 'config' else 1]}); every rank must run the same job")
+
+
+def config_digest(config_dict: dict) -> str:
+    """A digest of the job's config without what legitimately differs per rank (run and page directories)."""
+    clean = {section: dict(values) for section, values in config_dict.items()}
+    clean.get("run", {}).pop("dir", None)
+    clean.get("memory", {}).pop("disk_dir", None)
+    return hashlib.sha256(json.dumps(clean, sort_keys=True, default=str).encode()).hexdigest()[:16]

@@ -1,0 +1,71 @@
+"""Which pages a data-parallel rank holds: THE ownership rule, shared by the engine and the estimate.
+
+The layout groups pages in `dp` consecutive pages; rank r owns page r of every group (`PageLayout.owner`). ZeRO's
+stage says which kinds are sharded:
+
+  stage 0   nothing: every rank holds every page of every kind (gradients all-reduced, as DDP)
+  stage 1   optimizer states (exp_avg, exp_avg_sq and the fp32 master): a rank creates only the pages it owns
+  stage 2   stage 1, and gradients are reduce-scattered: after the step's reduction a rank keeps only its own
+  stage 3   stage 2, and parameters: a page another rank owns exists here as a REMOTE page (no slot, no disk copy),
+            filled by an all-gather of its group while a unit computes with it, and dropped after
+
+Gradient pages exist on every rank in every stage: backward writes a rank's own gradient of every tensor, and the
+reduction makes the owner's page the sum over ranks (stages 2 and 3 then drop the others unwritten).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "master")
+SHARDED_KINDS = {0: (), 1: OPTIMIZER_KINDS, 2: OPTIMIZER_KINDS, 3: OPTIMIZER_KINDS + ("param",)}
+
+
+@dataclass(frozen=True)
+class Ownership:
+    rank: int = 0
+    dp: int = 1
+    stage: int = 0
+
+    def sharded(self, kind: str) -> bool:
+        """Pages of `kind` live on their owner only (REMOTE elsewhere for parameters, absent for optimizer states)."""
+        return self.dp > 1 and kind in SHARDED_KINDS[self.stage]
+
+    def home(self, index: int) -> int:
+        return index % self.dp
+
+    def owns(self, index: int) -> bool:
+        return self.home(index) == self.rank
+
+    def local(self, kind: str, index: int) -> bool:
+        """This rank holds page `index` of `kind` as its own (creates it, keeps it on its tiers)."""
+        return not self.sharded(kind) or self.owns(index)
+
+    def remote(self, kind: str, index: int) -> bool:
+        """Page `index` of `kind` exists here as a REMOTE page (its group is gathered before use)."""
+        return kind == "param" and self.sharded(kind) and not self.owns(index)
+
+    def local_count(self, kind: str, n_pages: int) -> int:
+        """Pages of `kind` this rank creates out of the `n_pages` the layout has."""
+        return sum(1 for i in range(n_pages) if self.local(kind, i))
+
+    def updated(self, index: int) -> bool:
+        """This rank's optimizer updates page group `index` (stage 0: every rank updates every group)."""
+        return self.stage == 0 or self.dp == 1 or self.owns(index)
+
+    @property
+    def gathers(self) -> bool:
+        """Parameters are gathered before use (stage 3 with more than one rank)."""
+        return self.sharded("param")
+
+
+def gather_capacity(chain_groups: int) -> int:
+    """Page groups a stage-3 rank keeps gathered at once: those of the largest unit and the units around it (all
+    pinned while that unit runs), plus one, so that a unit's backward finds the groups its forward gathered when
+    units alternate (the last forward unit is the first backward one)."""
+    return chain_groups + 1
+
+
+def gathered_device_pages(chain_groups: int, dp: int) -> int:
+    """Device slots the gathered groups take at most: every page of each held group (the owned one comes up too)."""
+    return gather_capacity(chain_groups) * dp
