@@ -203,7 +203,7 @@ class ParamBinder:
                 self._page_by_address.pop(page.buffer.data_ptr(), None)
             else:
                 self._page_binds[page.id] = count
-        self.manager.release(pages)
+        self.param_access.release(pages)
 
     def _param_view(self, slot: TensorSlot, gather_into: dict | None = None) -> torch.Tensor:
         """The parameter's values on its (pinned) device pages: a view of its page, or a gathered copy of the
@@ -271,7 +271,7 @@ class ParamBinder:
             try:
                 flat = self._param_view(packed.slot).reshape(-1)  # a fresh copy: the pages may go at once
             finally:
-                self.manager.release(pages)
+                self.param_access.release(pages)
             return flat.as_strided(packed.size, packed.stride, packed.offset)
         if not isinstance(packed, PackedPageTensor):
             return packed
@@ -287,14 +287,14 @@ class ParamBinder:
         if node is not self._current_node:
             self._current_node = node
             if self._node_pins:
-                self.manager.release(self._node_pins)
+                self.param_access.release(self._node_pins)
                 self._node_pins = []
 
     def end_backward(self) -> None:
         self._current_node = None
         self.activation_bytes = 0
         if self._node_pins:
-            self.manager.release(self._node_pins)
+            self.param_access.release(self._node_pins)
             self._node_pins = []
 
     # ------------------------------------------------------------------ gradients

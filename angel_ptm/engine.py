@@ -75,12 +75,14 @@ class Engine:
     def _set_up(self, model: nn.Module, config: Config, trace: TraceRecorder | None, units: UnitsSpec) -> None:
         self.model, self.config = model, config
         self.trace = trace or TraceRecorder(None)
+        self._failed: str | None = None  # why the engine refuses every call (a step or a collective failed part-way)
         mem = config.memory
         # torchrun: the process group from the environment, one GPU per process (parallel/mesh.py)
         self.mesh = init_mesh(config.parallel, compute_device(config.trainer.device).type)
         self.device = rank_device(compute_device(config.trainer.device), self.mesh)
         self.ownership = Ownership(self.mesh.rank, self.mesh.dp, config.parallel.zero)
-        self.collectives = Collectives(self.mesh, self.trace) if self.mesh.distributed else None
+        self.collectives = Collectives(self.mesh, self.trace, on_failure=self._collective_failed) \
+            if self.mesh.distributed else None
         self.compute_dtype = compute_dtype(config)  # None: fp32, the parameters are the master weights
         self.kinds = creation_order(config)
         self.layout = build_layout(model, mem.page_bytes, dp_world_size=self.mesh.dp,
@@ -140,7 +142,6 @@ class Engine:
         self.binder = ParamBinder(model, self.layout, self.manager, self.pages["param"], self.pages["grad"],
                                   self.device, self.units)
         self.binder.read_values = self.tensors.read_weights
-        self._failed: str | None = None  # why the engine refuses every call (a step failed part-way)
         self._closed = False
         self._steps_done = 0
         # The config's lr_schedule is applied on step() when the config spells one out; set_lr turns it off.
@@ -451,6 +452,11 @@ class Engine:
                 "zero_copy": self.manager.zero_copy,
                 "schedule": self.scheduler.last_stats.as_dict()}
 
+    def mean_over_ranks(self, value: float) -> float:
+        """`value` averaged over the data-parallel ranks (every rank must call it): the loss to log. `value` itself
+        with one rank."""
+        return self.data_parallel.mean(float(value), "mean over ranks")
+
     @property
     def loss_scale(self) -> float | None:
         """The fp16 loss scale the next backward uses (None: no loss scaling)."""
@@ -519,6 +525,11 @@ class Engine:
     def _check_alive(self) -> None:
         if self._failed is not None:
             raise EngineFailedError(self._failed)
+
+    def _collective_failed(self, error: Exception) -> None:
+        """A collective failed (a peer died or hung): the ranks may be mid-step, and the group is unusable."""
+        self._failed = (f"the engine failed at step {getattr(self, '_steps_done', 0)} ({type(error).__name__}: "
+                        f"{error}); resume every rank from the last checkpoint")
 
     @contextmanager
     def _failing_step(self):

@@ -24,7 +24,7 @@ SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
 class Collectives:
     """The data-parallel group's collectives (the world's default group while dp is the world)."""
 
-    def __init__(self, mesh: Mesh, trace: TraceRecorder | None = None):
+    def __init__(self, mesh: Mesh, trace: TraceRecorder | None = None, on_failure=None):
         if not mesh.distributed:
             raise ValueError("collectives need a world of more than one rank")
         self.mesh = mesh
@@ -32,17 +32,24 @@ class Collectives:
         self.trace = trace or TraceRecorder(None)
         self.bytes_sent = 0  # bytes this rank contributed to collectives, cumulative (the estimate's figure)
         self.calls = 0
+        self.on_failure = on_failure  # called with the error before it is raised (the engine fails for good)
+        self.failed: CollectiveError | None = None
 
     def _run(self, name: str, what: str, nbytes: int, fn, *args, **kwargs):
+        if self.failed is not None:  # the group is poisoned: no rank may wait on it again
+            raise self.failed
         t0 = time.perf_counter()
         start = self.trace.now() if self.trace.enabled else 0.0
         try:
             result = fn(*args, **kwargs)
         except (RuntimeError, ValueError) as exc:  # DistBackendError and gloo's errors are RuntimeErrors
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise CollectiveError(
+            self.failed = CollectiveError(
                 f"rank {self.rank} of {self.size}: {name} ({what}) failed after {time.perf_counter() - t0:.1f} s "
-                f"(parallel.timeout_s {self.mesh.timeout_s:g}): a peer rank died or hung: {detail[:300]}") from None
+                f"(parallel.timeout_s {self.mesh.timeout_s:g}): a peer rank died or hung: {detail[:300]}")
+            if self.on_failure is not None:
+                self.on_failure(self.failed)
+            raise self.failed from None
         self.calls += 1
         self.bytes_sent += nbytes
         if self.trace.enabled:

@@ -17,7 +17,7 @@ there without a second all-gather; a group is dropped only by that LRU or at the
 from __future__ import annotations
 
 import math
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from typing import Sequence
 
 import torch
@@ -37,6 +37,7 @@ class ParamGatherer:
         self.dp = ownership.dp
         self.held: OrderedDict[int, list[Page]] = OrderedDict()  # group -> its remote pages held here, LRU first
         self.gathers = 0  # all-gathers issued, cumulative
+        self._in_use: Counter = Counter()  # group -> pages of it acquired through this gatherer and not released
 
     def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None) -> None:
         groups = list(dict.fromkeys(page.index // self.dp for page in pages))
@@ -47,17 +48,22 @@ class ParamGatherer:
                 self._make_room(keep=groups)
                 self._gather(group, tier)
         self.manager.acquire(pages, tier, label=label)
+        for page in pages:
+            self._in_use[page.index // self.dp] += 1
 
     def release(self, pages: Sequence[Page]) -> None:
         self.manager.release(pages)
+        for page in pages:
+            self._in_use[page.index // self.dp] -= 1
 
     def _make_room(self, keep: Sequence[int]) -> None:
-        """Drop least recently used groups past the capacity; a group still in use (pinned beyond its holder's pin,
-        the same on every rank) or needed by this access stays, so the capacity is a target, not a hard bound."""
+        """Drop least recently used groups past the capacity; a group in use (acquired through this gatherer and
+        not released: counted by group, so the same on every rank, whichever page of it a rank owns) or needed by
+        this access stays, so the capacity is a target, not a hard bound."""
         for group in list(self.held):
             if len(self.held) < self.capacity:
                 return
-            if group in keep or any(page.pin_count > 1 for page in self.held[group]):
+            if group in keep or self._in_use[group]:
                 continue
             self.manager.drop_remote(self.held.pop(group))
 

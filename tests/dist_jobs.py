@@ -1,0 +1,124 @@
+"""Jobs the multi-process tests run in each rank (tests/dist_harness.py spawns them): the same models, micro-batches
+and optimizer as tests/test_engine_equivalence.py, with micro-batches dealt over ranks as the trainer deals them."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+import angel_ptm
+from test_engine_equivalence import CASES, engine_config
+
+STEPS = 4
+# Per-rank budgets of 4 KiB pages. The GPT's paging unit (a block with the root's pages) takes 21 pages; ZeRO-3
+# gathers up to 13 groups of 2 pages; states per rank are about 100 pages (gradients are whole on every rank).
+PLACEMENTS = {
+    "device": {"page_bytes": "4KiB", "device_budget": "4MiB", "host_budget": "1MiB"},
+    "device+host": {"page_bytes": "4KiB", "device_budget": "128KiB", "host_budget": "4MiB"},
+    "device+host+disk": {"page_bytes": "4KiB", "device_budget": "128KiB", "host_budget": "96KiB"},
+}
+
+
+def job(name, zero=3, placement="device+host+disk", scheduler="planned", clip=None, staleness=0,
+        dtype="float32", model="gpt", accum=1, steps=STEPS, **extra):
+    return dict(name=name, zero=zero, placement=placement, scheduler=scheduler, clip=clip, staleness=staleness,
+                dtype=dtype, model=model, accum=accum, steps=steps, **extra)
+
+
+def micro_batches(case: str, count: int):
+    """`count` micro-batches of the case's data (the equivalence tests' generators, repeated as needed)."""
+    _, data, _ = CASES[case]
+    batches = data()
+    return [batches[i % len(batches)] for i in range(count)]
+
+
+def config_of(spec: dict, world: int, disk_dir: str) -> dict:
+    memory = dict(PLACEMENTS[spec["placement"]], disk_dir=disk_dir, scheduler=spec["scheduler"])
+    cfg = engine_config(memory, spec["clip"], dtype=spec["dtype"], staleness=spec["staleness"])
+    cfg["trainer"]["grad_accum"] = spec["accum"]
+    cfg["parallel"] = {"zero": spec["zero"], "timeout_s": spec.get("timeout_s", 60)}
+    cfg["optimizer"].update(spec.get("optimizer", {}))
+    return cfg
+
+
+def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
+    """Train `spec` on this rank: step s, micro-batch m takes global micro-batch s*world*accum + rank*accum + m
+    (what 1 rank with grad_accum world*accum takes in step s). The logged loss is the mean over ranks and
+    micro-batches."""
+    build, _, loss_fn = CASES[spec["model"]]
+    model = build()
+    accum, steps = spec["accum"], spec["steps"]
+    batches = micro_batches(spec["model"], steps * world * accum)
+    disk_dir = os.path.join(tmp, f"{spec['name']}-w{world}")
+    engine = angel_ptm.initialize(model, config_of(spec, world, disk_dir))
+    losses, skipped, scales = [], [], []
+    try:
+        pages = {kind: sum(1 for p in ps if p is not None and p.home is None) for kind, ps in engine.pages.items()}
+        for step in range(steps):
+            total = 0.0
+            for m in range(accum):
+                batch = batches[step * world * accum + rank * accum + m]
+                loss = loss_fn(engine, *batch)
+                if spec.get("overflow_at") == (step, rank):  # this rank's gradients overflow in fp16
+                    loss = loss * float("inf")
+                engine.backward(loss / accum)
+                total += loss.item()
+            if spec["clip"]:
+                engine.clip_grad_norm(spec["clip"])
+            engine.step()
+            losses.append(engine.mean_over_ranks(total / accum))
+            skipped.append(engine.last_step_skipped)
+            scales.append(engine.loss_scale)
+        engine.flush()
+        stats = engine.memory_stats()
+        gatherer = engine.data_parallel.gatherer
+        weights = {name: engine.parameter(name).tolist() for name in spec.get("read", [])}
+        return {"losses": losses, "skipped": skipped, "scales": scales, "pages": pages, "moved": stats["moved"],
+                "gathers": gatherer.gathers if gatherer is not None else 0, "weights": weights,
+                "comm_bytes": engine.collectives.bytes_sent if engine.collectives is not None else 0}
+    finally:
+        engine.close()
+
+
+def run_jobs(rank: int, world: int, specs: list, tmp: str) -> dict:
+    """Every job in turn in one process group; per job its result or its error."""
+    out = {}
+    for spec in specs:
+        t0 = time.perf_counter()
+        try:
+            out[spec["name"]] = train(rank, world, spec, tmp)
+        except Exception as exc:  # noqa: BLE001 - the test asserts on it
+            out[spec["name"]] = {"error": f"{type(exc).__name__}: {exc}"}
+        out[spec["name"]]["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def die_mid_step(rank: int, world: int, spec: dict, tmp: str) -> dict:
+    """Rank 1 dies (os._exit) after the forward of step 1, before its collectives; the others must raise."""
+    build, _, loss_fn = CASES[spec["model"]]
+    engine = angel_ptm.initialize(build(), config_of(spec, world, os.path.join(tmp, "die")))
+    batches = micro_batches(spec["model"], 4 * world)
+    t0 = time.perf_counter()
+    for step in range(3):
+        loss = loss_fn(engine, *batches[step * world + rank])
+        if step == 1 and rank == 1:
+            if spec.get("hang"):
+                time.sleep(3600)
+            os._exit(3)
+        t0 = time.perf_counter()
+        engine.backward(loss)
+        engine.step()
+    return {"seconds": time.perf_counter() - t0}
+
+
+def start_with(rank: int, world: int, spec: dict, tmp: str) -> str:
+    """Initialize with a per-rank config change (spec['rank_overrides'][rank]); returns 'started' or raises."""
+    build, _, _ = CASES[spec["model"]]
+    cfg = config_of(spec, world, os.path.join(tmp, "mismatch"))
+    for section, values in spec.get("rank_overrides", {}).get(str(rank), {}).items():
+        cfg[section].update(values)
+    engine = angel_ptm.initialize(build(), cfg)
+    engine.close()
+    return "started"
