@@ -28,7 +28,7 @@ from angel_ptm.inputs import to_device
 from angel_ptm.io import create_engine
 from angel_ptm.lr import lr_at, schedule_given
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
-from angel_ptm.memory.budgets import device_reserve_pages, resolve_budgets, start_tiers
+from angel_ptm.memory.budgets import device_reserve_pages, disk_reservations, resolve_budgets, start_tiers
 from angel_ptm.memory.disk_dir import page_dir, remove_dead_page_dirs
 from angel_ptm.memory.layout import TensorSlot
 from angel_ptm.memory.materialize import (MaterializeReport, has_meta_parameters, materialize_buffers,
@@ -104,11 +104,12 @@ class Engine:
         self.estimate = estimate_job(config, model, layout=self.layout, disk_dir=disk_dir, device=self.device,
                                      units=self.units, ownership=own, local_world_size=self.mesh.local_world_size)
         self.estimate.check()
-        self._min_device_pages = self.estimate.largest_layer_pages
+        self._min_device_pages = max(self.estimate.largest_layer_pages, self.estimate.gather_pages)
         self.budgets = resolve_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes,
                                        self.device, disk_dir, page_bytes,
                                        slack_bytes=self._min_device_pages * page_bytes,
-                                       share=self.mesh.local_world_size)
+                                       share=self.mesh.local_world_size,
+                                       gathered_bytes=self.estimate.gather_pages * page_bytes)
 
         if self.mesh.local_world_size > 1:  # the processes on this machine share its cores
             set_adam_threads(max(1, (os.cpu_count() or 1) // self.mesh.local_world_size))
@@ -126,9 +127,9 @@ class Engine:
             zero_copy=mem.zero_copy,  # without CUDA both pools are plain memory: pages change tier by trading slots
         )
         if disk is not None:  # one preallocated slot per page and kind: clean copies are dropped, never rewritten
-            for kind in self.kinds:
-                disk.reserve(kind, min(own.local_count(kind, self.layout.kind_pages(kind)),
-                                       disk.capacity // len(self.kinds)))
+            counts = {kind: own.local_count(kind, self.layout.kind_pages(kind)) for kind in self.kinds}
+            for kind, slots in disk_reservations(counts, disk.capacity).items():
+                disk.reserve(kind, slots)
         self.pages = self._create_pages(n_states)
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         self._copy_parameters_into_pages()
@@ -203,7 +204,8 @@ class Engine:
         keeps the largest unit's pages free), then the host again in place of the oldest pages there, which are
         created on disk instead, dead: the zeros they hold are never written (memory.budgets.start_tiers)."""
         pools = self.manager.pools
-        reserve = device_reserve_pages(pools[Tier.DEVICE].capacity, n_states, self._min_device_pages)
+        reserve = device_reserve_pages(pools[Tier.DEVICE].capacity, n_states + self.estimate.gather_pages,
+                                       self._min_device_pages)
         return start_tiers(n_states, pools[Tier.HOST].capacity, max(0, pools[Tier.DEVICE].capacity - reserve))
 
     def _create_pages(self, n_states: int) -> dict[str, list]:
@@ -232,7 +234,10 @@ class Engine:
         which values); `meta_init` reports how."""
 
         def write(slot: TensorSlot, flat: torch.Tensor) -> None:
-            self.tensors.write(self.tensors.weights_kind(slot), slot, flat)
+            kind = self.tensors.weights_kind(slot)
+            self.tensors.write(kind, slot, flat)
+            if kind == "master" and self.ownership.sharded("master"):  # ZeRO 1/2: the master pages this rank does
+                self.tensors.write("param", slot, flat)  # not own never reach its param pages: rounded here instead
 
         self.meta_init: MaterializeReport | None = None
         if has_meta_parameters(self.model):

@@ -40,7 +40,8 @@ from angel_ptm.config import Config, format_bytes, load_config
 from angel_ptm.errors import BudgetError, ConfigValueError
 from angel_ptm.memory import PageLayout, Tier, build_layout, compute_device
 from angel_ptm.units import PagingUnit, device_pages_at_once, find_units
-from angel_ptm.memory.budgets import device_reserve_pages, plan_budgets, staging_host_pages, start_tiers
+from angel_ptm.memory.budgets import (device_reserve_pages, disk_reservations, plan_budgets, staging_host_pages,
+                                     start_tiers)
 from angel_ptm.memory.disk_dir import check_disk_dir
 from angel_ptm.models import GPT, build_model, estimate_activation_bytes
 from angel_ptm.parallel.ownership import Ownership, gather_capacity, gathered_device_pages
@@ -247,16 +248,17 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     gather_pages = gathered_device_pages(chain_groups, own.dp) if own.gathers else 0
     planned = plan_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes, device, page_bytes,
                            gpu_free=gpu_free, ram_available=ram_available, slack_bytes=largest * page_bytes,
-                           share=local_world_size)
+                           share=local_world_size, gathered_bytes=gather_pages * page_bytes)
     budgets = {"device": planned.device, "host": planned.host, "disk": planned.disk}
     slots = {tier: budgets[tier] // page_bytes for tier in TIERS}
     update = update_tier(device, slots["device"], slots["host"], n_states, group)
-    disk_reserved = sum(min(n, slots["disk"] // len(kinds)) for n in counts.values()) if slots["disk"] else 0
-    start = place_pages(counts, slots, device_reserve_pages(slots["device"], n_states, largest), page_bytes, kinds)
+    disk_reserved = sum(disk_reservations(counts, slots["disk"]).values())
+    reserve = device_reserve_pages(slots["device"], n_states + gather_pages, max(largest, gather_pages))
+    start = place_pages(counts, slots, reserve, page_bytes, kinds)
     problems: list[Problem] = []
 
     # 1. the budgets themselves (as resolve_budgets refuses them)
-    needed_on_disk = max(0, states_bytes - budgets["device"] - budgets["host"])
+    needed_on_disk = max(0, states_bytes - max(0, budgets["device"] - gather_pages * page_bytes) - budgets["host"])
     if needed_on_disk and budgets["disk"] < needed_on_disk:
         problems.append(Problem("disk", needed_on_disk, budgets["disk"],
                                 "the model states that fit neither the device nor the host budget"))

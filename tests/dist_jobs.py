@@ -61,7 +61,7 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
             for m in range(accum):
                 batch = batches[step * world * accum + rank * accum + m]
                 loss = loss_fn(engine, *batch)
-                if spec.get("overflow_at") == (step, rank):  # this rank's gradients overflow in fp16
+                if tuple(spec.get("overflow_at") or ()) == (step, rank):  # this rank's gradients overflow (fp16)
                     loss = loss * float("inf")
                 engine.backward(loss / accum)
                 total += loss.item()

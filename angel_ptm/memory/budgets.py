@@ -21,18 +21,19 @@ class Budgets:
 
 def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, device: torch.device, page_bytes: int,
                  *, gpu_free: int | None = None, ram_available: int | None = None, slack_bytes: int = 0,
-                 share: int = 1) -> Budgets:
+                 share: int = 1, gathered_bytes: int = 0) -> Budgets:
     """Bytes per tier, no checks, no side effects. "auto": device = everything (CPU) or 80% of free GPU memory;
     host = the rest of the states plus `slack_bytes` (room to rotate the largest layer through the device), up to
     half the available RAM; disk = a slot for every page when some must live there. `share`: the processes on this
-    machine (torchrun's LOCAL_WORLD_SIZE), which split its RAM between them."""
+    machine (torchrun's LOCAL_WORLD_SIZE), which split its RAM between them; `gathered_bytes`: device room for
+    copies of other ranks' parameter pages (ZeRO-3), which a device budget may hold beyond this rank's states."""
     if device_budget == "auto":
         if device.type == "cuda":
             gpu_free = int(torch.cuda.mem_get_info(device)[0]) if gpu_free is None else gpu_free
             device_budget = int(0.8 * gpu_free)
         else:
             device_budget = states_bytes
-    device_budget = min(int(device_budget), states_bytes)
+    device_budget = min(int(device_budget), states_bytes + gathered_bytes)
     if host_budget == "auto":
         ram_available = psutil.virtual_memory().available if ram_available is None else ram_available
         rest = states_bytes - device_budget
@@ -40,19 +41,20 @@ def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, dev
         host_budget = min(max(rest + slack_bytes if rest > 0 else 0, 4 * page_bytes),
                           ram_available // (2 * max(1, share)))
     host_budget = int(host_budget)
-    needed_on_disk = max(0, states_bytes - device_budget - host_budget)
+    needed_on_disk = max(0, states_bytes - max(0, device_budget - gathered_bytes) - host_budget)
     if disk_budget == "auto":  # room for a home slot per page, so clean copies are dropped, never rewritten
         disk_budget = states_bytes if needed_on_disk else 0
     return Budgets(device_budget, host_budget, int(disk_budget))
 
 
 def resolve_budgets(device_budget, host_budget, disk_budget, states_bytes: int, device: torch.device,
-                    disk_dir: str, page_bytes: int, slack_bytes: int = 0, share: int = 1) -> Budgets:
+                    disk_dir: str, page_bytes: int, slack_bytes: int = 0, share: int = 1,
+                    gathered_bytes: int = 0) -> Budgets:
     """`plan_budgets`, then refuse budgets that cannot hold the states, before anything is allocated."""
     budgets = plan_budgets(device_budget, host_budget, disk_budget, states_bytes, device, page_bytes,
-                           slack_bytes=slack_bytes, share=share)
+                           slack_bytes=slack_bytes, share=share, gathered_bytes=gathered_bytes)
     device_budget, host_budget, disk_budget = budgets.device, budgets.host, budgets.disk
-    needed_on_disk = max(0, states_bytes - device_budget - host_budget)
+    needed_on_disk = max(0, states_bytes - max(0, device_budget - gathered_bytes) - host_budget)
     if needed_on_disk and disk_budget < needed_on_disk:
         raise BudgetError("disk", needed_on_disk, disk_budget,
                           what="the model states that fit neither the device nor the host budget")
@@ -93,3 +95,15 @@ def staging_host_pages(unit_pages: int, on_disk: bool) -> int:
     that rises may displace a dirty device page, which needs a host slot of its own. So the host must have one slot
     more than the unit has pages (then an unpinned host page can always make way, down to disk)."""
     return unit_pages + 1 if on_disk else 0
+
+
+def disk_reservations(counts: dict[str, int], disk_slots: int) -> dict[str, int]:
+    """Slots each kind's page file reserves up front (the engine fallocates them; the estimate counts them): a slot
+    per page when every page fits the disk budget, else each kind its share of the budget in proportion to its pages
+    (kinds differ in count: frozen tensors have parameter pages only, ZeRO shards some kinds and not others)."""
+    total = sum(counts.values())
+    if not disk_slots or not total:
+        return {kind: 0 for kind in counts}
+    if total <= disk_slots:
+        return dict(counts)
+    return {kind: disk_slots * n // total for kind, n in counts.items()}

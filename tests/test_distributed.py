@@ -1,0 +1,129 @@
+"""Data parallelism on CPU over gloo: N ranks give the losses of 1 rank with grad_accum N (bitwise for 2 ranks), and
+of torch.optim.AdamW on the global batch, under every ZeRO stage, placement, clipping, staleness and bf16.
+
+The ranks are spawned once per group of jobs (tests/dist_harness.py: torchrun's environment, so the engine sets the
+process group up itself) and run every job in turn; each test then reads its job's result.
+"""
+
+import pytest
+import torch
+
+from dist_harness import spawn, values
+from dist_jobs import CASES, PLACEMENTS, job, micro_batches, run_jobs, train
+from test_engine_equivalence import train_plain
+
+STAGES = [1, 2, 3]
+JOBS = (
+    [job(f"zero{z}-{p}", zero=z, placement=p) for z in STAGES for p in PLACEMENTS]
+    + [job("zero0-device+host+disk", zero=0)]
+    + [job("zero3-on_demand", zero=3, scheduler="on_demand")]
+    + [job(f"zero{z}-clip", zero=z, clip=0.05) for z in STAGES]
+    + [job(f"zero{z}-staleness1", zero=z, staleness=1) for z in STAGES]
+    + [job(f"zero{z}-bf16", zero=z, dtype="bfloat16") for z in STAGES]
+    + [job("zero2-mlp-accum2", zero=2, model="mlp", accum=2), job("zero3-tied", zero=3, model="tied",
+                                                                    placement="device+host")]
+    + [job("zero2-fp16-overflow", zero=2, dtype="float16", placement="device+host", overflow_at=[1, 1],
+           optimizer={"loss_scale_initial": 1024.0})]
+)
+BY_NAME = {spec["name"]: spec for spec in JOBS}
+FP32_JOBS = [s["name"] for s in JOBS if s["dtype"] == "float32" and not s["staleness"]]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("two-ranks")
+    return values(spawn(2, run_jobs, (JOBS, str(tmp)), tmp))
+
+
+def one_rank(spec, world, tmp_path):
+    """The same job on one rank with world * grad_accum micro-batches per step."""
+    return train(0, 1, dict(spec, accum=spec["accum"] * world, overflow_at=None), str(tmp_path))
+
+
+def torch_reference(spec, world):
+    """torch.optim.AdamW on the global batch of each step (the micro-batches of every rank concatenated)."""
+    build, _, loss_fn = CASES[spec["model"]]
+    per_step = world * spec["accum"]
+    micro = micro_batches(spec["model"], spec["steps"] * per_step)
+    batches = [tuple(torch.cat(parts) for parts in zip(*micro[s * per_step:(s + 1) * per_step]))
+               for s in range(spec["steps"])]
+    return train_plain(build(), batches, loss_fn, clip=spec["clip"])
+
+
+def result(results, name):
+    for rank, by_job in enumerate(results):
+        assert "error" not in by_job[name], f"rank {rank}: {by_job[name]['error']}"
+    return results[0][name]
+
+
+@pytest.mark.parametrize("name", [s["name"] for s in JOBS if "overflow_at" not in s])
+def test_two_ranks_give_the_losses_of_one_rank_with_grad_accum_2_bitwise(two_ranks, name, tmp_path):
+    spec = BY_NAME[name]
+    got = result(two_ranks, name)
+    assert two_ranks[1][name]["losses"] == got["losses"]  # every rank logs the mean over ranks
+    assert got["losses"] == one_rank(spec, 2, tmp_path)["losses"]
+
+
+@pytest.mark.parametrize("name", FP32_JOBS)
+def test_two_ranks_match_torch_adamw_on_the_global_batch(two_ranks, name):
+    spec = BY_NAME[name]
+    expected = torch_reference(spec, 2)
+    for step, (e, a) in enumerate(zip(expected, result(two_ranks, name)["losses"])):
+        assert a == pytest.approx(e, rel=1e-5), f"step {step}: torch {e} two ranks {a}"
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_each_rank_holds_its_share_of_the_sharded_kinds(two_ranks, zero, tmp_path):
+    name = f"zero{zero}-device+host+disk"
+    alone = one_rank(BY_NAME[name], 2, tmp_path)["pages"]
+    padded = {kind: n + n % 2 for kind, n in alone.items()}  # two ranks pad the layout to whole groups of 2
+    sharded = {0: (), 1: ("exp_avg", "exp_avg_sq"), 2: ("exp_avg", "exp_avg_sq"),
+               3: ("exp_avg", "exp_avg_sq", "param")}[zero]
+    for rank in (0, 1):
+        pages = two_ranks[rank][name]["pages"]
+        for kind, n in padded.items():
+            assert pages[kind] == (n // 2 if kind in sharded else n), (rank, kind)
+
+
+@pytest.mark.parametrize("placement", list(PLACEMENTS))
+def test_each_placement_uses_its_tiers_on_every_rank(two_ranks, placement):
+    for rank in (0, 1):
+        moved = two_ranks[rank][f"zero3-{placement}"]["moved"]
+        if placement == "device":
+            assert not moved.get("device->host") and not moved.get("host->disk"), rank
+        else:
+            assert moved["device->host"] > 0, rank
+        if placement == "device+host+disk":
+            assert moved["host->disk"] > 0 and moved["disk->host"] > 0, rank
+
+
+def test_zero3_gathers_parameter_groups_and_stages_1_2_do_not_gather_before_use(two_ranks):
+    assert result(two_ranks, "zero3-device")["gathers"] > 0
+    assert result(two_ranks, "zero1-device")["gathers"] == 0
+
+
+def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(two_ranks):
+    name = "zero2-fp16-overflow"
+    first = result(two_ranks, name)
+    for rank in (0, 1):
+        assert two_ranks[rank][name]["skipped"] == [False, True, False, False], rank
+        assert two_ranks[rank][name]["scales"] == [1024.0, 512.0, 512.0, 512.0], rank
+    assert two_ranks[1][name]["losses"] == first["losses"]
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("four-ranks")
+    jobs = [job("zero3-clip", zero=3, clip=0.05), job("zero1-device+host", zero=1, placement="device+host")]
+    return values(spawn(4, run_jobs, (jobs, str(tmp)), tmp)), {j["name"]: j for j in jobs}
+
+
+def test_four_ranks_match_one_rank_and_torch_within_1e_5(four_ranks, tmp_path):
+    results, jobs = four_ranks
+    for name, spec in jobs.items():
+        got = result(results, name)["losses"]
+        for rank in range(4):
+            assert results[rank][name]["losses"] == got
+        for reference in (one_rank(spec, 4, tmp_path)["losses"], torch_reference(spec, 4)):
+            for step, (e, a) in enumerate(zip(reference, got)):
+                assert a == pytest.approx(e, rel=1e-5), f"{name} step {step}: {e} vs four ranks {a}"
