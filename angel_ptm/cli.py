@@ -74,6 +74,9 @@ def add_estimate_command(commands: argparse._SubParsersAction) -> None:
     estimate.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     estimate.add_argument("--device", choices=("cpu", "cuda"),
                           help="the compute device to estimate for (default: trainer.device; cuda with --gpu-memory)")
+    estimate.add_argument("--world-size", type=int, metavar="N",
+                          help="estimate rank 0 of N data-parallel ranks on this machine (parallel.zero says what "
+                               "is sharded; default: parallel.dp, else 1)")
     estimate.add_argument("--gpu-memory", metavar="SIZE",
                           help="the GPU's memory, e.g. 80GiB: a device budget of auto resolves against it instead of "
                                "the free memory of a GPU present here (there may be none)")
@@ -130,7 +133,8 @@ def run_train(args: argparse.Namespace) -> int:
 
     config = load_job_config(args)
     result = Trainer(config, progress=args.progress).run()
-
+    if result.rank != 0:  # under torchrun, rank 0 speaks for the run
+        return 0
     print(f"run dir: {result.run_dir}")
     if result.losses:
         print(f"final train loss: {result.losses[-1]:.4f} (step {result.steps}, first {result.losses[0]:.4f})")
@@ -147,6 +151,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     from angel_ptm.errors import ConfigValueError
     from angel_ptm.estimate import estimate_job
     from angel_ptm.memory import compute_device
+    from angel_ptm.parallel import Ownership
 
     config = load_job_config(args)
     gpu_memory = None if args.gpu_memory is None else parse_bytes(args.gpu_memory, "--gpu-memory")
@@ -158,7 +163,12 @@ def run_estimate(args: argparse.Namespace) -> int:
         where = "--device cuda" if args.device else 'trainer.device: "cuda"'
         raise ConfigValueError(f"{where}: no CUDA device is available here to measure; to estimate for a GPU "
                                f"elsewhere, give its memory: --gpu-memory 80GiB")
-    estimate = estimate_job(config, device=device, gpu_memory=gpu_memory)
+    world = args.world_size if args.world_size is not None else (config.parallel.dp or 1)
+    if world < 1:
+        raise ConfigValueError(f"--world-size: must be >= 1, got {world}")
+    ownership = Ownership(rank=0, dp=world, stage=config.parallel.zero)
+    estimate = estimate_job(config, device=device, gpu_memory=gpu_memory, ownership=ownership,
+                            local_world_size=world)
     print(estimate.to_json() if args.json else estimate.format_table())
     sys.stdout.flush()  # the numbers first, then (on stderr) the one-line reason it does not fit
     estimate.check()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import contextlib
 from contextlib import contextmanager
 
 import torch
@@ -568,6 +569,9 @@ class Engine:
                 self.manager.close(remove_files=True)
                 self.io.close()
                 shutil.rmtree(self._page_dir, ignore_errors=True)
+                if self.mesh.distributed:  # this rank's folder (disk_dir/rank<R>), once nothing else is in it
+                    with contextlib.suppress(OSError):
+                        os.rmdir(os.path.dirname(self._page_dir))
                 if self._own_disk_dir:
                     shutil.rmtree(self._disk_dir, ignore_errors=True)
 

@@ -305,7 +305,10 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
                                 "the page pools" + ("" if device.type == "cuda" else " and activations")
                                 + " in available RAM"))
 
-    peaks = expected_peaks(counts, slots, start, update, kinds)
+    # ZeRO-3: the other ranks' pages of the gathered groups, as many as the gatherer keeps (or the model has)
+    gathered = min(gather_capacity(chain_groups) * (own.dp - 1), layout.n_pages - counts["param"]) \
+        if own.gathers else 0
+    peaks = expected_peaks(counts, slots, start, update, kinds, gathered)
     needed = {
         "device": max(largest, gather_pages, group if update == "device" else 0) * page_bytes,
         "host": max(start.host_needed, group if update == "host" else 0, staging,
@@ -434,9 +437,9 @@ def _placement_failure(states: int, slots: dict[str, int], reserve_on_device: in
 
 
 def expected_peaks(counts: dict[str, int], slots: dict[str, int], start: StartPlacement, update: str,
-                   kinds: tuple[str, ...] = CREATION_ORDER) -> dict[str, int]:
+                   kinds: tuple[str, ...] = CREATION_ORDER, gathered: int = 0) -> dict[str, int]:
     """Peak pages in use per tier over the first steps, as PageManager.in_use() reports them (`counts`: pages of
-    each kind)."""
+    each kind this rank holds; `gathered`: copies of other ranks' parameter pages held at once, ZeRO-3)."""
     n_states = sum(counts[kind] for kind in kinds)
     # Host: filled first, to its budget or with every page.
     host = min(slots["host"], n_states)
@@ -444,7 +447,7 @@ def expected_peaks(counts: dict[str, int], slots: dict[str, int], start: StartPl
     # optimizer states too when the update runs there), up to its budget.
     up_kinds = kinds if update == "device" else ("param", "grad")
     reaching = sum(counts[kind] for kind in up_kinds if kind in counts) + sum(
-        n for kind, n in start.device_kinds.items() if kind not in up_kinds)
+        n for kind, n in start.device_kinds.items() if kind not in up_kinds) + gathered
     device = min(slots["device"], reaching)
     # Disk: a page keeps its home slot once written there, so the bytes in use are the pages that ever went
     # down. The pages created on disk are known exactly. A gradient page is live only from its backward to its
@@ -453,6 +456,9 @@ def expected_peaks(counts: dict[str, int], slots: dict[str, int], start: StartPl
     live = n_states - counts.get("grad", 0)
     if not slots["disk"]:
         disk = 0
+    elif gathered and n_states > slots["device"] - gathered + slots["host"]:
+        # ZeRO-3: gathered copies crowd the device, so gradient pages (dirty from backward) go down as well
+        disk = min(slots["disk"], n_states)
     elif live > slots["device"] + slots["host"]:
         disk = min(slots["disk"], live + start.disk_kinds.get("grad", 0))
     else:  # only the pages created on disk for sure; churn in later steps may add some (this is a lower bound)

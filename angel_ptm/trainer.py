@@ -11,6 +11,11 @@ A run directory holds everything one run writes:
   trace.jsonl    the memory trace (page events from the engine; a ``step`` event and a compute interval per step),
                  up to trace.max_bytes, then one summary event per step (trace/recorder.py)
 
+Data parallelism (torchrun, parallel.dp ranks): rank r takes micro-batches r*G .. r*G+G-1 of each step's dp*G
+(G = trainer.grad_accum), exactly the micro-batches one rank with grad_accum dp*G takes, and the logged loss is the
+mean over ranks and micro-batches. Rank 0 picks the run directory (and refuses a used one) for every rank and writes
+config.yaml, metrics.jsonl and the progress; every rank writes its own trace, trace.rank<R>.jsonl.
+
 On a terminal the loop shows a progress bar; where stdout is not one (nohup, Slurm, a pipe) it prints one plain line
 every trainer.log_every steps instead. SIGTERM (what Slurm and Kubernetes send) stops a run as Ctrl-C does: the
 engine closes and its page files are removed.
@@ -39,6 +44,8 @@ from angel_ptm.data import BatchSampler, load_tokens, split_train_val
 from angel_ptm.errors import ConfigValueError, DataError, RunDirInUseError, Terminated
 from angel_ptm.lr import lr_at
 from angel_ptm.models import build_model
+from angel_ptm.parallel import Mesh, init_mesh, rank_device
+from angel_ptm.parallel.collectives import Collectives
 from angel_ptm.trace import TraceRecorder
 
 EngineFactory = Callable[..., Any]  # (model, config, trace=TraceRecorder) -> Engine
@@ -52,7 +59,8 @@ class TrainResult:
     losses: list[float]  # training loss of every step, in order
     final_val_loss: Optional[float]  # None when evaluation is off (trainer.eval_every 0 or data.val_fraction 0)
     run_dir: Path
-    tokens_per_s: float  # over the whole loop, evaluation excluded
+    tokens_per_s: float  # over the whole loop, evaluation excluded (every rank's tokens)
+    rank: int = 0  # this process's rank (data parallelism): rank 0 reports the run
 
 
 class Trainer:
@@ -70,12 +78,16 @@ class Trainer:
         tcfg = cfg.trainer
         torch.manual_seed(tcfg.seed)
         device = resolve_device(tcfg.device)
+        mesh = init_mesh(cfg.parallel, device.type)  # torchrun: the process group, from the environment
+        device = rank_device(device, mesh)
+        collectives = Collectives(mesh) if mesh.distributed else None
 
         # Data: byte-level text or a token file, split into train and held-out tokens.
         tokens, data_vocab = load_tokens(cfg.data)
         split = split_train_val(tokens, cfg.data.val_fraction)
         seq_len = cfg.model.seq_len
         train_batches = BatchSampler(split.train, cfg.data.batch_size, seq_len, cfg.data.seed)
+        micro_per_step = tcfg.grad_accum * mesh.dp  # what one rank with grad_accum dp*G would take
         evaluate_every = tcfg.eval_every if cfg.data.val_fraction > 0 else 0
         if evaluate_every and len(split.val) < seq_len + 1:
             raise DataError(
@@ -88,28 +100,31 @@ class Trainer:
             )
         model = build_model(cfg.model)
 
-        # The run directory, created only once the inputs are known to be good.
-        run_dir = make_run_dir(cfg.run.dir)
-        refuse_an_earlier_run(run_dir)
+        # The run directory, created only once the inputs are known to be good; rank 0's, on every rank.
+        run_dir = agree_run_dir(cfg.run.dir, mesh, collectives)
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)))
         if cfg.memory.disk_dir is None:  # page files live in the run directory unless the job says otherwise
             cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, disk_dir=str(run_dir / "pages")))
-        save_config(cfg, run_dir / "config.yaml")
+        if mesh.is_main:
+            save_config(cfg, run_dir / "config.yaml")
 
         losses: list[float] = []
         final_val_loss: Optional[float] = None
-        tokens_per_step = cfg.data.batch_size * seq_len * tcfg.grad_accum
+        tokens_per_step = cfg.data.batch_size * seq_len * micro_per_step
         train_seconds = 0.0
         with contextlib.ExitStack() as cleanup:  # closes engine, then trace, then files, even on an exception
-            (run_dir / "trace.jsonl").unlink(missing_ok=True)  # the recorder appends; a run dir holds one run
-            trace = TraceRecorder(run_dir / "trace.jsonl", max_bytes=cfg.trace.max_bytes)
+            trace_path = run_dir / trace_name(mesh)
+            trace_path.unlink(missing_ok=True)  # the recorder appends; a run dir holds one run
+            trace = TraceRecorder(trace_path, max_bytes=cfg.trace.max_bytes)
             cleanup.callback(trace.close)
-            metrics = cleanup.enter_context(open(run_dir / "metrics.jsonl", "w", encoding="utf-8"))
+            metrics = cleanup.enter_context(open(run_dir / "metrics.jsonl", "w", encoding="utf-8")) \
+                if mesh.is_main else None
             # A bar on a terminal; nohup, Slurm and pipes get a plain line per logged step, which a log file keeps.
-            print_lines = self.progress and not sys.stdout.isatty()
+            progress = self.progress and mesh.is_main
+            print_lines = progress and not sys.stdout.isatty()
             bar = cleanup.enter_context(
                 tqdm(total=tcfg.steps, desc=run_dir.name, unit="step", dynamic_ncols=True,
-                     disable=None if self.progress and not print_lines else True)  # None: off when not a TTY
+                     disable=None if progress and not print_lines else True)  # None: off when not a TTY
             )
             engine = self._create_engine(model, cfg, trace)
             cleanup.callback(engine.close)
@@ -128,7 +143,7 @@ class Trainer:
                 t_compute = trace.now()
                 loss_sum = 0.0
                 for micro in range(tcfg.grad_accum):
-                    x, y = train_batches.batch((step - 1) * tcfg.grad_accum + micro)
+                    x, y = train_batches.batch((step - 1) * micro_per_step + mesh.rank * tcfg.grad_accum + micro)
                     loss = engine(x.to(device), y.to(device))
                     engine.backward(loss / tcfg.grad_accum)
                     loss_sum += loss.item()
@@ -141,12 +156,14 @@ class Trainer:
                 step_s = time.perf_counter() - t_start
                 train_seconds += step_s
                 step_loss = loss_sum / tcfg.grad_accum
+                if mesh.distributed:  # the mean over ranks and micro-batches (every rank takes part)
+                    step_loss = engine.mean_over_ranks(step_loss)
                 losses.append(step_loss)
                 trace.event("step", step=step, loss=step_loss, step_s=step_s)
                 stats = engine.memory_stats()
                 moved = {pair: stats["moved"][pair] - moved_before.get(pair, 0) for pair in stats["moved"]}
                 moved_before = stats["moved"]
-                if step % tcfg.log_every == 0 or step == tcfg.steps:
+                if metrics is not None and (step % tcfg.log_every == 0 or step == tcfg.steps):
                     write_metrics(metrics, {
                         "step": step, "loss": step_loss, "lr": lr,
                         # strict JSON: a non-finite norm (an fp16 overflow, the step skipped) is logged as null
@@ -163,8 +180,9 @@ class Trainer:
 
                 if evaluate is not None and (step % evaluate_every == 0 or step == tcfg.steps):
                     final_val_loss = evaluate()
-                    write_metrics(metrics, {"step": step, "val_loss": final_val_loss})
-                    if self.progress:
+                    if metrics is not None:
+                        write_metrics(metrics, {"step": step, "val_loss": final_val_loss})
+                    if progress:
                         bar.write(f"step {step}: val_loss {final_val_loss:.4f}")
 
         return TrainResult(
@@ -173,6 +191,7 @@ class Trainer:
             final_val_loss=final_val_loss,
             run_dir=run_dir,
             tokens_per_s=tokens_per_step * tcfg.steps / train_seconds if train_seconds else 0.0,
+            rank=mesh.rank,
         )
 
     def _create_engine(self, model: torch.nn.Module, cfg: Config, trace: TraceRecorder) -> Any:
@@ -212,6 +231,29 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ConfigValueError('trainer.device: "cuda" requested but no CUDA device is available')
     return torch.device(name)
+
+
+def trace_name(mesh: Mesh) -> str:
+    """trace.jsonl for a single process; trace.rank<R>.jsonl for each rank of a data-parallel run."""
+    return f"trace.rank{mesh.rank}.jsonl" if mesh.distributed else "trace.jsonl"
+
+
+def agree_run_dir(requested: Optional[str], mesh: Mesh, collectives: Optional[Collectives]) -> Path:
+    """Rank 0 makes the run directory (refusing an earlier run's) and every rank takes its path, or raises the
+    error rank 0 met, so no rank is left waiting."""
+    outcome: Any = None
+    if mesh.is_main:
+        try:
+            run_dir = make_run_dir(requested)
+            refuse_an_earlier_run(run_dir)
+            outcome = str(run_dir)
+        except (ConfigValueError, RunDirInUseError) as err:
+            outcome = err
+    if collectives is not None:
+        outcome = collectives.broadcast_object(outcome, 0, "the run directory")
+    if isinstance(outcome, Exception):
+        raise outcome
+    return Path(outcome)
 
 
 def make_run_dir(requested: Optional[str]) -> Path:

@@ -96,7 +96,8 @@ def run_jobs(rank: int, world: int, specs: list, tmp: str) -> dict:
 
 
 def die_mid_step(rank: int, world: int, spec: dict, tmp: str) -> dict:
-    """Rank 1 dies (os._exit) after the forward of step 1, before its collectives; the others must raise."""
+    """Rank 1 dies (os._exit) after the forward of step 1, before its collectives (or first hangs for
+    spec['hang'] seconds); the others must raise."""
     build, _, loss_fn = CASES[spec["model"]]
     engine = angel_ptm.initialize(build(), config_of(spec, world, os.path.join(tmp, "die")))
     batches = micro_batches(spec["model"], 4 * world)
@@ -104,8 +105,8 @@ def die_mid_step(rank: int, world: int, spec: dict, tmp: str) -> dict:
     for step in range(3):
         loss = loss_fn(engine, *batches[step * world + rank])
         if step == 1 and rank == 1:
-            if spec.get("hang"):
-                time.sleep(3600)
+            if spec.get("hang"):  # hung for that many seconds (longer than parallel.timeout_s), then gone
+                time.sleep(spec["hang"])
             os._exit(3)
         t0 = time.perf_counter()
         engine.backward(loss)

@@ -1,0 +1,109 @@
+"""Launch modes of data parallelism: torchrun running the CLI, dead and hung peers, and jobs that differ by rank."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from dist_harness import free_port, spawn, values
+from dist_jobs import die_mid_step, job, start_with
+
+JOB = """\
+model: {vocab_size: 256, seq_len: 32, n_layer: 2, n_head: 2, dim: 64}
+data: {batch_size: 4, seed: 7}
+trainer: {steps: 4, eval_every: 2, eval_steps: 2, device: cpu, grad_clip: 1.0}
+memory: {page_bytes: 64KiB, device_budget: 640KiB, host_budget: 512KiB}
+parallel: {zero: 3, timeout_s: 60}
+lr_schedule: {warmup_steps: 2}
+"""
+
+
+def cli(*args, env=None, **kwargs):
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", **(env or {})), **kwargs)
+
+
+def metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def peaks(trace_path):
+    top = {}
+    with open(trace_path) as f:
+        for line in f:
+            in_use = json.loads(line).get("in_use")
+            for tier, n in (in_use or {}).items():
+                top[tier] = max(top.get(tier, 0), n)
+    return top
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("launch")
+    (tmp / "job.yaml").write_text(JOB)
+    two = cli("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+              "-m", "angel_ptm", "train", str(tmp / "job.yaml"), "--no-progress", "--set", f"run.dir={tmp / 'two'}")
+    one = cli("-m", "angel_ptm", "train", str(tmp / "job.yaml"), "--no-progress",
+              "--set", f"run.dir={tmp / 'one'}", "--set", "trainer.grad_accum=2")
+    estimate = cli("-m", "angel_ptm", "estimate", str(tmp / "job.yaml"), "--world-size", "2", "--json")
+    return tmp, two, one, estimate
+
+
+def test_torchrun_two_ranks_log_the_losses_of_one_rank_with_grad_accum_2(launched):
+    tmp, two, one, _ = launched
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert one.returncode == 0, one.stderr[-3000:]
+    drop = ("tokens_per_s", "step_s", "in_use", "moved", "stall_s", "deviations", "planned_moves", "replanned")
+    strip = lambda rows: [{k: v for k, v in row.items() if k not in drop} for row in rows]  # noqa: E731
+    assert strip(metrics(tmp / "two")) == strip(metrics(tmp / "one"))  # loss, lr, grad_norm, val_loss: exact
+    assert two.stdout.count("final train loss") == 1  # rank 0 reports the run
+
+
+def test_every_rank_writes_its_trace_and_rank_0_the_metrics(launched):
+    tmp = launched[0]
+    assert sorted(p.name for p in (tmp / "two").iterdir()) == \
+        ["config.yaml", "metrics.jsonl", "pages", "trace.rank0.jsonl", "trace.rank1.jsonl"]
+    assert list((tmp / "two" / "pages").iterdir()) == []  # each rank's page files (pages/rank<R>) removed
+
+
+def test_the_estimate_for_two_ranks_is_within_10_percent_of_each_ranks_measured_peaks(launched):
+    tmp, _, _, estimate = launched
+    assert estimate.returncode == 0, estimate.stderr
+    expected = {tier: t["peak"] for tier, t in json.loads(estimate.stdout)["tiers"].items()}
+    assert all(expected.values())  # pages on every tier
+    for rank in (0, 1):
+        measured = peaks(tmp / "two" / f"trace.rank{rank}.jsonl")
+        for tier, n in expected.items():
+            assert measured[tier] == pytest.approx(n, rel=0.10), (rank, tier, measured[tier], n)
+
+
+def test_a_rank_killed_mid_step_ends_the_other_with_a_collective_error_at_once(tmp_path):
+    t0 = time.monotonic()
+    results = spawn(2, die_mid_step, (job("die", timeout_s=60), str(tmp_path)), tmp_path, timeout_s=120)
+    assert results[1]["type"] == "exited"  # os._exit without a result
+    assert results[0]["type"] == "CollectiveError", results[0]
+    assert results[0]["message"].startswith("rank 0 of 2: ")
+    assert "a peer rank died or hung" in results[0]["message"]
+    assert time.monotonic() - t0 < 60  # seen long before parallel.timeout_s
+
+
+def test_a_hung_rank_ends_the_other_with_a_collective_error_after_parallel_timeout_s(tmp_path):
+    results = spawn(2, die_mid_step, (job("hang", timeout_s=3, hang=10), str(tmp_path)), tmp_path, timeout_s=60)
+    assert results[0]["type"] == "CollectiveError", results[0]
+    assert "failed after 3." in results[0]["message"] and "(parallel.timeout_s 3)" in results[0]["message"]
+
+
+def test_ranks_with_different_configs_or_a_mesh_the_world_does_not_divide_refuse_to_start(tmp_path):
+    spec = job("mismatch", rank_overrides={"1": {"optimizer": {"lr": 0.5}}})
+    results = spawn(2, start_with, (spec, str(tmp_path)), tmp_path, timeout_s=120)
+    for rank, result in enumerate(results):
+        assert result["type"] == "ConfigMismatchError", result
+        assert result["message"].startswith(f"rank {rank}: ranks [1] started with a different config than rank 0")
+    spec = job("dp3", rank_overrides={"0": {"parallel": {"dp": 3}}, "1": {"parallel": {"dp": 3}}})
+    results = spawn(2, start_with, (spec, str(tmp_path)), tmp_path, timeout_s=120)
+    for result in results:
+        assert result["type"] == "DistributedError", result
+        assert result["message"] == "parallel.dp: 3 does not divide the world size 2"
