@@ -43,7 +43,6 @@ from angel_ptm.parallel import Ownership, init_mesh, rank_device
 from angel_ptm.parallel.collectives import Collectives
 from angel_ptm.parallel.data_parallel import (DataParallel, SingleRank, broadcast_module, check_same_job,
                                               config_digest)
-from angel_ptm.parallel.ownership import gather_capacity
 from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import (load_model_state_dict, load_optimizer_state_dict, model_state_dict,
                                   optimizer_state_dict)
@@ -110,7 +109,7 @@ class Engine:
                                        self.device, disk_dir, page_bytes,
                                        slack_bytes=self._min_device_pages * page_bytes,
                                        share=self.mesh.local_world_size,
-                                       gathered_bytes=self.estimate.gather_pages * page_bytes)
+                                       gathered_bytes=own.remote_count(self.layout.n_pages) * page_bytes)
 
         if self.mesh.local_world_size > 1:  # the processes on this machine share its cores
             set_adam_threads(max(1, (os.cpu_count() or 1) // self.mesh.local_world_size))
@@ -185,7 +184,7 @@ class Engine:
                                     updates=own.updated)
         self.data_parallel = SingleRank() if self.collectives is None else DataParallel(
             self.collectives, own, self.manager, self.layout, self.pages, update_tier,
-            gather_capacity(self.estimate.largest_unit_groups))
+            self.estimate.gather_groups)
         if self.data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
             self.binder.param_access = self.data_parallel.gatherer
         # Distinct tensors on each page: every last micro-batch counts them down as their gradients become final.

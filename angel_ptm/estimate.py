@@ -44,7 +44,7 @@ from angel_ptm.memory.budgets import (device_reserve_pages, disk_reservations, p
                                      start_tiers)
 from angel_ptm.memory.disk_dir import check_disk_dir
 from angel_ptm.models import GPT, build_model, estimate_activation_bytes
-from angel_ptm.parallel.ownership import Ownership, gather_capacity, gathered_device_pages
+from angel_ptm.parallel.ownership import Ownership, gather_capacity, gather_reserve, min_gather_device_pages
 
 CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # creation order: parameters last, so warmest
 # Mixed precision (trainer.dtype bfloat16/float16): fp32 master weights get pages of their own, created with the
@@ -115,7 +115,8 @@ class Estimate:
     gpu_memory_given: bool = False  # the GPU's memory came from the caller (a GPU not present here), not from CUDA
     zero: int = 0  # ZeRO stage (parallel.zero; no effect with one rank)
     largest_unit_groups: int = 1  # page groups the largest unit and those around it span (ZeRO-3 gathers them)
-    gather_pages: int = 0  # ZeRO-3: device slots the gathered page groups take at most (in the device's needs)
+    gather_groups: int = 0  # ZeRO-3: page groups kept gathered at once (parallel/ownership.gather_capacity)
+    gather_pages: int = 0  # ZeRO-3: device slots those groups take at most
     collective_bytes: dict = field(default_factory=dict)  # per step, bytes this rank hands to each collective
 
     @property
@@ -164,7 +165,7 @@ class Estimate:
         if self.gather_pages:
             lines.append(f"  gathered parameter pages up to {self.gather_pages} on the device "
                          f"({format_bytes(self.gather_pages * self.page_bytes)}: "
-                         f"{gather_capacity(self.largest_unit_groups)} page groups of {self.world_size})")
+                         f"{self.gather_groups} page groups of {self.world_size})")
         if self.collective_bytes:
             lines.append("  collectives per step: " + ", ".join(
                 f"{name} {format_bytes(n)}" for name, n in self.collective_bytes.items()))
@@ -245,13 +246,20 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     largest_name, largest = largest_unit(model, layout, units)
     names = {id(p): n for n, p in model.named_parameters()}
     _, chain_groups = device_pages_at_once(units, lambda p: {i // own.dp for i in layout.slot(names[id(p)]).pages})
-    gather_pages = gathered_device_pages(chain_groups, own.dp) if own.gathers else 0
+    remote_pages = own.remote_count(layout.n_pages)  # ZeRO-3: other ranks' parameter pages, gathered here in turn
     planned = plan_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes, device, page_bytes,
                            gpu_free=gpu_free, ram_available=ram_available, slack_bytes=largest * page_bytes,
-                           share=local_world_size, gathered_bytes=gather_pages * page_bytes)
+                           share=local_world_size, gathered_bytes=remote_pages * page_bytes)
     budgets = {"device": planned.device, "host": planned.host, "disk": planned.disk}
     slots = {tier: budgets[tier] // page_bytes for tier in TIERS}
     update = update_tier(device, slots["device"], slots["host"], n_states, group)
+    gather_groups = gather_pages = gather_min = 0
+    if own.gathers:
+        reserve = gather_reserve(max(len(slot.segments) for slot in layout.slots),
+                                 group if update == "device" else 0)
+        gather_min = min_gather_device_pages(chain_groups, own.dp, reserve)
+        gather_groups = gather_capacity(chain_groups, own.dp, slots["device"], reserve, layout.n_pages // own.dp)
+        gather_pages = gather_groups * own.dp
     disk_reserved = sum(disk_reservations(counts, slots["disk"]).values())
     reserve = device_reserve_pages(slots["device"], n_states + gather_pages, max(largest, gather_pages))
     start = place_pages(counts, slots, reserve, page_bytes, kinds)
@@ -273,10 +281,11 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if largest * page_bytes > budgets["device"]:
         problems.append(Problem("device", largest * page_bytes, budgets["device"],
                                 f"unit '{largest_name}' ({largest} pages of {format_bytes(page_bytes)})"))
-    if gather_pages * page_bytes > budgets["device"]:
-        problems.append(Problem("device", gather_pages * page_bytes, budgets["device"],
-                                f"ZeRO-3's gathered parameter groups ({gather_capacity(chain_groups)} groups of "
-                                f"{own.dp} pages of {format_bytes(page_bytes)})"))
+    if gather_min > slots["device"]:
+        problems.append(Problem("device", gather_min * page_bytes, budgets["device"],
+                                f"ZeRO-3's gathered parameter groups ({chain_groups} groups of {own.dp} pages of "
+                                f"{format_bytes(page_bytes)}) beside {gather_min - chain_groups * own.dp} pages of "
+                                f"this rank's own"))
     staging = staging_host_pages(largest, on_disk=bool(needed_on_disk or start.disk))
     if slots["host"] < staging:
         problems.append(Problem("host", staging * page_bytes, slots["host"] * page_bytes,
@@ -306,11 +315,10 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
                                 + " in available RAM"))
 
     # ZeRO-3: the other ranks' pages of the gathered groups, as many as the gatherer keeps (or the model has)
-    gathered = min(gather_capacity(chain_groups) * (own.dp - 1), layout.n_pages - counts["param"]) \
-        if own.gathers else 0
+    gathered = min(gather_groups * (own.dp - 1), remote_pages) if own.gathers else 0
     peaks = expected_peaks(counts, slots, start, update, kinds, gathered)
     needed = {
-        "device": max(largest, gather_pages, group if update == "device" else 0) * page_bytes,
+        "device": max(largest, gather_min, group if update == "device" else 0) * page_bytes,
         "host": max(start.host_needed, group if update == "host" else 0, staging,
                     1 if needed_on_disk else 0) * page_bytes,
         "disk": needed_on_disk,
@@ -336,7 +344,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         tiers=tiers, problems=tuple(problems),
         master_note=STALE_MASTER_NOTE if config.trainer.dtype == "float32" else MIXED_MASTER_NOTE,
         gpu_memory_given=gpu_memory is not None,
-        zero=own.stage, largest_unit_groups=chain_groups, gather_pages=gather_pages,
+        zero=own.stage, largest_unit_groups=chain_groups, gather_groups=gather_groups, gather_pages=gather_pages,
         collective_bytes=collective_bytes(own, layout, page_bytes),
     )
 

@@ -18,7 +18,7 @@ from angel_ptm.errors import CollectiveError
 from angel_ptm.parallel.mesh import Mesh
 from angel_ptm.trace.recorder import TraceRecorder
 
-SUM, MAX = dist.ReduceOp.SUM, dist.ReduceOp.MAX
+SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 
 
 class Collectives:
@@ -56,9 +56,17 @@ class Collectives:
             self.trace.interval("comm", f"{name} {what}", start, self.trace.now(), bytes=nbytes)
         return result
 
-    def all_gather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, what: str) -> None:
-        """outputs[r] <- rank r's `tensor` (outputs[self.rank] may be `tensor` itself: gathered in place)."""
-        self._run("all_gather", what, _nbytes(tensor), dist.all_gather, list(outputs), tensor)
+    def all_gather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, what: str,
+                   async_op: bool = False):
+        """outputs[r] <- rank r's `tensor` (outputs[self.rank] may be `tensor` itself: gathered in place). With
+        `async_op` it returns at once with a handle whose `wait()` returns when the outputs are filled (the
+        transfer runs on the process group's own threads or stream) and raises a CollectiveError if it failed."""
+        if not async_op:
+            self._run("all_gather", what, _nbytes(tensor), dist.all_gather, list(outputs), tensor)
+            return None
+        work = self._run("all_gather", what, _nbytes(tensor), dist.all_gather, list(outputs), tensor,
+                         async_op=True)
+        return Pending(self, work, what)
 
     def reduce_scatter(self, output: torch.Tensor, inputs: Sequence[torch.Tensor], what: str) -> None:
         """output <- the sum over ranks of their inputs[self.rank]."""
@@ -84,3 +92,13 @@ class Collectives:
 
 def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
+
+
+class Pending:
+    """A collective in flight: `wait()` blocks until it is done, with the same typed error as a blocking call."""
+
+    def __init__(self, collectives: Collectives, work, what: str):
+        self.collectives, self.work, self.what = collectives, work, what
+
+    def wait(self) -> None:
+        self.collectives._run("wait", self.what, 0, self.work.wait)

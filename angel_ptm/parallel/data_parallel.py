@@ -18,7 +18,7 @@ from torch import nn
 
 from angel_ptm.errors import ConfigMismatchError
 from angel_ptm.memory import Page, PageLayout, PageManager, Tier
-from angel_ptm.parallel.collectives import Collectives
+from angel_ptm.parallel.collectives import MIN, Collectives
 from angel_ptm.parallel.ownership import Ownership
 from angel_ptm.parallel.zero import GradSync, ParamGatherer
 
@@ -48,8 +48,11 @@ class DataParallel:
                  pages: dict[str, list[Page | None]], update_tier: Tier, gather_capacity: int):
         self.collectives, self.ownership = collectives, ownership
         self.sync = GradSync(manager, layout, pages, collectives, ownership, update_tier)
-        self.gatherer = ParamGatherer(manager, pages["param"], collectives, ownership, gather_capacity) \
-            if ownership.gathers else None
+        self.gatherer = None
+        if ownership.gathers:  # the same capacity everywhere (auto GPU budgets differ by free memory): the least
+            agreed = torch.tensor([float(gather_capacity)])
+            collectives.all_reduce(agreed, "ZeRO-3 gather capacity", op=MIN)
+            self.gatherer = ParamGatherer(manager, pages["param"], collectives, ownership, int(agreed.item()))
 
     def finish_grads(self, without: set[str], overflow: bool) -> tuple[set[str], bool]:
         """Once per step, after the last backward (the engine calls it before the norm and the update)."""

@@ -49,6 +49,10 @@ class Ownership:
         """Pages of `kind` this rank creates out of the `n_pages` the layout has."""
         return sum(1 for i in range(n_pages) if self.local(kind, i))
 
+    def remote_count(self, n_pages: int) -> int:
+        """Parameter pages of the `n_pages` that exist here as REMOTE pages (gathered in turn, ZeRO-3)."""
+        return sum(1 for i in range(n_pages) if self.remote("param", i))
+
     def updated(self, index: int) -> bool:
         """This rank's optimizer updates page group `index` (stage 0: every rank updates every group)."""
         return self.stage == 0 or self.dp == 1 or self.owns(index)
@@ -59,13 +63,20 @@ class Ownership:
         return self.sharded("param")
 
 
-def gather_capacity(chain_groups: int) -> int:
-    """Page groups a stage-3 rank keeps gathered at once: those of the largest unit and the units around it (all
-    pinned while that unit runs), plus one, so that a unit's backward finds the groups its forward gathered when
-    units alternate (the last forward unit is the first backward one)."""
-    return chain_groups + 1
+def gather_reserve(max_tensor_pages: int, update_pins: int) -> int:
+    """Device slots a ZeRO-3 rank keeps for its own pages while gathered groups are held (pinned): the gradient
+    pages of one tensor (written during backward), one optimizer update's pages when the update runs on the
+    device (gathered groups are held until the step is over), and one for a page on its way."""
+    return max_tensor_pages + update_pins + 1
 
 
-def gathered_device_pages(chain_groups: int, dp: int) -> int:
-    """Device slots the gathered groups take at most: every page of each held group (the owned one comes up too)."""
-    return gather_capacity(chain_groups) * dp
+def gather_capacity(chain_groups: int, dp: int, device_slots: int, reserve: int, n_groups: int) -> int:
+    """Page groups a ZeRO-3 rank keeps gathered at once: every group the device has room for beside `reserve`
+    (more held groups: fewer gathered again in backward, more gathered ahead), at least the groups of the largest
+    unit with the units around it (all pinned while it runs), at most every group."""
+    return min(n_groups, max(chain_groups, (device_slots - reserve) // dp))
+
+
+def min_gather_device_pages(chain_groups: int, dp: int, reserve: int) -> int:
+    """The fewest device slots ZeRO-3 runs with: the largest unit's chain of groups, gathered, beside `reserve`."""
+    return chain_groups * dp + reserve

@@ -16,6 +16,7 @@ there without a second all-gather; a group is dropped only by that LRU or at the
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter, OrderedDict
 from typing import Sequence
@@ -28,64 +29,146 @@ from angel_ptm.parallel.ownership import Ownership
 
 
 class ParamGatherer:
-    """Stage 3: a unit's parameter pages that other ranks own are all-gathered (by page group) before it computes."""
+    """Stage 3: a unit's parameter pages that other ranks own are all-gathered (by page group) before it computes.
+
+    The first step records the sequence of group accesses (the same on every rank: the model's unit order). Later
+    steps follow it: after each access the gatherer starts the all-gathers of the groups the next accesses need
+    (asynchronously: the communication runs while this unit computes), as far as `capacity` groups allow, making
+    room by dropping the held group whose next use is farthest. A step that leaves the recording (an evaluation
+    pass, data-dependent control flow) gathers on demand for the rest of that step. The step's end drops every
+    group (the owners' pages changed) and starts gathering the first groups of the next step."""
+
+    LOOKAHEAD = 8  # accesses ahead whose groups may be gathered early
 
     def __init__(self, manager: PageManager, param_pages: list[Page], collectives: Collectives,
-                 ownership: Ownership, capacity: int):
+                 ownership: Ownership, capacity: int, tier: Tier = Tier.DEVICE):
         self.manager, self.param_pages, self.comm, self.own = manager, param_pages, collectives, ownership
         self.capacity = max(1, capacity)
+        self.tier = tier
         self.dp = ownership.dp
         self.held: OrderedDict[int, list[Page]] = OrderedDict()  # group -> its remote pages held here, LRU first
+        self.pending: dict[int, tuple[object, Page]] = {}  # group -> (its all-gather in flight, the owned page)
         self.gathers = 0  # all-gathers issued, cumulative
+        self.prefetched = 0  # of them, issued ahead of their access
         self._in_use: Counter = Counter()  # group -> pages of it acquired through this gatherer and not released
+        self._recording: list[tuple[int, ...]] | None = []  # the first step's group accesses, while recorded
+        self._sequence: list[tuple[int, ...]] = []
+        self._uses: dict[int, list[int]] = {}  # group -> positions in the sequence
+        self._cursor = 0
+        self._following = False
 
     def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None) -> None:
-        groups = list(dict.fromkeys(page.index // self.dp for page in pages))
+        groups = tuple(dict.fromkeys(page.index // self.dp for page in pages))
+        self._advance(groups)
         for group in groups:
             if group in self.held:
                 self.held.move_to_end(group)
+                self._settle(group)
             else:
                 self._make_room(keep=groups)
-                self._gather(group, tier)
+                self._start(group)
+                self._settle(group)
         self.manager.acquire(pages, tier, label=label)
         for page in pages:
             self._in_use[page.index // self.dp] += 1
+        if self._following:
+            self._prefetch()
 
     def release(self, pages: Sequence[Page]) -> None:
         self.manager.release(pages)
         for page in pages:
             self._in_use[page.index // self.dp] -= 1
 
-    def _make_room(self, keep: Sequence[int]) -> None:
-        """Drop least recently used groups past the capacity; a group in use (acquired through this gatherer and
-        not released: counted by group, so the same on every rank, whichever page of it a rank owns) or needed by
-        this access stays, so the capacity is a target, not a hard bound."""
-        for group in list(self.held):
-            if len(self.held) < self.capacity:
-                return
-            if group in keep or self._in_use[group]:
-                continue
-            self.manager.drop_remote(self.held.pop(group))
+    def _advance(self, groups: tuple[int, ...]) -> None:
+        """Follow the recorded sequence: this access is the next one, or the step has left it."""
+        if self._recording is not None:
+            self._recording.append(groups)
+        elif self._following:
+            if self._cursor < len(self._sequence) and self._sequence[self._cursor] == groups:
+                self._cursor += 1
+            else:
+                self._following = False
 
-    def _gather(self, group: int, tier: Tier) -> None:
+    def _next_use(self, group: int) -> float:
+        uses = self._uses.get(group, ())
+        i = bisect.bisect_left(uses, self._cursor)
+        return uses[i] if i < len(uses) else float("inf")
+
+    def _make_room(self, keep: Sequence[int], before: float = float("inf")) -> bool:
+        """Drop held groups until fewer than `capacity` are held: the one used farthest ahead (least recently used
+        when not following the recording) that is neither in use (counted by group, so the same on every rank,
+        whichever page of it a rank owns), in flight, nor needed by this access; with `before`, only one whose next
+        use comes after that position. False if none could go: the capacity is a target, not a hard bound."""
+        while len(self.held) >= self.capacity:
+            victims = [g for g in self.held if g not in keep and not self._in_use[g] and g not in self.pending]
+            if self._following:
+                if before != float("inf"):  # a prefetch: only for a group needed sooner than the victim
+                    victims = [g for g in victims if self._next_use(g) > before]
+                victims.sort(key=lambda g: -self._next_use(g))  # stable: among equals, least recently used first
+            if not victims:
+                return False
+            self.manager.drop_remote(self.held.pop(victims[0]))
+        return True
+
+    def _prefetch(self) -> None:
+        last = min(len(self._sequence), self._cursor + self.LOOKAHEAD)
+        for position in range(self._cursor, last):
+            for group in self._sequence[position]:
+                if group in self.held:
+                    continue
+                if not self._make_room(keep=self._sequence[position], before=position):
+                    return
+                self._start(group)
+                self.prefetched += 1
+
+    def _start(self, group: int) -> None:
+        """Issue the all-gather of `group` into slots held for its remote pages (the owned page stays pinned as its
+        input until the gather has landed)."""
         first = group * self.dp
         pages = self.param_pages[first : first + self.dp]
         own = pages[self.own.rank]
         remote = [page for page in pages if page is not own]
-        self.manager.acquire([own], tier)
+        self.manager.acquire([own], self.tier)
         try:
-            self.manager.hold_remote(remote, tier)
-            self.held[group] = remote
-            self.comm.all_gather([page.buffer for page in pages], own.buffer, what=f"param group {group}")
-        finally:
+            self.manager.hold_remote(remote, self.tier)
+        except BaseException:
             self.manager.release([own])
+            raise
+        self.held[group] = remote
+        handle = self.comm.all_gather([page.buffer for page in pages], own.buffer, what=f"param group {group}",
+                                      async_op=True)
+        self.pending[group] = (handle, own)
         self.gathers += 1
 
-    def clear(self) -> None:
-        """Drop every held group (the owners' pages changed: the next use gathers the new values)."""
+    def _settle(self, group: int) -> None:
+        entry = self.pending.pop(group, None)
+        if entry is not None:
+            handle, own = entry
+            try:
+                handle.wait()
+            finally:
+                self.manager.release([own])
+
+    def drop_all(self) -> None:
+        """Drop every held group (once its gather has landed)."""
+        for group in list(self.pending):
+            self._settle(group)
         while self.held:
             _, remote = self.held.popitem(last=False)
             self.manager.drop_remote(remote)
+
+    def clear(self) -> None:
+        """The step is over (the owners' pages changed): drop every held group, then start gathering the first
+        groups of the next step."""
+        self.drop_all()
+        if self._recording is not None:
+            self._sequence, self._recording = self._recording, None
+            for position, groups in enumerate(self._sequence):
+                for group in groups:
+                    self._uses.setdefault(group, []).append(position)
+        self._cursor, self._following = 0, bool(self._sequence)
+        if self._following:
+            self._prefetch()
 
 
 class GradSync:

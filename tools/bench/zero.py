@@ -71,8 +71,10 @@ def engine_step(engine, x, y):
 
 
 def replay_own_pages(engine, trace):
-    """The scheduled step's accesses of this rank's own pages, acquired and released in order, no compute."""
+    """The scheduled step's accesses of this rank's own pages, acquired and released in order, no compute
+    (ZeRO-3: the collectives are (b)'s)."""
     manager, pages = engine.manager, engine.manager.pages
+    engine.data_parallel.gatherer.drop_all()  # no gathered copies: the device is this rank's pages' alone
     for access in trace.accesses:
         group = [pages[pid] for pid in access.pages if pages[pid].home is None]
         if not group:
