@@ -14,7 +14,8 @@ from test_engine_equivalence import train_plain
 
 STAGES = [1, 2, 3]
 JOBS = (
-    [job(f"zero{z}-{p}", zero=z, placement=p) for z in STAGES for p in PLACEMENTS]
+    [job(f"zero{z}-{p}", zero=z, placement=p, state_dicts=p == "device+host+disk") for z in STAGES
+     for p in PLACEMENTS]
     + [job("zero0-device+host+disk", zero=0)]
     + [job("zero3-on_demand", zero=3, scheduler="on_demand")]
     + [job(f"zero{z}-clip", zero=z, clip=0.05) for z in STAGES]
@@ -95,6 +96,14 @@ def test_each_placement_uses_its_tiers_on_every_rank(two_ranks, placement):
             assert moved["device->host"] > 0, rank
         if placement == "device+host+disk":
             assert moved["host->disk"] > 0 and moved["disk->host"] > 0, rank
+
+
+@pytest.mark.parametrize("zero", STAGES)
+def test_state_dicts_read_from_every_rank_equal_one_ranks_bitwise(two_ranks, zero, tmp_path):
+    name = f"zero{zero}-device+host+disk"
+    alone = one_rank(BY_NAME[name], 2, tmp_path)["states"]
+    for rank in (0, 1):
+        assert two_ranks[rank][name]["states"] == alone, rank  # model.state_dict() and AdamW's state, every tensor
 
 
 def test_zero3_gathers_parameter_groups_and_stages_1_2_do_not_gather_before_use(two_ranks):

@@ -55,7 +55,7 @@ class DelayedUpdates:
         self.pending = dict.fromkeys(order)
         self._without_grad = frozenset(without_grad)
         self._per_point = math.ceil(len(self.pending) / self._n_points)
-        self.optimizer.begin_step()
+        self.optimizer.begin_step(self._without_grad)
         if not self.pending:
             self.optimizer.end_step()
 

@@ -45,6 +45,8 @@ class PagedAdamW:
         self._stepped: set[str] = set()
         self.failed_group: int | None = None  # a page group whose update raised part-way (the step is torn)
         self.slot_steps = {slot.name: 0 for slot in layout.slots}  # steps each tensor took (torch's state["step"])
+        self._trainable = {slot.name for slot in layout.slots if not layout.frozen(slot)}
+        self._step_without: frozenset[str] | None = None
         self.grad_scale = 1.0  # applied to every gradient this step (clipping), reset when the step closes
         self.use_fused = fused  # CPU-resident groups: the fused native Adam (angel_ptm.optim.fused_adam)
         self.mixed = "master" in pages  # fp32 master pages next to the param pages the model computes with
@@ -109,14 +111,21 @@ class PagedAdamW:
         indices = self.local_indices if order is None else order  # frozen tensors' pages: no gradient, no update
         if order is not None and sorted(order) != self.local_indices:
             raise ValueError(f"order must list each of the {len(self.local_indices)} page groups this rank updates once")
-        self.begin_step()
+        self.begin_step(without_grad)
         for index in indices:
             if index not in self._updated:
                 self.update_group(index, without_grad)
         self.end_step()
 
     def end_step(self) -> None:
-        """Close the open step (every page group of it updated, or deliberately left as it is)."""
+        """Close the open step (every page group of it updated, or deliberately left as it is). Tensors that had a
+        gradient but live on page groups another rank updates (data parallelism) count their step here, so every
+        rank keeps the same per-tensor step counts (the optimizer state dict's `step`)."""
+        if self._in_step and self._step_without is not None:
+            for name in self.slot_steps:
+                if name not in self._step_without and name not in self._stepped and name in self._trainable:
+                    self._stepped.add(name)
+                    self.slot_steps[name] += 1
         self._in_step = False
         self.grad_scale = 1.0
 
@@ -131,9 +140,12 @@ class PagedAdamW:
             self.step_count -= 1
         self.grad_scale = 1.0
 
-    def begin_step(self) -> None:
-        """Open an optimizer step (idempotent until `step` closes it); groups may then be updated one by one."""
+    def begin_step(self, without_grad: frozenset[str] | set[str] | None = None) -> None:
+        """Open an optimizer step (idempotent until `step` closes it); groups may then be updated one by one.
+        `without_grad`, when known: the tensors without a gradient this step (the others count a step each when
+        it closes, wherever they are updated)."""
         if not self._in_step:
+            self._step_without = None if without_grad is None else frozenset(without_grad)
             self._in_step = True
             self.step_count += 1
             self.step_lr = self.lr
