@@ -1,0 +1,153 @@
+"""ZeRO's page logic at 8 ranks, cheaply: torch's threaded process group (one thread per rank, one process), real
+page managers, no engine. Ownership, the gradient reduction, the norm and the stage-3 gatherer."""
+
+import math
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from angel_ptm.memory import BufferPool, PageManager, Tier, build_layout
+from angel_ptm.parallel.collectives import Collectives
+from angel_ptm.parallel.mesh import Mesh
+from angel_ptm.parallel.ownership import Ownership
+from angel_ptm.parallel.zero import GradSync, ParamGatherer
+
+WORLD = 8
+PAGE = 4096  # 1024 fp32 elements
+
+
+def model():
+    torch.manual_seed(0)  # 3 tensors over 12 pages, padded to 16: two groups of 8
+    return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 63, bias=False))
+
+
+def run_threaded(fn):
+    """fn(rank) in WORLD threads over torch's threaded process group; every rank's return value."""
+    mtpg = pytest.importorskip("torch.testing._internal.distributed.multi_threaded_pg")
+    mtpg._install_threaded_pg()
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)  # each thread its own group registry
+    store, results, errors = dist.HashStore(), [None] * WORLD, []
+
+    def main(rank):
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=WORLD, store=store)
+            results[rank] = fn(rank)
+        except BaseException as exc:  # noqa: BLE001
+            errors.append((rank, exc))
+            raise
+
+    threads = [threading.Thread(target=main, args=(r,)) for r in range(WORLD)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+        mtpg._uninstall_threaded_pg()
+    assert not errors, errors
+    return results
+
+
+def setup(rank, stage):
+    layout = build_layout(model(), PAGE, dp_world_size=WORLD)
+    own = Ownership(rank, WORLD, stage)
+    manager = PageManager(BufferPool(Tier.DEVICE, PAGE, 64 * PAGE), BufferPool(Tier.HOST, PAGE, 64 * PAGE))
+    pages = {"grad": [manager.create_page("grad", torch.float32, index=i) for i in range(layout.n_pages)]}
+    pages["param"] = [manager.create_page("param", torch.float32, index=i) if own.local("param", i) else
+                      manager.create_remote_page("param", torch.float32, i, own.home(i))
+                      for i in range(layout.n_pages)]
+    comm = Collectives(Mesh(rank=rank, world_size=WORLD, local_rank=rank, local_world_size=WORLD, dp=WORLD,
+                            backend="threaded"))
+    return layout, own, manager, pages, comm
+
+
+def rank_gradient(rank, index):
+    """Rank `rank`'s gradient page `index`: distinct small integers, so every sum is exact."""
+    return torch.arange(PAGE // 4, dtype=torch.float32) % 7 + rank * 10 + index
+
+
+def test_every_page_of_every_kind_has_exactly_one_owner_at_8_ranks():
+    layout = build_layout(model(), PAGE, dp_world_size=WORLD)
+    assert layout.n_pages % WORLD == 0
+    for stage, sharded in ((1, ("exp_avg", "master")), (3, ("exp_avg", "param"))):
+        for kind in sharded:
+            holders = [[r for r in range(WORLD) if Ownership(r, WORLD, stage).local(kind, i)]
+                       for i in range(layout.n_pages)]
+            assert holders == [[i % WORLD] for i in range(layout.n_pages)]
+    assert sum(Ownership(r, WORLD, 3).remote_count(layout.n_pages) for r in range(WORLD)) == \
+        layout.n_pages * (WORLD - 1)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_the_reduction_leaves_each_owner_the_mean_gradient_at_8_ranks(stage):
+    def rank_main(rank):
+        layout, own, manager, pages, comm = setup(rank, stage)
+        for i, page in enumerate(pages["grad"]):
+            manager.acquire([page], Tier.HOST)
+            page.view(torch.float32).copy_(rank_gradient(rank, i))
+            manager.release([page], dirty=True)
+        GradSync(manager, layout, pages, comm, own, Tier.HOST).reduce(without_grad=set())
+        out = {}
+        for i in range(layout.trainable_pages):
+            if not layout.tensors_on(i):
+                continue  # padding of the last group: no tensor, nothing to reduce
+            if own.owns(i):
+                out[i] = pages["grad"][i].view(torch.float32).clone()
+            else:  # another rank's gradient: dropped, never written back
+                assert pages["grad"][i].dead
+        return out
+
+    results = run_threaded(rank_main)
+    for rank, owned in enumerate(results):
+        for i, value in owned.items():
+            expected = sum(rank_gradient(r, i) for r in range(WORLD)) / WORLD
+            assert torch.equal(value, expected), (rank, i)
+
+
+def test_the_norm_of_pages_summed_on_8_ranks_equals_one_process_exactly():
+    squares = {i: float(rank_gradient(3, i).double().square().sum()) / (i + 1) for i in range(16)}
+
+    def rank_main(rank):
+        layout, own, manager, pages, comm = setup(rank, 2)
+        mine = {i: v for i, v in squares.items() if own.owns(i) and i < layout.trainable_pages}
+        return GradSync(manager, layout, pages, comm, own, Tier.HOST).grad_norm(mine)
+
+    layout = build_layout(model(), PAGE, dp_world_size=WORLD)
+    expected = math.sqrt(math.fsum(v for i, v in squares.items() if i < layout.trainable_pages))
+    assert run_threaded(rank_main) == [expected] * WORLD
+
+
+def test_the_stage_3_gatherer_fills_every_page_with_its_owners_values_and_follows_the_recording():
+    accesses = [[0, 1, 2], [9, 10], [3], [12, 13, 14, 15], [0, 9]]  # page indices, as units would acquire them
+
+    def rank_main(rank):
+        layout, own, manager, pages, comm = setup(rank, 3)
+        for i, page in enumerate(pages["param"]):
+            if page.home is None:
+                manager.acquire([page], Tier.HOST)
+                page.view(torch.float32).fill_(100 * i + rank)
+                manager.release([page], dirty=True)
+        gatherer = ParamGatherer(manager, pages["param"], comm, own, capacity=1)
+        seen, gathers = [], []
+        for step in range(3):
+            before = gatherer.gathers
+            for access in accesses:
+                wanted = [pages["param"][i] for i in access]
+                gatherer.acquire(wanted, Tier.DEVICE)
+                seen.append([float(p.view(torch.float32)[0]) for p in wanted])
+                gatherer.release(wanted)
+            gathers.append(gatherer.gathers - before)
+            gatherer.clear()
+        return seen, gathers, gatherer.prefetched
+
+    results = run_threaded(rank_main)
+    for seen, gathers, prefetched in results:
+        # every page holds its owner's value (100 i + owner), on every rank, every time
+        expected = [[100 * i + i % WORLD for i in access] for access in accesses] * 3
+        assert seen == expected
+        assert gathers == results[0][1] and prefetched == results[0][2]  # the same collectives on every rank
+    assert results[0][2] > 0  # steps after the first gathered ahead
