@@ -179,6 +179,15 @@ def run_viz(args: argparse.Namespace) -> int:
     from angel_ptm.config import format_bytes
     from angel_ptm.viz import build_report
 
+    from angel_ptm.viz.ranks import build_rank_reports, rank_traces
+
+    if rank_traces(args.run_dir) and not (Path(args.run_dir) / "trace.jsonl").exists():  # a torchrun run
+        with warnings_to_stderr("angel_ptm.viz"):
+            ranks = build_rank_reports(args.run_dir, args.output)
+        print(f"report: {ranks.html_path} ({len(ranks.ranks)} ranks side by side)")
+        for result in ranks.ranks:
+            print(f"  {result.html_path.name}, {result.chrome_path.name}: {result.events:,} events")
+        return 0
     with warnings_to_stderr("angel_ptm.viz"):
         result = build_report(args.run_dir, args.output, args.chrome_trace)
     print(f"report: {result.html_path} ({format_bytes(result.html_bytes)})")

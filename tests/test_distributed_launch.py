@@ -107,3 +107,16 @@ def test_ranks_with_different_configs_or_a_mesh_the_world_does_not_divide_refuse
     for result in results:
         assert result["type"] == "DistributedError", result
         assert result["message"] == "parallel.dp: 3 does not divide the world size 2"
+
+
+def test_viz_of_a_torchrun_run_shows_every_rank_side_by_side(launched):
+    tmp = launched[0]
+    result = cli("-m", "angel_ptm", "viz", str(tmp / "two"))
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # gathered copies and their drops are events the report knows
+    assert "(2 ranks side by side)" in result.stdout
+    index = (tmp / "two" / "report.html").read_text()
+    for rank in (0, 1):
+        assert f'<iframe src="report.rank{rank}.html" title="rank {rank}">' in index
+        assert "angel-ptm report" in (tmp / "two" / f"report.rank{rank}.html").read_text()
+        assert (tmp / "two" / f"trace.rank{rank}.chrome.json").stat().st_size > 0

@@ -101,7 +101,7 @@ class PageManager:
                 raise
             page.transition(RESTING_STATE[tier])
             page.mark_dirty()
-            self._emit("gather", page, None, tier)
+            self._emit("alloc", page, None, tier, src_rank=page.home)  # filled by a gather from its home
             buffers.append(page.buffer)
         return buffers
 
@@ -118,7 +118,7 @@ class PageManager:
             self.pools[src].free(page.buffer)
             page.buffer = None
             page.transition(PageState.REMOTE)
-            self._emit("drop", page, src, None)
+            self._emit("drop", page, src, "remote")
 
     # ------------------------------------------------------------------ public moves
     def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None) -> None:
@@ -409,7 +409,7 @@ class PageManager:
             self.pools[src].free(page.buffer)
             page.buffer = None
             page.transition(PageState.REMOTE)
-            self._emit("drop", page, src, None)
+            self._emit("drop", page, src, "remote")
             return
         # A clean page leaving the device is dropped, unless the host has a free slot: keeping it there costs a
         # copy and may save a disk read later (so is an untouched one). A dead page is always dropped. (`target`:
@@ -541,9 +541,9 @@ class PageManager:
             "disk": self.disk.used_bytes if self.disk else 0,
         }
 
-    def _emit(self, event: str, page: Page, src: Tier | None, dst: Tier | None, **extra) -> None:
+    def _emit(self, event: str, page: Page, src: Tier | None, dst: Tier | str | None, **extra) -> None:
         self.trace.event(event, page=page.name, kind=page.kind, src=src.value if src else None,
-                         dst=dst.value if dst else None, nbytes=page.nbytes,
+                         dst=dst.value if isinstance(dst, Tier) else dst, nbytes=page.nbytes,
                          in_use=self.in_use() if self.trace.enabled else None, **extra)
 
     def close(self, remove_files: bool = True) -> None:

@@ -50,10 +50,12 @@ class ReportResult:
 
 def build_report(run_dir: str | os.PathLike, output: Optional[str | os.PathLike] = None,
                  chrome_trace: Optional[str | os.PathLike] = None,
-                 limits: DigestLimits = DigestLimits()) -> ReportResult:
+                 limits: DigestLimits = DigestLimits(), trace_file: str = TRACE_FILE,
+                 title: str = "") -> ReportResult:
+    """The report of one trace of `run_dir` (`trace_file`: trace.jsonl, or one rank's trace.rank<R>.jsonl)."""
     started = time.perf_counter()
     run_dir = Path(run_dir)
-    trace_path = _trace_path(run_dir)
+    trace_path = _trace_path(run_dir, trace_file)
     html_path = Path(output) if output is not None else run_dir / REPORT_FILE
     chrome_path = Path(chrome_trace) if chrome_trace is not None else run_dir / CHROME_FILE
     for path in (html_path, chrome_path):
@@ -83,9 +85,9 @@ def build_report(run_dir: str | os.PathLike, output: Optional[str | os.PathLike]
         chrome.abort()
         raise
 
-    warnings = issues.warnings(TRACE_FILE)
+    warnings = issues.warnings(trace_file)
     if issues.lines == 0:
-        warnings.append(f"{TRACE_FILE} is empty: the run wrote no events (it may have stopped before its first step)")
+        warnings.append(f"{trace_file} is empty: the run wrote no events (it may have stopped before its first step)")
     for lane, count in stats.merged_lanes.items():
         warnings.append(f"{chrome_path.name}: lane {lane!r} has more than {chrome.max_intervals_per_lane:,} "
                         f"intervals; {count:,} later ones are merged where they nearly touch")
@@ -96,7 +98,7 @@ def build_report(run_dir: str | os.PathLike, output: Optional[str | os.PathLike]
     data["loss"] = table.loss.export()
     for warning in warnings:
         log.warning(warning)
-    page = render_report(f"angel-ptm report: {run_dir.resolve().name}", data,
+    page = render_report(f"angel-ptm report: {run_dir.resolve().name}{title}", data,
                          _facts(run_dir, trace_bytes, issues, digest, stats.path), warnings, table, digest.marks,
                          summarize(digest.step_time, table))
     _write_text(html_path, page)
@@ -107,14 +109,14 @@ def build_report(run_dir: str | os.PathLike, output: Optional[str | os.PathLike]
     )
 
 
-def _trace_path(run_dir: Path) -> Path:
+def _trace_path(run_dir: Path, trace_file: str = TRACE_FILE) -> Path:
     if not run_dir.exists():
         raise RunDirError(f"run directory not found: {run_dir}")
     if not run_dir.is_dir():
         raise RunDirError(f"not a run directory (not a directory): {run_dir}")
-    trace_path = run_dir / TRACE_FILE
+    trace_path = run_dir / trace_file
     if not trace_path.is_file():
-        raise RunDirError(f"no {TRACE_FILE} in run directory {run_dir} (angel-ptm train writes one into each run "
+        raise RunDirError(f"no {trace_file} in run directory {run_dir} (angel-ptm train writes one into each run "
                           f"directory)")
     return trace_path
 

@@ -81,6 +81,8 @@ class PageResidency:
             self._rows[key] = [merge_sums(values) for values in seconds]
 
     def _category(self, tier: Optional[str]) -> int:
+        if tier == "remote":  # ZeRO-3: a copy of another rank's page dropped; its home is that rank's
+            return ABSENT
         category = _TIER_CATEGORY.get(tier)  # type: ignore[arg-type]
         if category is None:
             self.unknown_tiers.add(str(tier))

@@ -1,0 +1,73 @@
+"""The report of a data-parallel run: one report per rank's trace (trace.rank<R>.jsonl), and an index page that
+shows them side by side with each rank's headline figures, so a slow or stalled rank stands out.
+
+    result = build_rank_reports("runs/<run>")   # report.html (the index), report.rank<R>.html, trace.rank<R>.chrome.json
+"""
+
+from __future__ import annotations
+
+import html
+import os
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from angel_ptm.errors import RunDirError
+from angel_ptm.viz.report import REPORT_FILE, ReportResult, build_report
+
+RANK_TRACE = re.compile(r"^trace\.rank(\d+)\.jsonl$")
+
+
+@dataclass(frozen=True)
+class RankReports:
+    html_path: Path  # the index
+    ranks: tuple[ReportResult, ...]
+    seconds: float
+
+    @property
+    def events(self) -> int:
+        return sum(r.events for r in self.ranks)
+
+
+def rank_traces(run_dir: str | os.PathLike) -> dict[int, str]:
+    """rank -> trace file name of a data-parallel run directory (empty for a single-process run)."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        return {}
+    found = {int(m.group(1)): name for name in os.listdir(run_dir) if (m := RANK_TRACE.match(name))}
+    return dict(sorted(found.items()))
+
+
+def build_rank_reports(run_dir: str | os.PathLike, output: Optional[str | os.PathLike] = None) -> RankReports:
+    started = time.perf_counter()
+    run_dir = Path(run_dir)
+    traces = rank_traces(run_dir)
+    if not traces:
+        raise RunDirError(f"no trace.rank<R>.jsonl in {run_dir}")
+    index = Path(output) if output is not None else run_dir / REPORT_FILE
+    results = []
+    for rank, name in traces.items():
+        results.append(build_report(run_dir, index.with_name(f"{index.stem}.rank{rank}{index.suffix}"),
+                                    run_dir / f"trace.rank{rank}.chrome.json", trace_file=name,
+                                    title=f" (rank {rank} of {len(traces)})"))
+    _write_index(index, run_dir, list(traces), results)
+    return RankReports(index, tuple(results), time.perf_counter() - started)
+
+
+def _write_index(path: Path, run_dir: Path, ranks: list[int], results: list[ReportResult]) -> None:
+    frames = "".join(
+        f'<section><h2>rank {rank}</h2><p>{r.events:,} events, {len(r.warnings)} warning(s) · '
+        f'<a href="{html.escape(r.html_path.name)}">open</a> · '
+        f'<a href="{html.escape(r.chrome_path.name)}">Chrome trace</a></p>'
+        f'<iframe src="{html.escape(r.html_path.name)}" title="rank {rank}"></iframe></section>'
+        for rank, r in zip(ranks, results))
+    page = (f"<!doctype html><meta charset=utf-8><title>angel-ptm report: {html.escape(run_dir.resolve().name)}"
+            f" ({len(ranks)} ranks)</title><style>body{{font-family:system-ui,sans-serif;margin:1em}}"
+            f".ranks{{display:grid;grid-template-columns:repeat({min(len(ranks), 4)},1fr);gap:1em}}"
+            f"iframe{{width:100%;height:80vh;border:1px solid #ccc}}</style>"
+            f"<h1>angel-ptm report: {html.escape(run_dir.resolve().name)}, {len(ranks)} data-parallel ranks</h1>"
+            f"<p>Each rank's report, side by side (metrics.jsonl is rank 0's: losses are the mean over ranks).</p>"
+            f'<div class="ranks">{frames}</div>')
+    path.write_text(page, encoding="utf-8")
