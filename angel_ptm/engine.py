@@ -23,13 +23,15 @@ from torch import nn
 from angel_ptm.binding import ParamBinder
 from angel_ptm.config import Config, config_to_dict, load_config
 from angel_ptm.errors import BudgetError, ChecksumError, ConfigValueError, EngineFailedError, PageIOError
-from angel_ptm.estimate import CREATION_ORDER, compute_dtype, creation_order, estimate_job
-from angel_ptm.estimate import update_tier as update_tier_of
+from angel_ptm.estimate import estimate_job
 from angel_ptm.inputs import to_device
 from angel_ptm.io import create_engine
 from angel_ptm.lr import lr_at, schedule_given
 from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
-from angel_ptm.memory.budgets import device_reserve_pages, disk_reservations, resolve_budgets, start_tiers
+from angel_ptm.memory.budgets import resolve_budgets
+from angel_ptm.memory.placement import (CREATION_ORDER, compute_dtype, creation_order, device_reserve_pages,
+                                        disk_reservations, start_tiers)
+from angel_ptm.memory.placement import update_tier as update_tier_of
 from angel_ptm.memory.disk_dir import page_dir, remove_dead_page_dirs
 from angel_ptm.memory.layout import TensorSlot
 from angel_ptm.memory.materialize import (MaterializeReport, has_meta_parameters, materialize_buffers,
@@ -49,7 +51,7 @@ from angel_ptm.state_dict import (load_model_state_dict, load_optimizer_state_di
 from angel_ptm.trace import TraceRecorder
 from angel_ptm.units import UnitsSpec, find_units
 
-STATE_KINDS = CREATION_ORDER  # the fp32 job's kinds in creation order (estimate.creation_order: per job)
+STATE_KINDS = CREATION_ORDER  # the fp32 job's kinds in creation order (placement.creation_order: per job)
 
 
 class Engine:
@@ -172,7 +174,7 @@ class Engine:
                                    activation_bytes=lambda: self.binder.activation_bytes, trace=self.trace)
         opt = config.optimizer
         group = len(self.kinds)  # one optimizer update pins a page of each kind
-        pools = self.manager.pools  # the estimate's rule (estimate.update_tier: why the host on a CPU)
+        pools = self.manager.pools  # placement.update_tier says why the host on a CPU
         update_tier = Tier(update_tier_of(self.device, pools[Tier.DEVICE].capacity, pools[Tier.HOST].capacity,
                                           n_states, group))
         if self.manager.pools[update_tier].capacity < group:
@@ -202,7 +204,7 @@ class Engine:
     def _start_tiers(self, n_states: int) -> list[Tier]:
         """Where each new page rests (kinds in creation order): the host while it has room, then the device (which
         keeps the largest unit's pages free), then the host again in place of the oldest pages there, which are
-        created on disk instead, dead: the zeros they hold are never written (memory.budgets.start_tiers)."""
+        created on disk instead, dead: the zeros they hold are never written (memory.placement.start_tiers)."""
         pools = self.manager.pools
         reserve = device_reserve_pages(pools[Tier.DEVICE].capacity, n_states + self.estimate.gather_pages,
                                        self._min_device_pages)

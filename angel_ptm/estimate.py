@@ -12,7 +12,7 @@ runs the same estimate at start and refuses a job that cannot fit, with these nu
 The peaks follow how the engine fills its tiers. Pages are created kind by kind (`CREATION_ORDER`), on the host
 while it has room, then on the device (which keeps the largest layer's pages free), then on the host again, each new
 page taking the place of the oldest host page, which is created on disk instead (dead: its zeros are never written,
-but it has its disk slot); `place_pages` replays that exactly (memory.budgets.start_tiers, as the engine does), so
+but it has its disk slot); `place_pages` replays that exactly (memory.placement.start_tiers, as the engine does), so
 the host peaks at its budget (or at every page). The step then brings every parameter and gradient page (and the
 optimizer states, when the update runs on the device) up to the device, which fills up to its budget. A page written
 to disk keeps its home slot there (a clean copy is dropped, not rewritten), so the disk's bytes in use count the
@@ -37,38 +37,20 @@ import torch
 from torch import nn
 
 from angel_ptm.config import Config, format_bytes, load_config
-from angel_ptm.errors import BudgetError, ConfigValueError
-from angel_ptm.memory import PageLayout, Tier, build_layout, compute_device
+from angel_ptm.errors import ConfigValueError
+from angel_ptm.memory import PageLayout, build_layout, compute_device
 from angel_ptm.units import PagingUnit, device_pages_at_once, find_units
-from angel_ptm.memory.budgets import (device_reserve_pages, disk_reservations, plan_budgets, staging_host_pages,
-                                     start_tiers)
+from angel_ptm.memory.budgets import plan_budgets
+from angel_ptm.memory.placement import (CREATION_ORDER, Problem, StartPlacement, compute_dtype, creation_order,
+                                        device_reserve_pages, disk_reservations, place_pages, staging_host_pages,
+                                        update_tier)
 from angel_ptm.memory.disk_dir import check_disk_dir
 from angel_ptm.models import GPT, build_model, estimate_activation_bytes
 from angel_ptm.parallel.ownership import Ownership, gather_capacity, gather_reserve, min_gather_device_pages
 
-CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # creation order: parameters last, so warmest
-# Mixed precision (trainer.dtype bfloat16/float16): fp32 master weights get pages of their own, created with the
-# other optimizer-only kinds (colder than the parameters and gradients the forward and backward touch). So do fp32
-# weights under optimizer.staleness 1: the delayed update writes the master while the step computes with the params.
-MIXED_CREATION_ORDER = ("exp_avg_sq", "exp_avg", "master", "grad", "param")
 MIXED_MASTER_NOTE = "param and grad pages hold bf16/fp16 in half their bytes"
 STALE_MASTER_NOTE = "optimizer.staleness 1: the delayed update writes it while a step computes with the param pages"
-UPDATE_GROUP = 4  # pages one optimizer update pins at once: param, grad, exp_avg, exp_avg_sq of one index (fp32)
-DISK_GROWTH_SLOTS = 16  # DiskTier.growth_slots: slots a kind's page file grows by past its reservation
 TIERS = ("device", "host", "disk")
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One reason the job cannot run: the arguments of the BudgetError that `Estimate.check` raises."""
-
-    tier: str
-    requested: int
-    available: int
-    what: str
-
-    def error(self) -> BudgetError:
-        return BudgetError(self.tier, self.requested, self.available, what=self.what)
 
 
 @dataclass(frozen=True)
@@ -187,17 +169,6 @@ class Estimate:
         else:
             lines += [f"fits: no: {p.error()}" for p in self.problems]
         return "\n".join(lines)
-
-
-def creation_order(config: Config) -> tuple[str, ...]:
-    """The page kinds of the job, in the order the engine creates them (one optimizer update pins one of each)."""
-    separate_master = config.trainer.dtype != "float32" or config.optimizer.staleness == 1
-    return MIXED_CREATION_ORDER if separate_master else CREATION_ORDER
-
-
-def compute_dtype(config: Config) -> Optional[torch.dtype]:
-    """The mixed-precision compute dtype (bf16 / fp16), or None for fp32 (the parameters are the master weights)."""
-    return None if config.trainer.dtype == "float32" else getattr(torch, config.trainer.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- the estimate
@@ -370,78 +341,6 @@ def largest_unit(model: nn.Module, layout: PageLayout, units: Sequence[PagingUni
     """The paging unit whose forward pins the most param pages on the device at once, and that count."""
     names = {id(p): n for n, p in model.named_parameters()}
     return device_pages_at_once(units, lambda param: layout.slot(names[id(param)]).pages)
-
-
-def update_tier(device: torch.device, device_slots: int, host_slots: int, n_state_pages: int,
-                group: int = UPDATE_GROUP) -> str:
-    """Where the optimizer updates a page group (the engine's choice too). On a GPU, the device (the host-side
-    update is the fused CPU Adam's job). On a CPU-only machine both tiers are CPU memory, so when the states do not
-    all fit on the device tier the update runs on the host: bringing optimizer states up to the device tier and back
-    would only copy them twice per step. `group`: the pages one update pins (one per kind)."""
-    if device.type == "cuda" or device_slots >= n_state_pages:
-        return "device" if device_slots >= group else "host"
-    return "host" if host_slots >= group else "device"
-
-
-@dataclass
-class StartPlacement:
-    """Where pages rest once all are created, per tier (pages), and what creating them needs of the host."""
-
-    device: int = 0
-    host: int = 0
-    disk: int = 0
-    device_kinds: dict = field(default_factory=dict)  # kind -> pages of that kind created on the device
-    disk_kinds: dict = field(default_factory=dict)  # kind -> pages of that kind created on disk
-    host_needed: int = 0  # host slots needed to create every page (what the device and disk cannot take)
-    failure: Optional[Problem] = None
-
-
-def place_pages(counts: dict[str, int], slots: dict[str, int], reserve_on_device: int, page_bytes: int,
-                kinds: tuple[str, ...] = CREATION_ORDER) -> StartPlacement:
-    """Where the engine creates each page (memory.budgets.start_tiers over the creation order `kinds`, `counts[kind]`
-    pages each: PageLayout.kind_pages). A page created on disk is dead (nothing written) but takes its slot in its
-    kind's page file at once (DiskTier: `min(pages of the kind, disk_slots // len(kinds))` reserved per kind, then
-    grown in steps)."""
-    place = StartPlacement()
-    n_kinds = len(kinds)
-    disk_free = {kind: min(counts[kind], slots["disk"] // n_kinds) if slots["disk"] else 0 for kind in kinds}
-    disk_reserved = sum(disk_free.values())
-    device_room = max(0, slots["device"] - reserve_on_device)
-    n_states = sum(counts[kind] for kind in kinds)
-    tiers = start_tiers(n_states, slots["host"], device_room)
-    kind_of = [kind for kind in kinds for _ in range(counts[kind])]
-    for i, tier in enumerate(tiers):
-        kind = kind_of[i]
-        if tier is Tier.DEVICE:
-            place.device += 1
-            place.device_kinds[kind] = place.device_kinds.get(kind, 0) + 1
-        elif tier is Tier.HOST:
-            place.host += 1
-        else:
-            place.disk += 1
-            place.disk_kinds[kind] = place.disk_kinds.get(kind, 0) + 1
-            if place.failure is None and (not slots["host"] or not slots["disk"] or not disk_free[kind]):
-                room = slots["disk"] - disk_reserved
-                if not slots["host"] or not slots["disk"] or room <= 0:
-                    place.failure = _placement_failure(n_states, slots, reserve_on_device, page_bytes)
-                else:
-                    grow = min(DISK_GROWTH_SLOTS, room)
-                    disk_reserved += grow
-                    disk_free[kind] += grow
-            if place.failure is None:
-                disk_free[kind] -= 1
-    place.host_needed = max(0, n_states - device_room - slots["disk"])
-    return place
-
-
-def _placement_failure(states: int, slots: dict[str, int], reserve_on_device: int, page_bytes: int) -> Problem:
-    device_takes = max(0, min(states, slots["device"] - reserve_on_device))
-    disk_takes = slots["disk"]
-    needed = max(1, states - device_takes - disk_takes)  # at least one host slot: pages are created there
-    where = f"a disk tier of {disk_takes} pages" if disk_takes else "no disk tier"
-    return Problem("host", needed * page_bytes, slots["host"] * page_bytes,
-                   f"the {states} state pages at start: the device takes {device_takes} (it keeps "
-                   f"{reserve_on_device} free for the largest layer), {where}")
 
 
 def expected_peaks(counts: dict[str, int], slots: dict[str, int], start: StartPlacement, update: str,

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from dist_harness import free_port, spawn, values
+from dist_harness import free_port, spawn
 from dist_jobs import die_mid_step, job, start_with
 
 JOB = """\

@@ -16,7 +16,8 @@ from angel_ptm import cli
 from angel_ptm import estimate as estimate_module
 from angel_ptm.config import load_config
 from angel_ptm.errors import BudgetError, ConfigValueError
-from angel_ptm.estimate import CREATION_ORDER, estimate_job
+from angel_ptm.estimate import estimate_job
+from angel_ptm.memory.placement import CREATION_ORDER
 from angel_ptm.memory import Tier, build_layout
 from angel_ptm.memory.budgets import plan_budgets, resolve_budgets
 from angel_ptm.models import build_model, estimate_activation_bytes

@@ -10,7 +10,8 @@ import angel_ptm
 from angel_ptm.config import load_config
 from angel_ptm.engine import STATE_KINDS
 from angel_ptm.errors import ConfigTypeError, ConfigValueError
-from angel_ptm.estimate import MIXED_CREATION_ORDER, estimate_job
+from angel_ptm.estimate import estimate_job
+from angel_ptm.memory.placement import MIXED_CREATION_ORDER
 from angel_ptm.memory import build_layout
 from angel_ptm.models import GPT, GPTConfig
 

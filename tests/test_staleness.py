@@ -164,7 +164,7 @@ def test_updates_run_during_the_next_forward(tmp_path):
 
 
 def test_estimate_counts_master_pages_for_fp32_with_staleness_1():
-    from angel_ptm.estimate import creation_order
+    from angel_ptm.memory.placement import creation_order
     from angel_ptm.config import load_config
 
     assert "master" not in creation_order(load_config({"optimizer": {"staleness": 0}}))

@@ -9,7 +9,6 @@ import torch
 
 from angel_ptm.errors import BudgetError
 from angel_ptm.memory.disk_dir import check_disk_dir
-from angel_ptm.memory.page import Tier
 
 
 @dataclass(frozen=True)
@@ -63,47 +62,4 @@ def resolve_budgets(device_budget, host_budget, disk_budget, states_bytes: int, 
     return budgets
 
 
-def device_reserve_pages(device_slots: int, state_pages: int, largest_layer_pages: int) -> int:
-    """Device slots kept free while pages are created: room for the largest layer to come up, unless the device
-    holds every state page (then nothing ever needs to come up)."""
-    return 0 if device_slots >= state_pages else largest_layer_pages
 
-
-def start_tiers(n_new_pages: int, host_slots: int, device_room: int) -> list[Tier]:
-    """Where each of `n_new_pages` pages created in a row rests once all exist, in creation order: the host while it
-    has room, then the device for `device_room` pages, then the host again, each later page taking the host slot of
-    the oldest page there, which rests on disk instead. The engine creates every page directly where it ends up, so
-    the pages that end on disk are made there dead (zeros: nothing is written; a first use gets a cleared slot)."""
-    tiers: list[Tier] = []
-    host_queue: list[int] = []  # pages given a host slot, in order (the oldest leave first)
-    on_device = 0
-    for i in range(n_new_pages):
-        if len(host_queue) >= host_slots and on_device < device_room:
-            tiers.append(Tier.DEVICE)
-            on_device += 1
-        else:
-            tiers.append(Tier.HOST)
-            host_queue.append(i)
-    for i in host_queue[: max(0, len(host_queue) - host_slots)]:
-        tiers[i] = Tier.DISK
-    return tiers
-
-
-def staging_host_pages(unit_pages: int, on_disk: bool) -> int:
-    """Host slots a unit's acquisition needs when pages live on disk: a unit pins all its pages at once, and
-    those that rest on the host or are read from disk stay pinned there until they rise to the device; each one
-    that rises may displace a dirty device page, which needs a host slot of its own. So the host must have one slot
-    more than the unit has pages (then an unpinned host page can always make way, down to disk)."""
-    return unit_pages + 1 if on_disk else 0
-
-
-def disk_reservations(counts: dict[str, int], disk_slots: int) -> dict[str, int]:
-    """Slots each kind's page file reserves up front (the engine fallocates them; the estimate counts them): a slot
-    per page when every page fits the disk budget, else each kind its share of the budget in proportion to its pages
-    (kinds differ in count: frozen tensors have parameter pages only, ZeRO shards some kinds and not others)."""
-    total = sum(counts.values())
-    if not disk_slots or not total:
-        return {kind: 0 for kind in counts}
-    if total <= disk_slots:
-        return dict(counts)
-    return {kind: disk_slots * n // total for kind, n in counts.items()}
