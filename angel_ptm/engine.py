@@ -32,6 +32,7 @@ from angel_ptm.memory.budgets import resolve_budgets
 from angel_ptm.memory.placement import (CREATION_ORDER, compute_dtype, creation_order, device_reserve_pages,
                                         disk_reservations, start_tiers)
 from angel_ptm.memory.placement import update_tier as update_tier_of
+from angel_ptm.memory.store import PageStore
 from angel_ptm.memory.disk_dir import page_dir, remove_dead_page_dirs
 from angel_ptm.memory.layout import TensorSlot
 from angel_ptm.memory.materialize import (MaterializeReport, has_meta_parameters, materialize_buffers,
@@ -132,7 +133,8 @@ class Engine:
             counts = {kind: own.local_count(kind, self.layout.kind_pages(kind)) for kind in self.kinds}
             for kind, slots in disk_reservations(counts, disk.capacity).items():
                 disk.reserve(kind, slots)
-        self.pages = self._create_pages(n_states)
+        self.pages = PageStore.create(self.manager, self.layout, self.kinds, own, iter(self._start_tiers(n_states)),
+                                      PageTensors(self.manager, self.layout, {}).dtype)
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         self._copy_parameters_into_pages()
         if "master" in self.pages:
@@ -209,26 +211,6 @@ class Engine:
         reserve = device_reserve_pages(pools[Tier.DEVICE].capacity, n_states + self.estimate.gather_pages,
                                        self._min_device_pages)
         return start_tiers(n_states, pools[Tier.HOST].capacity, max(0, pools[Tier.DEVICE].capacity - reserve))
-
-    def _create_pages(self, n_states: int) -> dict[str, list]:
-        """Every page this rank holds, kind by kind in creation order, each where it will rest (`_start_tiers`); a
-        parameter page another rank owns (ZeRO-3) is a REMOTE page, and an optimizer-state page it owns (ZeRO-1+) is
-        None here (parallel/ownership.py)."""
-        tiers = iter(self._start_tiers(n_states))
-        dtype_of = PageTensors(self.manager, self.layout, {}).dtype
-        pages: dict[str, list] = {}
-        for kind in self.kinds:
-            pages[kind] = []
-            for i in range(self.layout.kind_pages(kind)):
-                if self.ownership.local(kind, i):  # untouched: every write below goes through acquire
-                    page = self.manager.create_page(kind, dtype_of(kind, i), index=i, tier=next(tiers),
-                                                    untouched=True)
-                elif self.ownership.remote(kind, i):
-                    page = self.manager.create_remote_page(kind, dtype_of(kind, i), i, self.ownership.home(i))
-                else:
-                    page = None
-                pages[kind].append(page)
-        return pages
 
     def _copy_parameters_into_pages(self) -> None:
         """Parameter values into their param pages (the fp32 master pages under mixed precision). A model built on

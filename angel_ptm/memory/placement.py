@@ -16,12 +16,13 @@ import torch
 
 from angel_ptm.errors import BudgetError
 from angel_ptm.memory.page import Tier
+from angel_ptm.memory.store import PageKind
 
-CREATION_ORDER = ("exp_avg_sq", "exp_avg", "grad", "param")  # creation order: parameters last, so warmest
+CREATION_ORDER = (PageKind.EXP_AVG_SQ, PageKind.EXP_AVG, PageKind.GRAD, PageKind.PARAM)  # parameters last: warmest
 # Mixed precision (trainer.dtype bfloat16/float16): fp32 master weights get pages of their own, created with the
 # other optimizer-only kinds (colder than the parameters and gradients the forward and backward touch). So do fp32
 # weights under optimizer.staleness 1: the delayed update writes the master while the step computes with the params.
-MIXED_CREATION_ORDER = ("exp_avg_sq", "exp_avg", "master", "grad", "param")
+MIXED_CREATION_ORDER = (PageKind.EXP_AVG_SQ, PageKind.EXP_AVG, PageKind.MASTER, PageKind.GRAD, PageKind.PARAM)
 UPDATE_GROUP = 4  # pages one optimizer update pins at once: param, grad, exp_avg, exp_avg_sq of one index (fp32)
 DISK_GROWTH_SLOTS = 16  # DiskTier.growth_slots: slots a kind's page file grows by past its reservation
 
