@@ -86,7 +86,7 @@ class _Saved:
 
 class ParamBinder:
     def __init__(self, model: nn.Module, layout: PageLayout, manager: PageManager, param_pages: list[Page],
-                 grad_pages: list[Page], device: torch.device, units: list[PagingUnit]):
+                 grad_pages: list[Page], device: torch.device, units: list[PagingUnit], access):
         self.model, self.layout, self.manager, self.device = model, layout, manager, device
         self.param_pages, self.grad_pages = param_pages, grad_pages
         self.units = units
@@ -111,8 +111,10 @@ class ParamBinder:
         self.before_grad_write = None  # called with a TensorSlot before its gradient is written into its pages
         self.before_unit_forward = None  # called before each unit's forward
         self.read_values: Callable[[TensorSlot], torch.Tensor] | None = None  # a copy of a parameter's values
-        # Acquires parameter pages: the manager, or (ZeRO-3) the gatherer, which first all-gathers their groups.
-        self.param_access = manager
+        # Where pages are acquired: the scheduler (the step's front door), and for parameter pages under ZeRO-3 the
+        # gatherer, which first all-gathers their groups.
+        self.access = access  # acquire(pages, tier, label), release(pages, dirty), discard(pages)
+        self.param_access = self.access
         # A dead gradient page comes back with only its padding zeroed: every tensor's region is overwritten by
         # its first gradient before anything reads it, or never read at all (a tensor without a gradient this step).
         self._padding = _padding_ranges(layout)
@@ -307,7 +309,7 @@ class ParamBinder:
         if self.before_grad_write is not None:
             self.before_grad_write(slot)
         pages = [self.grad_pages[s.page] for s in slot.segments]
-        self.manager.acquire(pages, Tier.DEVICE, label=f"grad:{slot.name}")
+        self.access.acquire(pages, Tier.DEVICE, label=f"grad:{slot.name}")
         first = slot.name not in self._has_grad
         for seg, page in zip(slot.segments, pages):
             region = page.view(slot.dtype)[seg.offset : seg.offset + seg.numel]
@@ -316,7 +318,7 @@ class ParamBinder:
             if self.check_finite:  # the region, not `part`: fp16 sums of finite micro-batch gradients can overflow
                 bad = torch.isfinite(region).all().logical_not_()
                 self._overflow = bad if self._overflow is None else self._overflow.logical_or_(bad)
-        self.manager.release(pages, dirty=True)
+        self.access.release(pages, dirty=True)
         self._has_grad.add(slot.name)
         param.grad = None
         if self.on_grad_ready is not None:

@@ -66,6 +66,8 @@ class Engine:
 
     def _abandon(self) -> None:
         manager, io = getattr(self, "manager", None), getattr(self, "io", None)
+        if getattr(self, "scheduler", None) is not None:
+            self.scheduler.close()
         if manager is not None:
             manager.close(remove_files=True)
         if io is not None:
@@ -129,6 +131,9 @@ class Engine:
             async_copies=mem.scheduler == "planned",  # CPU: host<->device copies on a thread, overlapping compute
             zero_copy=mem.zero_copy,  # without CUDA both pools are plain memory: pages change tier by trading slots
         )
+        # The front door of the step's page accesses: the binder, the optimizer and the gatherer go through it.
+        self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
+                                   activation_bytes=lambda: self.binder.activation_bytes, trace=self.trace)
         if disk is not None:  # one preallocated slot per page and kind: clean copies are dropped, never rewritten
             counts = {kind: own.local_count(kind, self.layout.kind_pages(kind)) for kind in self.kinds}
             for kind, slots in disk_reservations(counts, disk.capacity).items():
@@ -145,7 +150,7 @@ class Engine:
             model.get_submodule(module_name)._buffers[leaf] = buffer.to(self.device)
 
         self.binder = ParamBinder(model, self.layout, self.manager, self.pages["param"], self.pages["grad"],
-                                  self.device, self.units)
+                                  self.device, self.units, access=self.scheduler)
         self.binder.read_values = self.tensors.read_weights
         self._closed = False
         self._steps_done = 0
@@ -172,8 +177,6 @@ class Engine:
         self._ready_slots: set[str] = set()
         self._final_order: list[int] = []  # page indices in the order their gradients became final (last backward)
         self.binder.on_grad_ready = self._grad_ready
-        self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
-                                   activation_bytes=lambda: self.binder.activation_bytes, trace=self.trace)
         opt = config.optimizer
         group = len(self.kinds)  # one optimizer update pins a page of each kind
         pools = self.manager.pools  # placement.update_tier says why the host on a CPU
@@ -183,11 +186,11 @@ class Engine:
             raise BudgetError(update_tier.value, group * page_bytes,
                               self.manager.pools[update_tier].capacity * page_bytes,
                               what=f"the optimizer update (one page each of {', '.join(sorted(self.kinds))})")
-        self.optimizer = PagedAdamW(self.manager, self.layout, self.pages, opt.lr, opt.betas, opt.eps,
+        self.optimizer = PagedAdamW(self.scheduler, self.layout, self.pages, opt.lr, opt.betas, opt.eps,
                                     opt.weight_decay, update_tier, write_params=self.staleness == 0,
                                     updates=own.updated)
         self.data_parallel = SingleRank() if self.collectives is None else DataParallel(
-            self.collectives, own, self.manager, self.layout, self.pages, update_tier,
+            self.collectives, own, self.manager, self.scheduler, self.layout, self.pages, update_tier,
             self.estimate.gather_groups)
         if self.data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
             self.binder.param_access = self.data_parallel.gatherer
@@ -311,11 +314,11 @@ class Engine:
     def _copy_master_into_param(self, index: int, tier: Tier, label: str | None = None) -> None:
         """Param page `index` takes the values of its master page (rounded to nearest even to bf16/fp16)."""
         master, param = self.pages["master"][index], self.pages["param"][index]
-        self.manager.acquire([master, param], tier, label=label)
+        self.scheduler.acquire([master, param], tier, label=label)
         param.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)].copy_(
             master.view(self.layout.state_dtype(index)))
-        self.manager.release([master])
-        self.manager.release([param], dirty=True)
+        self.scheduler.release([master])
+        self.scheduler.release([param], dirty=True)
 
     def flush(self) -> None:
         """staleness 1: finish the pending update and put its result in the parameters (the end of training, or
@@ -384,7 +387,7 @@ class Engine:
         self._finish_grads()
         if self.last_step_skipped:  # nothing updated: parameters, master weights, moments and step counts stay
             self.optimizer.skip_step()
-            self.manager.discard(self.pages["grad"])  # dead: never written back
+            self.scheduler.discard(self.pages["grad"])  # dead: never written back
         else:
             if self.loss_scaler is not None:
                 self.optimizer.scale_grads(1.0 / self.loss_scaler.scale)  # folded into the update's gradient read

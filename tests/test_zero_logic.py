@@ -14,6 +14,7 @@ from angel_ptm.parallel.collectives import Collectives
 from angel_ptm.parallel.mesh import Mesh
 from angel_ptm.parallel.ownership import Ownership
 from angel_ptm.parallel.zero import GradSync, ParamGatherer
+from angel_ptm.schedule import Scheduler
 
 WORLD = 8
 PAGE = 4096  # 1024 fp32 elements
@@ -131,13 +132,13 @@ def test_the_stage_3_gatherer_fills_every_page_with_its_owners_values_and_follow
                 manager.acquire([page], Tier.HOST)
                 page.view(torch.float32).fill_(100 * i + rank)
                 manager.release([page], dirty=True)
-        gatherer = ParamGatherer(manager, pages["param"], comm, own, capacity=1)
+        gatherer = ParamGatherer(manager, pages["param"], comm, own, capacity=1, access=Scheduler(manager))
         seen, gathers = [], []
         for step in range(3):
             before = gatherer.gathers
             for access in accesses:
                 wanted = [pages["param"][i] for i in access]
-                gatherer.acquire(wanted, Tier.DEVICE)
+                gatherer.acquire(wanted, Tier.DEVICE, label=f"fwd:{access}")
                 seen.append([float(p.view(torch.float32)[0]) for p in wanted])
                 gatherer.release(wanted)
             gathers.append(gatherer.gathers - before)

@@ -18,7 +18,7 @@ import torch
 
 from angel_ptm.errors import BudgetError, ChecksumError, PageIOError, PageStateError
 from angel_ptm.memory.device import Copier, CopyHandle
-from angel_ptm.memory.moves import AccessObserver, Hop, Move, Prefetch
+from angel_ptm.memory.moves import Hop, Move, Prefetch
 from angel_ptm.memory.page import RESTING_STATE, Page, PageState, Tier
 from angel_ptm.memory.policy import LRUPolicy, Policy
 from angel_ptm.memory.tiers import BufferPool, DiskTier
@@ -40,7 +40,6 @@ class PageManager:
         self.trace = trace or TraceRecorder(None)
         self.zero_copy = zero_copy and device_pool.can_trade(host_pool)
         self.copier = Copier(device_pool.device, asynchronous=async_copies and not self.zero_copy)
-        self.observer: AccessObserver | None = None
         self.pages: list[Page] = []
         self._moves: dict[int, Move] = {}
         self._pinned: set[int] = set()  # ids of pages with pin_count > 0
@@ -121,14 +120,10 @@ class PageManager:
             self._emit("drop", page, src, "remote")
 
     # ------------------------------------------------------------------ public moves
-    def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None) -> None:
-        """Pin `pages` on `tier` and wait until they are all there. Pair every acquire with a release.
-
-        A `label` (say "fwd:layers.0.attn") marks an access of the training step: the observer (the scheduler)
-        records it, checks it against its plan and issues the moves planned after it."""
-        observer = self.observer if label is not None else None
-        if observer is not None:
-            observer.before_acquire(pages, tier, label)
+    def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE) -> bool:
+        """Pin `pages` on `tier` and wait until they are all there. Pair every acquire with a release. Whether it
+        had to wait (a page was not there yet). The training step's accesses come through the scheduler
+        (schedule/executor.py: Scheduler.acquire), which records them and issues the moves planned after them."""
         self._check_fits(pages, tier)
         waited = False
         for page in pages:
@@ -148,8 +143,7 @@ class PageManager:
                 if page.pin_count == 0:
                     self._pinned.discard(page.id)
             raise
-        if observer is not None:
-            observer.after_acquire(pages, tier, label, waited)
+        return waited
 
     @staticmethod
     def _is_at(page: Page, tier: Tier) -> bool:
@@ -167,8 +161,6 @@ class PageManager:
                 self._pinned.discard(page.id)
             if dirty:
                 page.mark_dirty()
-        if dirty and self.observer is not None:
-            self.observer.on_dirty(pages)
 
     def prefetch(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE) -> Prefetch:
         """Start moving `pages` toward `tier` without waiting (disk reads are issued now)."""
@@ -388,8 +380,6 @@ class PageManager:
                 page.buffer = None
                 page.transition(PageState.DISK)
                 self._emit("drop", page, src, Tier.DISK)
-        if self.observer is not None:
-            self.observer.on_discard(pages)
 
     def _start_up(self, page: Page) -> None:
         """Issue one upward move: disk -> host (read) or host -> device (copy)."""

@@ -1,11 +1,10 @@
-"""The vocabulary of page moves: one move in flight, a prefetch handle, what `try_hop` did, and the observer the
-PageManager reports accesses to (the scheduler)."""
+"""The vocabulary of page moves: one move in flight, a prefetch handle and what `try_hop` did."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -42,18 +41,6 @@ class Prefetch:
 
     def wait(self) -> None:
         self._manager._bring(self.pages, self.tier)
-
-
-class AccessObserver(Protocol):
-    """What the scheduler sees of the manager: every labelled acquire and every dirty release."""
-
-    def before_acquire(self, pages: Sequence[Page], tier: Tier, label: str) -> None: ...
-
-    def after_acquire(self, pages: Sequence[Page], tier: Tier, label: str, waited: bool) -> None: ...
-
-    def on_dirty(self, pages: Sequence[Page]) -> None: ...
-
-    def on_discard(self, pages: Sequence[Page]) -> None: ...
 
 
 class Hop(enum.Enum):

@@ -17,15 +17,17 @@ from typing import Callable
 
 import torch
 
-from angel_ptm.memory import Page, PageLayout, PageManager, Tier
+from angel_ptm.memory import Page, PageLayout, Tier
 from angel_ptm.optim.fused_adam import fused_adamw_
 
 
 class PagedAdamW:
-    def __init__(self, manager: PageManager, layout: PageLayout, pages: dict[str, list[Page]], lr: float,
+    def __init__(self, access, layout: PageLayout, pages: dict[str, list[Page]], lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, update_tier: Tier,
                  fused: bool = True, write_params: bool = True, updates: Callable[[int], bool] | None = None):
-        self.manager, self.layout, self.pages = manager, layout, pages
+        # `access`: acquire/release/discard of pages, the scheduler's (which records the step's accesses) or a
+        # PageManager's
+        self.access, self.layout, self.pages = access, layout, pages
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
         self.step_lr = lr  # the learning rate of the open step (taken when it opens: a delayed update keeps its own)
         self.update_tier = update_tier
@@ -75,13 +77,13 @@ class PagedAdamW:
             if not segments:
                 continue
             grad_page = self.pages["grad"][index]
-            self.manager.acquire([grad_page], self.update_tier, label="opt:norm")
+            self.access.acquire([grad_page], self.update_tier, label="opt:norm")
             view = grad_page.view(self.page_dtypes[index])
             wide = None if view.dtype == torch.float32 else torch.float32  # bf16/fp16 gradients: norms in fp32
             norms = torch.stack([torch.linalg.vector_norm(view[offset : offset + numel], 2.0, dtype=wide)
                                  for offset, numel in segments])
             per_page.append((index, norms.to(torch.float64).square().sum()))
-            self.manager.release([grad_page])
+            self.access.release([grad_page])
         if not per_page:
             return {}
         values = torch.stack([value.cpu() for _, value in per_page]).tolist()  # one sync for every page
@@ -178,7 +180,7 @@ class PagedAdamW:
                 self._stepped.add(name)
                 self.slot_steps[name] += 1
         group = {kind: self.pages[kind][index] for kind in self.group_kinds}
-        self.manager.acquire(list(group.values()), self.update_tier, label="opt:update")
+        self.access.acquire(list(group.values()), self.update_tier, label="opt:update")
         dtype = self.page_dtypes[index]
         if dtype.is_floating_point:
             page_numel, state_dtype = self.layout.page_numel(index), self.layout.state_dtype(index)
@@ -195,9 +197,9 @@ class PagedAdamW:
                         part = slice(offset, offset + numel)
                         self._update(master[part], grad[part], exp_avg[part], exp_avg_sq[part],
                                      self.slot_steps[name], None if copy is None else copy[part])
-        self.manager.release([page for kind, page in group.items() if kind != "grad"], dirty=True)
-        self.manager.release([group["grad"]])
-        self.manager.discard([group["grad"]])  # the gradient is applied: its page is dead until the next backward
+        self.access.release([page for kind, page in group.items() if kind != "grad"], dirty=True)
+        self.access.release([group["grad"]])
+        self.access.discard([group["grad"]])  # the gradient is applied: its page is dead until the next backward
 
     def _update(self, param, grad, exp_avg, exp_avg_sq, step: int, copy: torch.Tensor | None = None) -> None:
         """One AdamW step of `param` (fp32: the master weights under mixed precision); `copy`: a bf16/fp16 tensor

@@ -44,15 +44,16 @@ class SingleRank:
 
 
 class DataParallel:
-    def __init__(self, collectives: Collectives, ownership: Ownership, manager: PageManager, layout: PageLayout,
-                 pages: dict[str, list[Page | None]], update_tier: Tier, gather_capacity: int):
+    def __init__(self, collectives: Collectives, ownership: Ownership, manager: PageManager, access,
+                 layout: PageLayout, pages: dict[str, list[Page | None]], update_tier: Tier, gather_capacity: int):
         self.collectives, self.ownership = collectives, ownership
         self.sync = GradSync(manager, layout, pages, collectives, ownership, update_tier)
         self.gatherer = None
         if ownership.gathers:  # the same capacity everywhere (auto GPU budgets differ by free memory): the least
             agreed = torch.tensor([float(gather_capacity)])
             collectives.all_reduce(agreed, "ZeRO-3 gather capacity", op=MIN)
-            self.gatherer = ParamGatherer(manager, pages["param"], collectives, ownership, int(agreed.item()))
+            self.gatherer = ParamGatherer(manager, pages["param"], collectives, ownership, int(agreed.item()),
+                                          access=access)
 
     def finish_grads(self, without: set[str], overflow: bool) -> tuple[set[str], bool]:
         """Once per step, after the last backward (the engine calls it before the norm and the update)."""

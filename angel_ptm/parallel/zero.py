@@ -41,8 +41,9 @@ class ParamGatherer:
     LOOKAHEAD = 8  # accesses ahead whose groups may be gathered early
 
     def __init__(self, manager: PageManager, param_pages: list[Page], collectives: Collectives,
-                 ownership: Ownership, capacity: int, tier: Tier = Tier.DEVICE):
+                 ownership: Ownership, capacity: int, access, tier: Tier = Tier.DEVICE):
         self.manager, self.param_pages, self.comm, self.own = manager, param_pages, collectives, ownership
+        self.access = access  # the scheduler: the step's accesses go through it
         self.capacity = max(1, capacity)
         self.tier = tier
         self.dp = ownership.dp
@@ -68,14 +69,14 @@ class ParamGatherer:
                 self._make_room(keep=groups)
                 self._start(group)
                 self._settle(group)
-        self.manager.acquire(pages, tier, label=label)
+        self.access.acquire(pages, tier, label=label)
         for page in pages:
             self._in_use[page.index // self.dp] += 1
         if self._following:
             self._prefetch()
 
     def release(self, pages: Sequence[Page]) -> None:
-        self.manager.release(pages)
+        self.access.release(pages)
         for page in pages:
             self._in_use[page.index // self.dp] -= 1
 

@@ -6,7 +6,9 @@ without ever blocking: a move whose page is still travelling, or whose next tier
 head of its queue until a later `pump()` (every access pumps). Compute never waits on the executor: `acquire`
 waits only for the pages it needs, fetching on demand whatever the plan did not bring.
 
-The `Scheduler` is the PageManager's access observer. In the warm-up step it records the trace (LRU evictions,
+The `Scheduler` is the front door of the training step's page accesses: the binder, the optimizer and the ZeRO
+gatherer acquire, release and discard pages through it, and it calls the PageManager (which never calls up). In
+the warm-up step it records the trace (LRU evictions,
 on-demand fetches); at the end of each step it plans the next one from the trace if there is no plan yet or the
 step deviated from it; in a planned step it matches each access against the plan, keeps the Belady policy's clock
 on the plan's position, and hands the moves planned after the access to the executor. An access the plan did not
@@ -190,10 +192,31 @@ class Scheduler:
         self._cursor = 0
         self._matched: int | None = None
         self._t_acquire = 0.0
-        manager.observer = self
 
-    # ------------------------------------------------------------------ the observer
-    def before_acquire(self, pages: Sequence[Page], tier: Tier, label: str) -> None:
+    # ------------------------------------------------------------------ the front door
+    def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None) -> None:
+        """Pin `pages` on `tier` (PageManager.acquire). A `label` (say "fwd:layers.0") marks an access of the
+        training step: it is recorded, matched against the plan, and the moves planned after it are issued."""
+        if label is None or self.paused:
+            self.manager.acquire(pages, tier)
+            return
+        self._before_acquire(pages, tier, label)
+        waited = self.manager.acquire(pages, tier)
+        self._after_acquire(pages, tier, label, waited)
+
+    def release(self, pages: Sequence[Page], dirty: bool = False) -> None:
+        """Unpin `pages` (PageManager.release); a write is recorded, so the plan knows the page must go back."""
+        self.manager.release(pages, dirty=dirty)
+        if dirty and not self.paused:
+            self.recorder.wrote(p.id for p in pages)
+
+    def discard(self, pages: Sequence[Page]) -> None:
+        """`pages` are dead (PageManager.discard); recorded, so the plan drops them instead of saving them."""
+        self.manager.discard(pages)
+        if not self.paused:
+            self.recorder.discarded(p.id for p in pages)
+
+    def _before_acquire(self, pages: Sequence[Page], tier: Tier, label: str) -> None:
         if self.paused:
             return
         t0 = time.perf_counter()
@@ -211,9 +234,7 @@ class Scheduler:
         self._t_acquire = time.perf_counter()
         self.stats.schedule_s += self._t_acquire - t0
 
-    def after_acquire(self, pages: Sequence[Page], tier: Tier, label: str, waited: bool) -> None:
-        if self.paused:
-            return
+    def _after_acquire(self, pages: Sequence[Page], tier: Tier, label: str, waited: bool) -> None:
         t1 = time.perf_counter()
         if waited:
             self.stats.stall_s += t1 - self._t_acquire
@@ -247,14 +268,6 @@ class Scheduler:
         """The Belady clock's position of plan access `serves` (>= n: in the next step)."""
         n = len(self._keys)
         return self._offsets[serves] if serves < n else self._offsets[n] + self._offsets[serves - n]
-
-    def on_dirty(self, pages: Sequence[Page]) -> None:
-        if not self.paused:
-            self.recorder.wrote(p.id for p in pages)
-
-    def on_discard(self, pages: Sequence[Page]) -> None:
-        if not self.paused:
-            self.recorder.discarded(p.id for p in pages)
 
     def _match(self, key: tuple) -> int | None:
         """The plan's index of this access: the next expected one, or one a little further on (the step
@@ -338,8 +351,6 @@ class Scheduler:
 
     def close(self) -> None:
         self.executor.close()
-        if self.manager.observer is self:
-            self.manager.observer = None
 
 
 def _planning_tier(page: Page) -> Tier:

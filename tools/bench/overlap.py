@@ -66,15 +66,15 @@ def train_step(engine, x, y) -> float:
 
 def replay_step(engine, trace: StepTrace) -> float:
     """The scheduled step without compute: its accesses in order, each acquired and released at once."""
-    manager, pages = engine.manager, engine.manager.pages
+    scheduler, pages = engine.scheduler, engine.manager.pages
     t0 = time.perf_counter()
     for access in trace.accesses:
         group = [pages[pid] for pid in access.pages]
-        manager.acquire(group, access.tier, label=access.label)
+        scheduler.acquire(group, access.tier, label=access.label)
         written = [p for p in group if p.id in access.writes]
-        manager.release([p for p in group if p.id not in access.writes])
+        scheduler.release([p for p in group if p.id not in access.writes])
         if written:
-            manager.release(written, dirty=True)
+            scheduler.release(written, dirty=True)
     engine.scheduler.end_step()
     if engine.device.type == "cuda":
         torch.cuda.synchronize(engine.device)

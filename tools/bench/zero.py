@@ -73,17 +73,17 @@ def engine_step(engine, x, y):
 def replay_own_pages(engine, trace):
     """The scheduled step's accesses of this rank's own pages, acquired and released in order, no compute
     (ZeRO-3: the collectives are (b)'s)."""
-    manager, pages = engine.manager, engine.manager.pages
+    scheduler, pages = engine.scheduler, engine.manager.pages
     engine.data_parallel.gatherer.drop_all()  # no gathered copies: the device is this rank's pages' alone
     for access in trace.accesses:
         group = [pages[pid] for pid in access.pages if pages[pid].home is None]
         if not group:
             continue
-        manager.acquire(group, access.tier, label=access.label)
+        scheduler.acquire(group, access.tier, label=access.label)
         written = [p for p in group if p.id in access.writes]
-        manager.release([p for p in group if p.id not in access.writes])
+        scheduler.release([p for p in group if p.id not in access.writes])
         if written:
-            manager.release(written, dirty=True)
+            scheduler.release(written, dirty=True)
     engine.scheduler.end_step()
     sync(engine.device)
 
