@@ -34,7 +34,11 @@ class LRUPolicy:
     def victim(self, candidates: Sequence[int]) -> int:
         if not candidates:
             raise ValueError("no eviction candidates")
-        return min(candidates, key=lambda pid: (self._last_use.get(pid, 0), pid))
+        return min(candidates, key=self.recency)
+
+    def recency(self, page_id: int) -> tuple[int, int]:
+        """(when the page was last accessed, its id): smaller is older (never accessed: the oldest)."""
+        return self._last_use.get(page_id, 0), page_id
 
 
 class BeladyPolicy:
@@ -46,8 +50,9 @@ class BeladyPolicy:
 
     name = "belady"
 
-    def __init__(self, future: Iterable[int] = ()):
-        self._lru = LRUPolicy()
+    def __init__(self, future: Iterable[int] = (), history: LRUPolicy | None = None):
+        """`history`: the recency of the accesses so far (a policy this one replaces keeps its memory)."""
+        self.history = history if history is not None else LRUPolicy()
         self.set_future(future)
 
     def set_future(self, future: Iterable[int], start: int = 0) -> None:
@@ -75,7 +80,7 @@ class BeladyPolicy:
         if not uses or self._now >= self._sequence_length or not self._is_expected(page_id):
             self.deviations += 1
         self._now += 1
-        self._lru.on_access(page_id)
+        self.history.on_access(page_id)
 
     def _is_expected(self, page_id: int) -> bool:
         uses = self._uses[page_id]
@@ -86,7 +91,7 @@ class BeladyPolicy:
         if not candidates:
             raise ValueError("no eviction candidates")
         # Farthest next use first; among equals the least recently used; then the lowest id (deterministic).
-        lru_rank = {pid: (self._lru._last_use.get(pid, 0), pid) for pid in candidates}
+        lru_rank = {pid: self.history.recency(pid) for pid in candidates}
         return max(candidates, key=lambda pid: (self.next_use(pid), tuple(-x for x in lru_rank[pid])))
 
 

@@ -335,9 +335,9 @@ class Scheduler:
                  if op.kind == "fetch" and op.src is Tier.DISK and op.dst is Tier.HOST]
         self._read_at, self._read_page = [at for at, _ in reads], [pid for _, pid in reads]
         sequence = trace.page_sequence()
-        policy = BeladyPolicy(sequence + sequence)  # this step, then the next: the future wraps around
-        policy._lru = manager.policy._lru if isinstance(manager.policy, BeladyPolicy) else _as_lru(manager.policy)
-        manager.policy = policy
+        # This step, then the next (the future wraps around); the recency of past accesses carries over.
+        history = manager.policy.history if isinstance(manager.policy, BeladyPolicy) else _as_lru(manager.policy)
+        manager.policy = BeladyPolicy(sequence + sequence, history=history)
         self.executor.clear()
         self.plan_s = time.perf_counter() - t0
         if self.trace.enabled:
