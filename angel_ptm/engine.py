@@ -21,17 +21,16 @@ import torch
 from torch import nn
 
 from angel_ptm.binding import ParamBinder
-from angel_ptm.config import Config, config_to_dict, load_config
-from angel_ptm.errors import BudgetError, ChecksumError, ConfigValueError, EngineFailedError, PageIOError
+from angel_ptm.config import Config, load_config
+from angel_ptm.errors import ChecksumError, ConfigValueError, EngineFailedError, PageIOError
 from angel_ptm.estimate import estimate_job
 from angel_ptm.inputs import to_device
 from angel_ptm.io import create_engine
 from angel_ptm.lr import lr_at, schedule_given
-from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout, compute_device
+from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout
 from angel_ptm.memory.budgets import resolve_budgets
-from angel_ptm.memory.placement import (CREATION_ORDER, compute_dtype, creation_order, device_reserve_pages,
-                                        disk_reservations, start_tiers)
-from angel_ptm.memory.placement import update_tier as update_tier_of
+from angel_ptm.memory.placement import (CREATION_ORDER, compute_dtype, creation_order, creation_tiers,
+                                        disk_reservations)
 from angel_ptm.memory.store import PageStore
 from angel_ptm.memory.disk_dir import page_dir, remove_dead_page_dirs
 from angel_ptm.memory.layout import TensorSlot
@@ -42,20 +41,16 @@ from angel_ptm.optim.fused_adam import set_threads as set_adam_threads
 from angel_ptm.page_tensors import PageTensors
 from angel_ptm.optim.delayed import DelayedUpdates
 from angel_ptm.optim.loss_scaler import LossScaler
-from angel_ptm.parallel import Ownership, init_mesh, rank_device
-from angel_ptm.parallel.collectives import Collectives
-from angel_ptm.parallel.data_parallel import (DataParallel, SingleRank, broadcast_module, check_same_job,
-                                              config_digest)
+from angel_ptm.parallel.data_parallel import DataParallel, SingleRank, agree_on_job, join
 from angel_ptm.schedule import Scheduler
-from angel_ptm.state_dict import (load_model_state_dict, load_optimizer_state_dict, model_state_dict,
-                                  optimizer_state_dict)
+from angel_ptm.state_dict import StateAccess
 from angel_ptm.trace import TraceRecorder
 from angel_ptm.units import UnitsSpec, find_units
 
 STATE_KINDS = CREATION_ORDER  # the fp32 job's kinds in creation order (placement.creation_order: per job)
 
 
-class Engine:
+class Engine(StateAccess):
     def __init__(self, model: nn.Module, config: Config, trace: TraceRecorder | None = None,
                  units: UnitsSpec = None):
         try:
@@ -65,15 +60,17 @@ class Engine:
             raise
 
     def _abandon(self) -> None:
-        manager, io = getattr(self, "manager", None), getattr(self, "io", None)
-        if getattr(self, "scheduler", None) is not None:
-            self.scheduler.close()
-        if manager is not None:
-            manager.close(remove_files=True)
-        if io is not None:
-            io.close()
+        for part in (getattr(self, name, None) for name in ("scheduler", "manager", "io")):
+            if part is not None:
+                part.close()
+        self._remove_page_files()
+
+    def _remove_page_files(self) -> None:
         if getattr(self, "_page_dir", None):
             shutil.rmtree(self._page_dir, ignore_errors=True)
+            if self.mesh.distributed:  # this rank's folder (disk_dir/rank<R>), once nothing else is in it
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.dirname(self._page_dir))
         if getattr(self, "_own_disk_dir", False) and getattr(self, "_disk_dir", None):
             shutil.rmtree(self._disk_dir, ignore_errors=True)
 
@@ -82,19 +79,14 @@ class Engine:
         self.trace = trace or TraceRecorder(None)
         self._failed: str | None = None  # why the engine refuses every call (a step or a collective failed part-way)
         mem = config.memory
-        # torchrun: the process group from the environment, one GPU per process (parallel/mesh.py)
-        self.mesh = init_mesh(config.parallel, compute_device(config.trainer.device).type)
-        self.device = rank_device(compute_device(config.trainer.device), self.mesh)
-        self.ownership = Ownership(self.mesh.rank, self.mesh.dp, config.parallel.zero)
-        self.collectives = Collectives(self.mesh, self.trace, on_failure=self._collective_failed) \
-            if self.mesh.distributed else None
+        # torchrun: the process group from the environment, one GPU per process, this rank's share of the pages
+        self.mesh, self.device, self.ownership, self.collectives = join(config, self.trace, self._collective_failed)
         self.compute_dtype = compute_dtype(config)  # None: fp32, the parameters are the master weights
         self.kinds = creation_order(config)
         self.layout = build_layout(model, mem.page_bytes, dp_world_size=self.mesh.dp,
                                    compute_dtype=self.compute_dtype)
         if self.collectives is not None:  # same job everywhere, then rank 0's initial values everywhere
-            check_same_job(self.collectives, config_digest(config_to_dict(config)), self.layout)
-            broadcast_module(model, self.collectives)
+            agree_on_job(self.collectives, config, self.layout, model)
         self.units = find_units(model, units)
         page_bytes = mem.page_bytes
         own = self.ownership
@@ -138,7 +130,10 @@ class Engine:
             counts = {kind: own.local_count(kind, self.layout.kind_pages(kind)) for kind in self.kinds}
             for kind, slots in disk_reservations(counts, disk.capacity).items():
                 disk.reserve(kind, slots)
-        self.pages = PageStore.create(self.manager, self.layout, self.kinds, own, iter(self._start_tiers(n_states)),
+        pools = self.manager.pools  # each new page where it will rest (placement.creation_tiers)
+        tiers = creation_tiers(pools[Tier.DEVICE].capacity, pools[Tier.HOST].capacity, n_states,
+                               self.estimate.gather_pages, self._min_device_pages)
+        self.pages = PageStore.create(self.manager, self.layout, self.kinds, own, iter(tiers),
                                       PageTensors(self.manager, self.layout, {}).dtype)
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         self._copy_parameters_into_pages()
@@ -178,14 +173,8 @@ class Engine:
         self._final_order: list[int] = []  # page indices in the order their gradients became final (last backward)
         self.binder.on_grad_ready = self._grad_ready
         opt = config.optimizer
-        group = len(self.kinds)  # one optimizer update pins a page of each kind
-        pools = self.manager.pools  # placement.update_tier says why the host on a CPU
-        update_tier = Tier(update_tier_of(self.device, pools[Tier.DEVICE].capacity, pools[Tier.HOST].capacity,
-                                          n_states, group))
-        if self.manager.pools[update_tier].capacity < group:
-            raise BudgetError(update_tier.value, group * page_bytes,
-                              self.manager.pools[update_tier].capacity * page_bytes,
-                              what=f"the optimizer update (one page each of {', '.join(sorted(self.kinds))})")
+        # Where an update pins its pages (placement.update_tier, resolved by the estimate, which checked they fit)
+        update_tier = Tier(self.estimate.update_tier)
         self.optimizer = PagedAdamW(self.scheduler, self.layout, self.pages, opt.lr, opt.betas, opt.eps,
                                     opt.weight_decay, update_tier, write_params=self.staleness == 0,
                                     updates=own.updated)
@@ -206,15 +195,6 @@ class Engine:
         self._apply_schedule()
 
     # ------------------------------------------------------------------ set-up
-    def _start_tiers(self, n_states: int) -> list[Tier]:
-        """Where each new page rests (kinds in creation order): the host while it has room, then the device (which
-        keeps the largest unit's pages free), then the host again in place of the oldest pages there, which are
-        created on disk instead, dead: the zeros they hold are never written (memory.placement.start_tiers)."""
-        pools = self.manager.pools
-        reserve = device_reserve_pages(pools[Tier.DEVICE].capacity, n_states + self.estimate.gather_pages,
-                                       self._min_device_pages)
-        return start_tiers(n_states, pools[Tier.HOST].capacity, max(0, pools[Tier.DEVICE].capacity - reserve))
-
     def _copy_parameters_into_pages(self) -> None:
         """Parameter values into their param pages (the fp32 master pages under mixed precision). A model built on
         the meta device is materialized straight into them, a module at a time (memory/materialize.py says with
@@ -454,31 +434,6 @@ class Engine:
         """The fp16 loss scale the next backward uses (None: no loss scaling)."""
         return None if self.loss_scaler is None else self.loss_scaler.scale
 
-    def parameter(self, name: str) -> torch.Tensor:
-        """A copy of parameter `name` as it is now (gathered from its pages), in the dtype the model computes with."""
-        return self.state("param", name)
-
-    def master_parameter(self, name: str) -> torch.Tensor:
-        """A copy of the weights the optimizer updates for `name`: the fp32 master under mixed precision."""
-        slot = self.layout.slot(name)
-        return self.tensors.read(self.tensors.weights_kind(slot), slot)
-
-    def state(self, kind: str, name: str) -> torch.Tensor:
-        """A copy of tensor `name` in the pages of `kind` (param, grad, master, exp_avg, exp_avg_sq), on the CPU.
-        Pages are read where they are (a disk page into a scratch buffer): no page changes tier."""
-        return self.tensors.read(kind, self.layout.slot(name))
-
-    def write_parameter(self, name: str, value: torch.Tensor) -> None:
-        """Write `value` into `name`'s weight pages (the master under mixed precision: then `parameters_written`)."""
-        self._check_alive()
-        slot = self.layout.slot(name)
-        self.tensors.write(self.tensors.weights_kind(slot), slot, value)
-
-    def write_state(self, kind: str, name: str, value: torch.Tensor) -> None:
-        """Write `value` into tensor `name`'s pages of `kind` (exp_avg, exp_avg_sq, ...)."""
-        self._check_alive()
-        self.tensors.write(kind, self.layout.slot(name), value)
-
     def parameters_written(self) -> None:
         """After weights were written into master pages: the compute copies (param pages) take them, on every rank."""
         self._copy_masters_into_params()
@@ -490,28 +445,6 @@ class Engine:
             for index in range(self.layout.trainable_pages):  # frozen tensors have no master: param pages only
                 if self.ownership.updated(index):  # ZeRO 1+: this rank's master pages only
                     self._copy_master_into_param(index, tier)
-
-    def state_dict(self) -> dict[str, torch.Tensor]:
-        """`model.state_dict()`'s keys with the real values, on the CPU (angel_ptm/state_dict.py)."""
-        self._check_alive()
-        return model_state_dict(self)
-
-    def load_state_dict(self, state_dict: dict, strict: bool = True):
-        """Write a `model.state_dict()` into the pages (and the model's buffers); as `nn.Module.load_state_dict`."""
-        self._check_alive()
-        self.flush()  # staleness 1: no pending update may land on top of the loaded weights
-        return load_model_state_dict(self, state_dict, strict)
-
-    def optimizer_state_dict(self) -> dict:
-        """The AdamW state in `torch.optim.AdamW.state_dict()`'s format, for `model.parameters()` in order."""
-        self._check_alive()
-        return optimizer_state_dict(self)
-
-    def load_optimizer_state_dict(self, state_dict: dict) -> None:
-        """Take a `torch.optim.AdamW.state_dict()` (moments, step counts, hyperparameters) into the pages."""
-        self._check_alive()
-        self.flush()
-        load_optimizer_state_dict(self, state_dict)
 
     # ------------------------------------------------------------------ failure
     def _check_alive(self) -> None:
@@ -554,12 +487,7 @@ class Engine:
             finally:
                 self.manager.close(remove_files=True)
                 self.io.close()
-                shutil.rmtree(self._page_dir, ignore_errors=True)
-                if self.mesh.distributed:  # this rank's folder (disk_dir/rank<R>), once nothing else is in it
-                    with contextlib.suppress(OSError):
-                        os.rmdir(os.path.dirname(self._page_dir))
-                if self._own_disk_dir:
-                    shutil.rmtree(self._disk_dir, ignore_errors=True)
+                self._remove_page_files()
 
 
 def initialize(model: nn.Module, config=None, trace: TraceRecorder | None = None, units: UnitsSpec = None) -> Engine:

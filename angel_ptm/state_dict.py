@@ -128,3 +128,55 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
     opt.lr = float(group["lr"])
     opt.betas = tuple(float(b) for b in group["betas"])
     opt.eps, opt.weight_decay = float(group["eps"]), float(group["weight_decay"])
+
+
+class StateAccess:
+    """The engine's tensor-level and state-dict surface (mixed into Engine): copies of what the pages hold, in torch's
+    formats, and writes into them. Reads of sharded kinds under data parallelism are collective (PageTensors)."""
+
+    def parameter(self, name: str) -> torch.Tensor:
+        """A copy of parameter `name` as it is now (gathered from its pages), in the dtype the model computes with."""
+        return self.state("param", name)
+
+    def master_parameter(self, name: str) -> torch.Tensor:
+        """A copy of the weights the optimizer updates for `name`: the fp32 master under mixed precision."""
+        slot = self.layout.slot(name)
+        return self.tensors.read(self.tensors.weights_kind(slot), slot)
+
+    def state(self, kind: str, name: str) -> torch.Tensor:
+        """A copy of tensor `name` in the pages of `kind` (param, grad, master, exp_avg, exp_avg_sq), on the CPU.
+        Pages are read where they are (a disk page into a scratch buffer): no page changes tier."""
+        return self.tensors.read(kind, self.layout.slot(name))
+
+    def write_parameter(self, name: str, value: torch.Tensor) -> None:
+        """Write `value` into `name`'s weight pages (the master under mixed precision: then `parameters_written`)."""
+        self._check_alive()
+        slot = self.layout.slot(name)
+        self.tensors.write(self.tensors.weights_kind(slot), slot, value)
+
+    def write_state(self, kind: str, name: str, value: torch.Tensor) -> None:
+        """Write `value` into tensor `name`'s pages of `kind` (exp_avg, exp_avg_sq, ...)."""
+        self._check_alive()
+        self.tensors.write(kind, self.layout.slot(name), value)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """`model.state_dict()`'s keys with the real values, on the CPU (angel_ptm/state_dict.py)."""
+        self._check_alive()
+        return model_state_dict(self)
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """Write a `model.state_dict()` into the pages (and the model's buffers); as `nn.Module.load_state_dict`."""
+        self._check_alive()
+        self.flush()  # staleness 1: no pending update may land on top of the loaded weights
+        return load_model_state_dict(self, state_dict, strict)
+
+    def optimizer_state_dict(self) -> dict:
+        """The AdamW state in `torch.optim.AdamW.state_dict()`'s format, for `model.parameters()` in order."""
+        self._check_alive()
+        return optimizer_state_dict(self)
+
+    def load_optimizer_state_dict(self, state_dict: dict) -> None:
+        """Take a `torch.optim.AdamW.state_dict()` (moments, step counts, hyperparameters) into the pages."""
+        self._check_alive()
+        self.flush()
+        load_optimizer_state_dict(self, state_dict)

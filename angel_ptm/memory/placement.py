@@ -147,6 +147,13 @@ def start_tiers(n_new_pages: int, host_slots: int, device_room: int) -> list[Tie
     return tiers
 
 
+def creation_tiers(device_slots: int, host_slots: int, n_states: int, gathered: int, keep_free: int) -> list[Tier]:
+    """Where each of a rank's `n_states` new pages rests (kinds in creation order): `start_tiers`, the device keeping
+    `keep_free` slots (the largest unit's pages, or ZeRO-3's `gathered` copies) unless it holds everything."""
+    reserve = device_reserve_pages(device_slots, n_states + gathered, keep_free)
+    return start_tiers(n_states, host_slots, max(0, device_slots - reserve))
+
+
 def staging_host_pages(unit_pages: int, on_disk: bool) -> int:
     """Host slots a unit's acquisition needs when pages live on disk: a unit pins all its pages at once, and
     those that rest on the host or are read from disk stay pinned there until they rise to the device; each one

@@ -16,11 +16,30 @@ import json
 import torch
 from torch import nn
 
+from angel_ptm.config import config_to_dict
 from angel_ptm.errors import ConfigMismatchError
-from angel_ptm.memory import Page, PageLayout, PageManager, Tier
+from angel_ptm.memory import Page, PageLayout, PageManager, Tier, compute_device
+from angel_ptm.parallel.mesh import Mesh, init_mesh, rank_device
 from angel_ptm.parallel.collectives import MIN, Collectives
 from angel_ptm.parallel.ownership import Ownership
 from angel_ptm.parallel.zero import GradSync, ParamGatherer
+
+
+def join(config, trace=None, on_failure=None) -> tuple[Mesh, torch.device, Ownership, Collectives | None]:
+    """This process's place in the job: its mesh (torchrun's process group, set up from the environment when
+    nobody did), its compute device (`cuda:LOCAL_RANK` on GPUs), its share of the pages and, with more than one
+    rank, the collectives (`on_failure`: told of a failed collective before it raises)."""
+    mesh = init_mesh(config.parallel, compute_device(config.trainer.device).type)
+    device = rank_device(compute_device(config.trainer.device), mesh)
+    ownership = Ownership(mesh.rank, mesh.dp, config.parallel.zero)
+    collectives = Collectives(mesh, trace, on_failure=on_failure) if mesh.distributed else None
+    return mesh, device, ownership, collectives
+
+
+def agree_on_job(collectives: Collectives, config, layout: PageLayout, model: nn.Module) -> None:
+    """Every rank runs rank 0's job (`check_same_job`) and starts from rank 0's values (`broadcast_module`)."""
+    check_same_job(collectives, config_digest(config_to_dict(config)), layout)
+    broadcast_module(model, collectives)
 
 
 class SingleRank:
