@@ -7,7 +7,7 @@ from torch import nn
 import angel_ptm
 from angel_ptm.errors import ScheduleError
 from angel_ptm.memory import Tier
-from angel_ptm.schedule import Access, Executor, StepTrace, plan_step
+from angel_ptm.schedule import Access, StepTrace, plan_step
 from angel_ptm.schedule.planner import order_updates
 
 from test_engine_equivalence import (CASES, PLACEMENTS, assert_same_losses, gpt, gpt_batches, regression_batches,
@@ -105,36 +105,6 @@ def test_updates_follow_the_order_gradients_become_final():
     assert [a.pages for a in ordered.accesses[6:]] == [(2, 12), (1, 11), (0, 10)]
     plan = plan_step(StepTrace(accesses), {p: H for p in (0, 1, 2, 10, 11, 12)}, {D: 8, H: 8}, PAGE)
     assert plan.update_order == [12, 11, 10]
-
-
-def test_sharded_pages_get_collectives_before_use_and_after_their_gradient():
-    accesses = [Access("fwd:a", (0,), D), Access("fwd:b", (1,), D), Access("grad:b", (3,), D, writes={3}),
-                Access("grad:a", (2,), D, writes={2})]
-    plan = plan_step(StepTrace(accesses), {0: H, 1: H, 2: H, 3: H}, {D: 4, H: 4}, PAGE, sharded=[0, 2, 3])
-    kinds = [(op.kind, op.page) for op in plan.ops]
-    assert ("all_gather", 0) in kinds and ("reduce_scatter", 2) in kinds and ("reduce_scatter", 3) in kinds
-    assert ("all_gather", 1) not in kinds  # page 1 is replicated
-    scatter_at = {op.page: op.at for op in plan.ops if op.kind == "reduce_scatter"}
-    assert scatter_at == {3: 2, 2: 3}  # right after the access that finished each gradient
-
-    calls = []
-
-    class Recorder:
-        def all_gather(self, page):
-            calls.append(("all_gather", page.id))
-
-        def reduce_scatter(self, page):
-            calls.append(("reduce_scatter", page.id))
-
-    class FakePage:
-        def __init__(self, pid):
-            self.id = pid
-
-    manager = type("M", (), {"pages": [FakePage(i) for i in range(4)], "moves_in_flight": 0})()
-    executor = Executor(manager, Recorder())
-    executor.submit([op for op in plan.ops if op.kind != "fetch"])
-    executor.close()
-    assert sorted(calls) == sorted((op.kind, op.page) for op in plan.ops if op.kind != "fetch")
 
 
 def test_an_access_pinning_more_than_the_tier_holds_is_refused():

@@ -24,7 +24,8 @@ from typing import Sequence
 import torch
 
 from angel_ptm.memory import Page, PageLayout, PageManager, Tier
-from angel_ptm.parallel.collectives import MAX, Collectives
+from angel_ptm.parallel.collectives import MAX
+from angel_ptm.schedule.communicator import Communicator
 from angel_ptm.parallel.ownership import Ownership
 
 
@@ -40,7 +41,7 @@ class ParamGatherer:
 
     LOOKAHEAD = 8  # accesses ahead whose groups may be gathered early
 
-    def __init__(self, manager: PageManager, param_pages: list[Page], collectives: Collectives,
+    def __init__(self, manager: PageManager, param_pages: list[Page], collectives: Communicator,
                  ownership: Ownership, capacity: int, access, tier: Tier = Tier.DEVICE):
         self.manager, self.param_pages, self.comm, self.own = manager, param_pages, collectives, ownership
         self.access = access  # the scheduler: the step's accesses go through it
@@ -176,7 +177,7 @@ class GradSync:
     """The gradient side of a data-parallel step and the parameter publication after it."""
 
     def __init__(self, manager: PageManager, layout: PageLayout, pages: dict[str, list[Page | None]],
-                 collectives: Collectives, ownership: Ownership, tier: Tier):
+                 collectives: Communicator, ownership: Ownership, tier: Tier):
         self.manager, self.layout, self.pages, self.comm, self.own = manager, layout, pages, collectives, ownership
         self.tier = tier  # where pages are pinned for a collective (the optimizer's update tier)
         self.dp = ownership.dp

@@ -1,7 +1,8 @@
 """The executor: runs a plan's moves on their queues while compute goes on, and the Scheduler that drives it.
 
 Queues: disk reads and writes run on the native SSD engine's threads, host<->device copies on the copy streams
-(CUDA) or the copy thread (CPU), collectives on a communication thread. The executor issues moves in plan order
+(CUDA) or the copy thread (CPU); ZeRO's collectives run on the process group's own threads or stream
+(parallel/zero.py issues them, through schedule/communicator.py's protocol). The executor issues moves in plan order
 without ever blocking: a move whose page is still travelling, or whose next tier has no free slot yet, waits at the
 head of its queue until a later `pump()` (every access pumps). Compute never waits on the executor: `acquire`
 waits only for the pages it needs, fetching on demand whatever the plan did not bring.
@@ -22,9 +23,8 @@ import bisect
 import dataclasses
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Callable, Protocol, Sequence
+from typing import Callable, Sequence
 
 from angel_ptm.memory.manager import Hop, PageManager
 from angel_ptm.memory.page import Page, PageState, Tier
@@ -38,14 +38,6 @@ RESYNC_WINDOW = 64  # accesses searched ahead of the plan's position for an unex
 # on CPU: the scheduled step is 4-5% shorter with 16 to 128 than with 8 on two I/O-bound shapes, the same within
 # noise on a compute-bound one, a tight host tier and optimizer.staleness 1.
 EARLY_READS = 32
-
-
-class Communicator(Protocol):
-    """Collectives of sharded pages (ZeRO): implemented by the data-parallel layer."""
-
-    def all_gather(self, page: Page) -> None: ...
-
-    def reduce_scatter(self, page: Page) -> None: ...
 
 
 @dataclass
@@ -71,7 +63,7 @@ class StepStats:
 
 
 class Executor:
-    """Issues planned ops on the manager's queues (moves) and a communication thread (collectives).
+    """Issues planned moves on the manager's queues.
 
     Fetches are issued in plan order. One whose page is still on its way up (the previous hop) is passed over
     for the moment, so disk reads stay many deep; the first one that finds no free slot stops the scan: it starts
@@ -83,23 +75,13 @@ class Executor:
 
     SCAN = 64  # queued fetches looked at per pump
 
-    def __init__(self, manager: PageManager, communicator: Communicator | None = None):
+    def __init__(self, manager: PageManager):
         self.manager = manager
-        self.communicator = communicator
         self.moves: list[Op] = []
-        self._comm_pool = ThreadPoolExecutor(1, thread_name_prefix="angel-comm") if communicator else None
-        self._comm_futures: dict[int, Future] = {}
         self.counts: Counter = Counter()
 
     def submit(self, ops: Sequence[Op]) -> None:
-        for op in ops:
-            if op.kind in ("fetch", "evict"):
-                self.moves.append(op)
-            elif op.kind in ("all_gather", "reduce_scatter") and self._comm_pool is not None:
-                page = self.manager.pages[op.page]
-                call = self.communicator.all_gather if op.kind == "all_gather" else self.communicator.reduce_scatter
-                self._comm_futures[op.page] = self._comm_pool.submit(call, page)
-                self.counts["issued"] += 1
+        self.moves.extend(op for op in ops if op.kind in ("fetch", "evict"))
 
     def pump(self, now: int = 0, need_of: Callable[[int], float] | None = None) -> None:
         """Settle finished moves, then start queued ones. `now`: the plan index of the next access;
@@ -147,34 +129,22 @@ class Executor:
         self.counts["dropped"] += sum(1 for op in self.moves if op.serves < n)
         self.moves = [dataclasses.replace(op, serves=op.serves - n) for op in self.moves if op.serves >= n]
 
-    def wait_comm(self, page: Page) -> None:
-        future = self._comm_futures.pop(page.id, None)
-        if future is not None:
-            future.result()
-
     def clear(self) -> None:
         self.moves.clear()
-        for future in self._comm_futures.values():
-            future.result()
-        self._comm_futures.clear()
 
     def close(self) -> None:
         self.clear()
-        if self._comm_pool is not None:
-            self._comm_pool.shutdown(wait=True)
 
 
 class Scheduler:
     """The unified scheduler: trace -> plan -> execute, one training step at a time."""
 
     def __init__(self, manager: PageManager, planned: bool = True, lookahead: int = 0,
-                 activation_bytes: Callable[[], int] | None = None, trace: TraceRecorder | None = None,
-                 communicator: Communicator | None = None, sharded: Sequence[int] = ()):
+                 activation_bytes: Callable[[], int] | None = None, trace: TraceRecorder | None = None):
         self.manager, self.planned, self.lookahead = manager, planned, lookahead
         self.activation_bytes = activation_bytes or (lambda: 0)
         self.trace = trace or TraceRecorder(None)
-        self.sharded = tuple(sharded)
-        self.executor = Executor(manager, communicator)
+        self.executor = Executor(manager)
         self.recorder = StepRecorder()
         self.plan: Plan | None = None
         self.last_trace: StepTrace | None = None
@@ -323,7 +293,7 @@ class Scheduler:
                 dirty.append(page.id)
         capacity = {tier: manager.pools[tier].capacity for tier in (Tier.DEVICE, Tier.HOST)}
         self.plan = plan_step(trace, residency, capacity, manager.page_bytes, dirty=dirty, dead=dead,
-                              has_disk=manager.disk is not None, lookahead=self.lookahead, sharded=self.sharded)
+                              has_disk=manager.disk is not None, lookahead=self.lookahead)
         trace = self.plan.trace  # the optimizer's accesses in the plan's order
         self._keys = trace.keys()
         self._positions = {}

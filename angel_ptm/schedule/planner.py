@@ -15,9 +15,10 @@ the next). At each access:
 
 The lookahead is bounded by the device budget: pages pinned by the running access and pages needed sooner are
 never evicted for a later one, so the activations (which live outside the page pools) keep their memory. Moves
-are single hops ("fetch" up, "evict" down); collectives of sharded pages ("all_gather" before use,
-"reduce_scatter" once a gradient is final) are slotted in with them, and `update_order` lists the pages in the
-order their gradients become final, which is the order the optimizer updates them.
+are single hops ("fetch" up, "evict" down), and `update_order` lists the pages in the order their gradients
+become final, which is the order the optimizer updates them. Collectives are not planned here: a plan's moves
+depend on one rank's residency, and every rank must issue the same collectives in the same order, so ZeRO plans
+its gathers from the recorded sequence of page-group accesses (parallel/zero.py).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ class Op:
     """One planned action. `at`: the access it is issued after; `serves`: the access it prepares (may be in the
     next step: `serves >= n_accesses`), -1 for evictions and reductions."""
 
-    kind: str  # "fetch" | "evict" | "all_gather" | "reduce_scatter"
+    kind: str  # "fetch" | "evict"
     page: int
     src: Tier | None
     dst: Tier | None
@@ -178,7 +179,7 @@ def plan_step(trace: StepTrace, residency: Mapping[int, Tier], capacity: Mapping
 
 def plan_with_reserve(trace: StepTrace, residency: Mapping[int, Tier], capacity: Mapping[Tier, int],
                       page_bytes: int, *, dirty: Iterable[int] = (), has_disk: bool = True, policy: str = "belady",
-                      prefetch: bool = True, lookahead: int | None = None, sharded: Iterable[int] = (),
+                      prefetch: bool = True, lookahead: int | None = None,
                       dead: Iterable[int] = (), reserve: Mapping[Tier, int] | None = None) -> Plan:
     """Plan one steady-state step of `trace` starting from `residency` (page id -> tier of its working copy).
 
@@ -186,7 +187,7 @@ def plan_with_reserve(trace: StepTrace, residency: Mapping[int, Tier], capacity:
     are not needed (an applied gradient: dropped, never read back; so are the pages an access `discards`);
     `capacity`: slots of the device and host tiers; `policy`: "belady" (the plan) or "lru" (the on-demand
     baseline, which cannot look ahead, so it never prefetches); `lookahead`: how many accesses ahead a move may
-    be issued (default: a whole step); `sharded`: pages owned in shards across data-parallel ranks; `reserve`:
+    be issued (default: a whole step); `reserve`:
     slots per tier kept out of the replacement simulation as prefetch buffers (default none), which let moves
     start before the pages they replace are done with."""
     if policy not in ("belady", "lru"):
@@ -195,7 +196,6 @@ def plan_with_reserve(trace: StepTrace, residency: Mapping[int, Tier], capacity:
     n = len(trace)
     lookahead = n if lookahead is None or lookahead <= 0 else lookahead
     prefetch = prefetch and policy == "belady" and n > 0
-    sharded = frozenset(sharded)
     if reserve is None or not prefetch:
         reserve = {Tier.DEVICE: 0, Tier.HOST: 0}
     sim_capacity = {tier: capacity[tier] - reserve.get(tier, 0) for tier in (Tier.DEVICE, Tier.HOST)}
@@ -352,19 +352,9 @@ def plan_with_reserve(trace: StepTrace, residency: Mapping[int, Tier], capacity:
         for op, _ in out:
             planned[at].append(Op(op.kind, op.page, op.src, op.dst, at, t - n))  # an eviction serves its group
 
-    # Collectives of sharded pages: each use is preceded by an all-gather issued one access ahead (it overlaps
-    # the access before), and a gradient is reduce-scattered as soon as it is final.
-    if sharded:
-        for at in range(n):
-            serves = at + 1
-            for pid in dict.fromkeys(p for p in trace[serves % n].pages if p in sharded):
-                planned[at].append(Op("all_gather", pid, None, None, at, serves))
-
     grad_final_after: list[list[int]] = [[] for _ in range(n)]
     for pid, i in sorted(grad_final_times(trace).items(), key=lambda item: (item[1], item[0])):
         grad_final_after[i].append(pid)
-        if pid in sharded:
-            planned[i].append(Op("reduce_scatter", pid, None, None, i))
 
     fetches = sum(1 for op in (o for ops in planned for o in ops) if op.kind == "fetch")
     return Plan(n_accesses=n, ops_after=planned, demand=demand, moved_bytes=moved, trace=trace,
