@@ -75,3 +75,20 @@ def test_scale_bench_plans_and_refuses_without_disk_space(tmp_path, capsys, monk
         scale.main(["--dir", str(tmp_path), "--json"])
     message = str(refused.value.code)
     assert "has 20.0 GB free, needs 69.8 GB" in message and "--params" in message and "fits" in message
+
+
+def test_zero_bench_runs_two_ranks_against_fsdp2_and_reports_every_figure(tmp_path, capsys):
+    from tools.bench import zero
+
+    report = zero.main(["--nproc", "2", "--dir", str(tmp_path), "--dim", "64", "--layers", "2", "--heads", "2",
+                        "--seq", "16", "--batch", "2", "--page-kib", "16", "--steps", "1", "--warmup", "1",
+                        "--json"])
+    assert last_json_line(capsys) == report
+    positive(report, "compute_s", "comm_s", "io_s", "scheduled_s", "fsdp2_s", "overlap", "ratio_vs_fsdp2",
+             "comm_bytes_per_step", "estimate_comm_bytes_per_step", "gathers_per_step")
+    assert report["overlap"] == pytest.approx(
+        max(report["compute_s"], report["comm_s"], report["io_s"]) / report["scheduled_s"], rel=0.01)
+    # ZeRO-3 on 2 ranks: each holds half of every sharded kind (a padding page at most)
+    assert all(0.45 <= share <= 0.55 for share in report["sharded_kinds_fraction"].values())
+    assert report["states_bytes_per_rank"] < report["states_bytes_one_rank"]
+    assert [p.name for p in tmp_path.iterdir()] == []  # page files and the result file removed

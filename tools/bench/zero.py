@@ -149,14 +149,19 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     import angel_ptm
     from angel_ptm.estimate import estimate_job
+    from angel_ptm.parallel import Ownership
 
     device = torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
     page_bytes = args.page_kib << 10
     n_params = sum(p.numel() for p in make_model(args).parameters())
     states = STATE_KINDS * n_params * 4 // world  # this rank's share, roughly (gradients are whole: see the note)
-    device_budget = max(int(args.device_frac * states), 24 * page_bytes)
-    host_budget = max(int(args.host_frac * states), 24 * page_bytes)
     work = os.path.join(args.dir, f"zero-bench-{port}")
+    # The shares asked for, raised to what the job needs at least (the estimate's figures: a unit's pages, ZeRO-3's
+    # gathered groups, the host staging a unit up from disk), so a small model still runs.
+    device_budget, host_budget = int(args.device_frac * states), int(args.host_frac * states)
+    needs = estimate_job(engine_config(args, device_budget, host_budget, work), make_model(args), device=device,
+                         ownership=Ownership(rank, world, args.zero), local_world_size=world).tiers
+    device_budget, host_budget = max(device_budget, needs["device"].needed), max(host_budget, needs["host"].needed)
     g = torch.Generator().manual_seed(1 + rank)  # every rank its own micro-batches
     data = [(torch.randint(0, 256, (args.batch, args.seq), generator=g).to(device),
              torch.randint(0, 256, (args.batch, args.seq), generator=g).to(device))
