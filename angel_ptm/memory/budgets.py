@@ -58,7 +58,7 @@ def resolve_budgets(device_budget, host_budget, disk_budget, states_bytes: int, 
         raise BudgetError("disk", needed_on_disk, disk_budget,
                           what="the model states that fit neither the device nor the host budget")
     if disk_budget:  # slot files go there: memory.disk_dir created, writable, with room, or a DiskDirError
-        check_disk_dir(disk_dir, needed_on_disk)
+        check_disk_dir(disk_dir, needed_on_disk * max(1, share))  # this machine's processes share the disk
     return budgets
 
 

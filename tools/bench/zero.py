@@ -74,7 +74,8 @@ def replay_own_pages(engine, trace):
     """The scheduled step's accesses of this rank's own pages, acquired and released in order, no compute
     (ZeRO-3: the collectives are (b)'s)."""
     scheduler, pages = engine.scheduler, engine.manager.pages
-    engine.data_parallel.gatherer.drop_all()  # no gathered copies: the device is this rank's pages' alone
+    if engine.data_parallel.gatherer is not None:  # ZeRO-3: no gathered copies, the device is this rank's alone
+        engine.data_parallel.gatherer.drop_all()
     for access in trace.accesses:
         group = [pages[pid] for pid in access.pages if pages[pid].home is None]
         if not group:
