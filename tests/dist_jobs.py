@@ -133,3 +133,40 @@ def start_with(rank: int, world: int, spec: dict, tmp: str) -> str:
     engine = angel_ptm.initialize(build(), cfg)
     engine.close()
     return "started"
+
+
+def resume(rank: int, world: int, spec: dict, tmp: str) -> list:
+    """Train `spec`'s steps, take model.state_dict() and AdamW's state dict (collective reads), load them into a
+    fresh engine over a differently initialized model (writes of each rank's own pages), and train as many steps
+    more on the next micro-batches (dealt as `train` deals them); the losses of the second engine."""
+    build, _, loss_fn = CASES[spec["model"]]
+    steps, accum = spec["steps"], spec["accum"]
+    batches = micro_batches(spec["model"], 2 * steps * world * accum)
+
+    def step(engine, s):
+        total = 0.0
+        for m in range(accum):
+            loss = loss_fn(engine, *batches[(s * world + rank) * accum + m])
+            engine.backward(loss / accum)
+            total += loss.item()
+        engine.step()
+        return engine.mean_over_ranks(total / accum)
+
+    first = angel_ptm.initialize(build(), config_of(spec, world, os.path.join(tmp, f"resume-a-w{world}")))
+    try:
+        for s in range(steps):
+            step(first, s)
+        model_state, optimizer_state = first.state_dict(), first.optimizer_state_dict()
+    finally:
+        first.close()
+    torch.manual_seed(123)  # a model that starts elsewhere: everything it trains from comes from the state dicts
+    fresh = build()
+    for p in fresh.parameters():
+        p.data.normal_()
+    second = angel_ptm.initialize(fresh, config_of(spec, world, os.path.join(tmp, f"resume-b-w{world}")))
+    try:
+        second.load_state_dict(model_state)
+        second.load_optimizer_state_dict(optimizer_state)
+        return [step(second, s) for s in range(steps, 2 * steps)]
+    finally:
+        second.close()
