@@ -22,7 +22,7 @@ from torch import nn
 
 from angel_ptm.binding import ParamBinder
 from angel_ptm.config import Config, load_config
-from angel_ptm.errors import ChecksumError, ConfigValueError, EngineFailedError, PageIOError
+from angel_ptm.errors import ChecksumError, EngineFailedError, PageIOError
 from angel_ptm.estimate import estimate_job
 from angel_ptm.inputs import to_device
 from angel_ptm.io import create_engine
@@ -39,11 +39,11 @@ from angel_ptm.memory.materialize import (MaterializeReport, has_meta_parameters
 from angel_ptm.optim import PagedAdamW
 from angel_ptm.optim.fused_adam import set_threads as set_adam_threads
 from angel_ptm.page_tensors import PageTensors
-from angel_ptm.optim.delayed import DelayedUpdates
 from angel_ptm.optim.loss_scaler import LossScaler
 from angel_ptm.parallel.data_parallel import DataParallel, SingleRank, agree_on_job, join
 from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import StateAccess
+from angel_ptm.step import StepDriver, copy_master_into_param
 from angel_ptm.trace import TraceRecorder
 from angel_ptm.units import UnitsSpec, find_units
 
@@ -153,45 +153,29 @@ class Engine(StateAccess):
         self._schedule = config.lr_schedule if schedule_given(config) else None
         self.binder.attach()
         tcfg = config.trainer
-        self._grad_accum = tcfg.grad_accum
         # fp16: loss scaling. The binder notes inf/NaN gradients as they land; no page may be updated before the
         # whole backward is known to be clean, so fp16 never updates during backward.
-        self.loss_scaler = LossScaler.from_config(config.optimizer) if tcfg.dtype == "float16" else None
-        self.binder.check_finite = self.loss_scaler is not None
-        self.last_step_skipped = False
-        self.staleness = config.optimizer.staleness
-        # Updates during backward need every gradient final and reduced: not with more than one rank (the reduction
-        # runs once backward is over on every rank).
-        self._eager_allowed = (mem.scheduler == "planned" and config.optimizer.overlap_updates
-                               and not tcfg.grad_clip and self.loss_scaler is None and self.staleness == 0
-                               and not self.mesh.distributed)
-        self._micro = 0  # backward passes since the last optimizer step
-        self._grads_final = False  # this step's gradients are settled, agreed and reduced (_finish_grads)
-        self._eager_now = False
-        self._pending_slots: list[int] = []
-        self._ready_slots: set[str] = set()
-        self._final_order: list[int] = []  # page indices in the order their gradients became final (last backward)
-        self.binder.on_grad_ready = self._grad_ready
+        loss_scaler = LossScaler.from_config(config.optimizer) if tcfg.dtype == "float16" else None
+        staleness = config.optimizer.staleness
         opt = config.optimizer
         # Where an update pins its pages (placement.update_tier, resolved by the estimate, which checked they fit)
         update_tier = Tier(self.estimate.update_tier)
         self.optimizer = PagedAdamW(self.scheduler, self.layout, self.pages, opt.lr, opt.betas, opt.eps,
-                                    opt.weight_decay, update_tier, write_params=self.staleness == 0,
+                                    opt.weight_decay, update_tier, write_params=staleness == 0,
                                     updates=own.updated)
         self.data_parallel = SingleRank() if self.collectives is None else DataParallel(
             self.collectives, own, self.manager, self.scheduler, self.layout, self.pages, update_tier,
             self.estimate.gather_groups)
         if self.data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
             self.binder.param_access = self.data_parallel.gatherer
-        # Distinct tensors on each page: every last micro-batch counts them down as their gradients become final.
-        self._tensors_per_page = [len(set(names)) for names in self.optimizer.slot_names_on_page]
-        # optimizer.staleness 1: update t runs during step t+1 (optim/delayed.py), a share before each module's
-        # forward, a group at the latest before step t+1 writes its gradient page.
-        self.delayed: DelayedUpdates | None = None
-        if self.staleness == 1:
-            self.delayed = DelayedUpdates(self.optimizer, self._publish, len(self.units))
-            self.binder.before_unit_forward = self._before_unit_forward
-            self.binder.before_grad_write = self._before_grad_write
+        # Updates during backward (planned scheduler, no clipping, no loss scaling, staleness 0) need every gradient
+        # final: not with more than one rank, where the reduction runs once backward is over on every rank.
+        eager = (mem.scheduler == "planned" and opt.overlap_updates and not tcfg.grad_clip and loss_scaler is None
+                 and staleness == 0 and not self.mesh.distributed)
+        self.driver = StepDriver(model=model, layout=self.layout, pages=self.pages, binder=self.binder,
+                                 optimizer=self.optimizer, scheduler=self.scheduler, data_parallel=self.data_parallel,
+                                 ownership=own, grad_accum=tcfg.grad_accum, loss_scaler=loss_scaler,
+                                 eager_allowed=eager, staleness=staleness, n_units=len(self.units))
         self._apply_schedule()
 
     # ------------------------------------------------------------------ set-up
@@ -239,89 +223,18 @@ class Engine(StateAccess):
         scheduler and no clipping, each page group is updated as soon as all its gradients are in. With fp16 the
         loss is multiplied by the loss scale first (the update divides the gradients by it)."""
         self._check_alive()
-        self._micro += 1
-        if self._micro > self._grad_accum and self._eager_allowed and self.optimizer.updated_this_step:
-            raise ConfigValueError(
-                f"trainer.grad_accum: backward called {self._micro} times before step(), but trainer.grad_accum "
-                f"is {self._grad_accum} and parameters were already updated at that boundary; set it to the "
-                f"number of micro-batches per step (or optimizer.overlap_updates: false)")
-        last = self._micro == self._grad_accum and self.model.training
-        # In the last micro-batch each page's gradients become final at some point of backward: then its group is
-        # updated (staleness 0, eager) or its param page takes the delayed update's master (staleness 1).
-        self._eager_now = last and (self._eager_allowed or self.delayed is not None)
-        if self._eager_now:
-            if self.delayed is None:
-                self.optimizer.begin_step()
-            self._pending_slots = list(self._tensors_per_page)
-            self._ready_slots = set()
-            self._final_order = []
-        try:
-            with self._failing_step():  # pages are updated during backward (eager updates): all or nothing
-                (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
-        finally:
-            self._eager_now = False
-            self.binder.end_backward()
-
-    def _grad_ready(self, slot) -> None:
-        """A tensor's gradient is final (last micro-batch): update each of its pages whose gradients all are."""
-        if not self._eager_now or slot.name in self._ready_slots:
-            return
-        self._ready_slots.add(slot.name)
-        for index in dict.fromkeys(seg.page for seg in slot.segments):
-            self._pending_slots[index] -= 1
-            if self._pending_slots[index] == 0:
-                self._final_order.append(index)
-                if self.delayed is not None:
-                    self.delayed.publish(index)
-                else:
-                    self.optimizer.update_group(index)
-
-    def _before_unit_forward(self) -> None:
-        """staleness 1: a share of the pending update before each unit's forward (training steps only)."""
-        if self.delayed.pending and self.model.training and torch.is_grad_enabled():
-            self.delayed.run_some()
-
-    def _before_grad_write(self, slot) -> None:
-        """staleness 1: the pending update of a page reads its gradient before this step's overwrites it."""
-        for seg in slot.segments:
-            self.delayed.run(seg.page)
-
-    def _publish(self, index: int) -> None:
-        """staleness 1: param page `index` takes the delayed update's master. On the update's tier, whatever the
-        pages' tiers now (a device copy serves a host access): the access is the same every step, so the plan holds."""
-        self._copy_master_into_param(index, self.optimizer.update_tier, label="opt:publish")
-
-    def _copy_master_into_param(self, index: int, tier: Tier, label: str | None = None) -> None:
-        """Param page `index` takes the values of its master page (rounded to nearest even to bf16/fp16)."""
-        master, param = self.pages["master"][index], self.pages["param"][index]
-        self.scheduler.acquire([master, param], tier, label=label)
-        param.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)].copy_(
-            master.view(self.layout.state_dtype(index)))
-        self.scheduler.release([master])
-        self.scheduler.release([param], dirty=True)
+        with self._failing_step():  # pages are updated during backward (eager updates): all or nothing
+            self.driver.backward(loss)
 
     def flush(self) -> None:
         """staleness 1: finish the pending update and put its result in the parameters (the end of training, or
         before reading the final weights); the next step then computes with them. A no-op with staleness 0."""
-        if self.delayed is not None:
-            self.delayed.publish_all()
+        self.driver.flush()
 
     def clip_grad_norm(self, max_norm: float) -> float:
+        """The global L2 norm of this step's gradients (over every rank's pages); scales them to `max_norm`."""
         self._check_alive()
-        if self.delayed is not None:
-            self.delayed.finish()  # update t has read its gradients; the norm reads step t+1's
-        elif self.optimizer.updated_this_step:
-            raise ConfigValueError(
-                "trainer.grad_clip: clip_grad_norm was called after pages were already updated during backward; "
-                "set trainer.grad_clip so the engine waits for the norm (or optimizer.overlap_updates: false)")
-        self._finish_grads()
-        total = self.data_parallel.grad_norm(self.optimizer, self.binder.without_grad)
-        if self.loss_scaler is not None:  # the norm of the true gradients (inf after an overflow: the step is skipped)
-            total = float("inf") if self.last_step_skipped else total / self.loss_scaler.scale
-        clip_coef = max_norm / (total + 1e-6)
-        if clip_coef < 1.0:
-            self.optimizer.scale_grads(clip_coef)
-        return total
+        return self.driver.clip_grad_norm(max_norm)
 
     def set_lr(self, lr: float) -> None:
         """Drive the learning rate yourself: from now on the config's lr_schedule is no longer applied."""
@@ -346,68 +259,19 @@ class Engine(StateAccess):
         (I/O, checksum, disk full) marks the engine failed: every later call raises EngineFailedError."""
         self._check_alive()
         with self._failing_step():
-            self._step()
+            self.driver.step()
         self._steps_done += 1
         self._apply_schedule()
 
-    def _finish_grads(self) -> None:
-        """Close this step's gradients (once per step): the tensors that got one and an fp16 overflow, agreed over
-        the data-parallel ranks, then the gradients reduced onto their owners (parallel/data_parallel.py)."""
-        if self._grads_final:
-            return
-        self.binder.settle_grads()
-        overflow = self.loss_scaler is not None and self.binder.take_overflow()
-        self.binder.without_grad, self.last_step_skipped = self.data_parallel.finish_grads(
-            self.binder.without_grad, overflow)
-        self._grads_final = True
-
-    def _step(self) -> None:
-        if self.delayed is not None:  # update t-1 done and in the parameters before update t is opened
-            self.delayed.publish_all()
-        self._finish_grads()
-        if self.last_step_skipped:  # nothing updated: parameters, master weights, moments and step counts stay
-            self.optimizer.skip_step()
-            self.scheduler.discard(self.pages["grad"])  # dead: never written back
-        else:
-            if self.loss_scaler is not None:
-                self.optimizer.scale_grads(1.0 / self.loss_scaler.scale)  # folded into the update's gradient read
-            if self.delayed is not None:
-                # The order this step's gradients became final: step t+1 writes them in about that order again.
-                final = set(self._final_order)
-                order = self._final_order + [i for i in self.optimizer.local_indices if i not in final]
-                self.delayed.enqueue([i for i in order if self.ownership.updated(i)], self.binder.without_grad)
-            else:
-                self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)
-        self.data_parallel.params_updated()  # the owners' new parameters reach every rank
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(self.last_step_skipped)
-        self.binder.start_new_step()
-        self._micro = 0
-        self._grads_final = False
-        self.scheduler.end_step()
-
-    def _update_order(self) -> list[int] | None:
-        """Layout page indices in the order the plan says their gradients became final (None: layout order)."""
-        planned = self.scheduler.update_order()
-        if not planned:
-            return None
-        order, seen = [], set()
-        for pid in planned:
-            page = self.manager.pages[pid]
-            if page.kind == "grad" and page.index not in seen and self.ownership.updated(page.index):
-                order.append(page.index)
-                seen.add(page.index)
-        order.extend(i for i in self.optimizer.local_indices if i not in seen)
-        return order
-
     def zero_grad(self) -> None:
         self._check_alive()
-        if self.delayed is None and self.optimizer.updated_this_step:
-            raise ConfigValueError("zero_grad: pages were already updated during this step's backward; "
-                                   "call step() to finish it")
-        self.binder.start_new_step()
-        self._micro = 0
-        self._grads_final = False
+        self.driver.zero_grad()
+
+    # The step's state, for callers that look at it (optim/step.py holds it).
+    delayed = property(lambda self: self.driver.delayed)
+    loss_scaler = property(lambda self: self.driver.loss_scaler)
+    last_step_skipped = property(lambda self: self.driver.last_step_skipped)
+    _eager_now = property(lambda self: self.driver.eager_now)
 
     def train(self, mode: bool = True) -> "Engine":
         """Training mode; evaluation passes (mode False) are not part of the scheduled step."""
@@ -444,7 +308,7 @@ class Engine(StateAccess):
             tier = Tier.HOST if self.manager.pools[Tier.HOST].capacity >= 2 else Tier.DEVICE
             for index in range(self.layout.trainable_pages):  # frozen tensors have no master: param pages only
                 if self.ownership.updated(index):  # ZeRO 1+: this rank's master pages only
-                    self._copy_master_into_param(index, tier)
+                    copy_master_into_param(self.scheduler, self.pages, self.layout, index, tier)
 
     # ------------------------------------------------------------------ failure
     def _check_alive(self) -> None:

@@ -1,0 +1,192 @@
+"""The training step's state machine: micro-batches, when gradients become final, eager and delayed updates, the
+norm, and the optimizer step with its data-parallel fixed points. The engine wires it and calls it.
+
+    driver.backward(loss)      # one micro-batch; in the last one, page groups update as their gradients are final
+    driver.clip_grad_norm(1.0) # the global norm (over every rank's pages), then the clip coefficient folded in
+    driver.step()              # reduce, update (or skip on an fp16 overflow), publish, start the next step
+
+State: `micro` backward passes since the last step; in the last one, `eager_now` while pages may be updated as
+their gradients become final (`pending` counts the tensors still to come on each page); `final_order` the order
+they did; `grads_final` once this step's gradients are settled, agreed over ranks and reduced.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from angel_ptm.errors import ConfigValueError
+from angel_ptm.memory import PageLayout, Tier
+from angel_ptm.optim.delayed import DelayedUpdates
+
+
+def copy_master_into_param(scheduler, pages, layout: PageLayout, index: int, tier: Tier,
+                           label: str | None = None) -> None:
+    """Param page `index` takes the values of its master page (rounded to nearest even to bf16/fp16)."""
+    master, param = pages["master"][index], pages["param"][index]
+    scheduler.acquire([master, param], tier, label=label)
+    param.view(layout.page_dtypes[index])[: layout.page_numel(index)].copy_(master.view(layout.state_dtype(index)))
+    scheduler.release([master])
+    scheduler.release([param], dirty=True)
+
+
+class StepDriver:
+    def __init__(self, *, model, layout: PageLayout, pages, binder, optimizer, scheduler, data_parallel, ownership,
+                 grad_accum: int, loss_scaler, eager_allowed: bool, staleness: int, n_units: int):
+        self.model, self.layout, self.pages, self.binder = model, layout, pages, binder
+        self.optimizer, self.scheduler, self.data_parallel, self.ownership = optimizer, scheduler, data_parallel, \
+            ownership
+        self.grad_accum, self.loss_scaler, self.eager_allowed = grad_accum, loss_scaler, eager_allowed
+        self.micro = 0
+        self.grads_final = False
+        self.eager_now = False
+        self.last_step_skipped = False
+        self.pending: list[int] = []
+        self.ready: set[str] = set()
+        self.final_order: list[int] = []  # page indices in the order their gradients became final (last backward)
+        # Distinct tensors on each page: every last micro-batch counts them down as their gradients become final.
+        self.tensors_per_page = [len(set(names)) for names in optimizer.slot_names_on_page]
+        binder.on_grad_ready = self._grad_ready
+        binder.check_finite = loss_scaler is not None
+        # optimizer.staleness 1: update t runs during step t+1 (optim/delayed.py), a share before each unit's
+        # forward, a group at the latest before step t+1 writes its gradient page.
+        self.delayed: DelayedUpdates | None = None
+        if staleness == 1:
+            self.delayed = DelayedUpdates(optimizer, self._publish, n_units)
+            binder.before_unit_forward = self._before_unit_forward
+            binder.before_grad_write = self._before_grad_write
+
+    # ------------------------------------------------------------------ backward
+    def backward(self, loss: torch.Tensor) -> None:
+        self.micro += 1
+        if self.micro > self.grad_accum and self.eager_allowed and self.optimizer.updated_this_step:
+            raise ConfigValueError(
+                f"trainer.grad_accum: backward called {self.micro} times before step(), but trainer.grad_accum "
+                f"is {self.grad_accum} and parameters were already updated at that boundary; set it to the "
+                f"number of micro-batches per step (or optimizer.overlap_updates: false)")
+        last = self.micro == self.grad_accum and self.model.training
+        # In the last micro-batch each page's gradients become final at some point of backward: then its group is
+        # updated (staleness 0, eager) or its param page takes the delayed update's master (staleness 1).
+        self.eager_now = last and (self.eager_allowed or self.delayed is not None)
+        if self.eager_now:
+            if self.delayed is None:
+                self.optimizer.begin_step()
+            self.pending = list(self.tensors_per_page)
+            self.ready = set()
+            self.final_order = []
+        try:
+            (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
+        finally:
+            self.eager_now = False
+            self.binder.end_backward()
+
+    def _grad_ready(self, slot) -> None:
+        """A tensor's gradient is final (last micro-batch): update each of its pages whose gradients all are."""
+        if not self.eager_now or slot.name in self.ready:
+            return
+        self.ready.add(slot.name)
+        for index in dict.fromkeys(seg.page for seg in slot.segments):
+            self.pending[index] -= 1
+            if self.pending[index] == 0:
+                self.final_order.append(index)
+                if self.delayed is not None:
+                    self.delayed.publish(index)
+                else:
+                    self.optimizer.update_group(index)
+
+    def _before_unit_forward(self) -> None:
+        """staleness 1: a share of the pending update before each unit's forward (training steps only)."""
+        if self.delayed.pending and self.model.training and torch.is_grad_enabled():
+            self.delayed.run_some()
+
+    def _before_grad_write(self, slot) -> None:
+        """staleness 1: the pending update of a page reads its gradient before this step's overwrites it."""
+        for seg in slot.segments:
+            self.delayed.run(seg.page)
+
+    def _publish(self, index: int) -> None:
+        """staleness 1: param page `index` takes the delayed update's master. On the update's tier, whatever the
+        pages' tiers now (a device copy serves a host access): the access is the same every step, so the plan holds."""
+        copy_master_into_param(self.scheduler, self.pages, self.layout, index, self.optimizer.update_tier,
+                               label="opt:publish")
+
+    def flush(self) -> None:
+        """staleness 1: finish the pending update and put its result in the parameters."""
+        if self.delayed is not None:
+            self.delayed.publish_all()
+
+    # ------------------------------------------------------------------ the norm and the step
+    def finish_grads(self) -> None:
+        """Close this step's gradients (once per step): the tensors that got one and an fp16 overflow, agreed over
+        the data-parallel ranks, then the gradients reduced onto their owners (parallel/data_parallel.py)."""
+        if self.grads_final:
+            return
+        self.binder.settle_grads()
+        overflow = self.loss_scaler is not None and self.binder.take_overflow()
+        self.binder.without_grad, self.last_step_skipped = self.data_parallel.finish_grads(
+            self.binder.without_grad, overflow)
+        self.grads_final = True
+
+    def clip_grad_norm(self, max_norm: float) -> float:
+        if self.delayed is not None:
+            self.delayed.finish()  # update t has read its gradients; the norm reads step t+1's
+        elif self.optimizer.updated_this_step:
+            raise ConfigValueError(
+                "trainer.grad_clip: clip_grad_norm was called after pages were already updated during backward; "
+                "set trainer.grad_clip so the engine waits for the norm (or optimizer.overlap_updates: false)")
+        self.finish_grads()
+        total = self.data_parallel.grad_norm(self.optimizer, self.binder.without_grad)
+        if self.loss_scaler is not None:  # the norm of the true gradients (inf after an overflow: the step is skipped)
+            total = float("inf") if self.last_step_skipped else total / self.loss_scaler.scale
+        clip_coef = max_norm / (total + 1e-6)
+        if clip_coef < 1.0:
+            self.optimizer.scale_grads(clip_coef)
+        return total
+
+    def step(self) -> None:
+        if self.delayed is not None:  # update t-1 done and in the parameters before update t is opened
+            self.delayed.publish_all()
+        self.finish_grads()
+        if self.last_step_skipped:  # nothing updated: parameters, master weights, moments and step counts stay
+            self.optimizer.skip_step()
+            self.scheduler.discard(self.pages["grad"])  # dead: never written back
+        else:
+            if self.loss_scaler is not None:
+                self.optimizer.scale_grads(1.0 / self.loss_scaler.scale)  # folded into the update's gradient read
+            if self.delayed is not None:
+                # The order this step's gradients became final: step t+1 writes them in about that order again.
+                final = set(self.final_order)
+                order = self.final_order + [i for i in self.optimizer.local_indices if i not in final]
+                self.delayed.enqueue([i for i in order if self.ownership.updated(i)], self.binder.without_grad)
+            else:
+                self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)
+        self.data_parallel.params_updated()  # the owners' new parameters reach every rank
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(self.last_step_skipped)
+        self.start_over()
+        self.scheduler.end_step()
+
+    def _update_order(self) -> list[int] | None:
+        """Layout page indices in the order the plan says their gradients became final (None: layout order)."""
+        planned = self.scheduler.update_order()
+        if not planned:
+            return None
+        order, seen = [], set()
+        for pid in planned:
+            page = self.scheduler.manager.pages[pid]
+            if page.kind == "grad" and page.index not in seen and self.ownership.updated(page.index):
+                order.append(page.index)
+                seen.add(page.index)
+        order.extend(i for i in self.optimizer.local_indices if i not in seen)
+        return order
+
+    def zero_grad(self) -> None:
+        if self.delayed is None and self.optimizer.updated_this_step:
+            raise ConfigValueError("zero_grad: pages were already updated during this step's backward; "
+                                   "call step() to finish it")
+        self.start_over()
+
+    def start_over(self) -> None:
+        """The gradients of this step are dead: the next backward starts a new one."""
+        self.binder.start_new_step()
+        self.micro = 0
+        self.grads_final = False
