@@ -33,9 +33,7 @@ from angel_ptm.memory.placement import (CREATION_ORDER, compute_dtype, creation_
                                         disk_reservations)
 from angel_ptm.memory.store import PageStore
 from angel_ptm.memory.disk_dir import page_dir, remove_dead_page_dirs
-from angel_ptm.memory.layout import TensorSlot
-from angel_ptm.memory.materialize import (MaterializeReport, has_meta_parameters, materialize_buffers,
-                                          materialize_parameters)
+from angel_ptm.memory.materialize import materialize_buffers
 from angel_ptm.optim import PagedAdamW
 from angel_ptm.optim.fused_adam import set_threads as set_adam_threads
 from angel_ptm.page_tensors import PageTensors
@@ -136,7 +134,8 @@ class Engine(StateAccess):
         self.pages = PageStore.create(self.manager, self.layout, self.kinds, own, iter(tiers),
                                       PageTensors(self.manager, self.layout, {}).dtype)
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
-        self._copy_parameters_into_pages()
+        # Parameter values into their pages (a meta-device model materialized straight into them: `meta_init`)
+        self.meta_init = self.tensors.fill_from(model)
         if "master" in self.pages:
             self._cast_master_into_parameters()
         materialize_buffers(model, self.device)  # buffers built on the meta device (GPT's RoPE tables)
@@ -179,25 +178,6 @@ class Engine(StateAccess):
         self._apply_schedule()
 
     # ------------------------------------------------------------------ set-up
-    def _copy_parameters_into_pages(self) -> None:
-        """Parameter values into their param pages (the fp32 master pages under mixed precision). A model built on
-        the meta device is materialized straight into them, a module at a time (memory/materialize.py says with
-        which values); `meta_init` reports how."""
-
-        def write(slot: TensorSlot, flat: torch.Tensor) -> None:
-            kind = self.tensors.weights_kind(slot)
-            self.tensors.write(kind, slot, flat)
-            if kind == "master" and self.ownership.sharded("master"):  # ZeRO 1/2: the master pages this rank does
-                self.tensors.write("param", slot, flat)  # not own never reach its param pages: rounded here instead
-
-        self.meta_init: MaterializeReport | None = None
-        if has_meta_parameters(self.model):
-            self.meta_init = materialize_parameters(self.model, {s.name: s for s in self.layout.slots}, write)
-            return
-        names = dict(self.model.named_parameters())
-        for slot in self.layout.slots:
-            write(slot, names[slot.name].detach().reshape(-1))
-
     def _cast_master_into_parameters(self) -> None:
         """Mixed precision: the compute parameters are the fp32 master weights rounded to the compute dtype, page by
         page; the model's floating parameters become compute-dtype tensors (the binder points them at the pages).
@@ -304,11 +284,10 @@ class Engine(StateAccess):
         self.data_parallel.params_updated()
 
     def _copy_masters_into_params(self) -> None:
-        if "master" in self.pages:
+        if "master" in self.pages:  # on the host when it has room for the pair (this rank's master pages only)
             tier = Tier.HOST if self.manager.pools[Tier.HOST].capacity >= 2 else Tier.DEVICE
-            for index in range(self.layout.trainable_pages):  # frozen tensors have no master: param pages only
-                if self.ownership.updated(index):  # ZeRO 1+: this rank's master pages only
-                    copy_master_into_param(self.scheduler, self.pages, self.layout, index, tier)
+            for index in filter(self.ownership.updated, range(self.layout.trainable_pages)):
+                copy_master_into_param(self.scheduler, self.pages, self.layout, index, tier)
 
     # ------------------------------------------------------------------ failure
     def _check_alive(self) -> None:

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import torch
 
+from torch import nn
+
 from angel_ptm.io.slot_file import aligned_empty
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
+from angel_ptm.memory.materialize import MaterializeReport, has_meta_parameters, materialize_parameters
 from angel_ptm.parallel.ownership import Ownership
 
 
@@ -94,3 +97,21 @@ class PageTensors:
             view = page.view(self.dtype(kind, seg.page))
             view[seg.offset : seg.offset + seg.numel].copy_(flat[seg.start : seg.start + seg.numel])
             self.manager.release([page], dirty=True)
+
+    def fill_from(self, model: nn.Module) -> MaterializeReport | None:
+        """The model's parameter values into their weight pages (the fp32 master pages under mixed precision). A
+        model built on the meta device is materialized straight into them, a module at a time
+        (memory/materialize.py says with which values), and the report says how; None otherwise."""
+
+        def write(slot: TensorSlot, flat: torch.Tensor) -> None:
+            kind = self.weights_kind(slot)
+            self.write(kind, slot, flat)
+            if kind == "master" and self.ownership.sharded("master"):  # ZeRO 1/2: the master pages this rank does
+                self.write("param", slot, flat)  # not own never reach its param pages: rounded here instead
+
+        if has_meta_parameters(model):
+            return materialize_parameters(model, {s.name: s for s in self.layout.slots}, write)
+        names = dict(model.named_parameters())
+        for slot in self.layout.slots:
+            write(slot, names[slot.name].detach().reshape(-1))
+        return None

@@ -86,8 +86,9 @@ def test_zero_bench_runs_two_ranks_against_fsdp2_and_reports_every_figure(tmp_pa
     assert last_json_line(capsys) == report
     positive(report, "compute_s", "comm_s", "io_s", "scheduled_s", "fsdp2_s", "overlap", "ratio_vs_fsdp2",
              "comm_bytes_per_step", "estimate_comm_bytes_per_step", "gathers_per_step")
+    # the figures are rounded to 0.1 ms, a sizeable share of a toy step's milliseconds
     assert report["overlap"] == pytest.approx(
-        max(report["compute_s"], report["comm_s"], report["io_s"]) / report["scheduled_s"], rel=0.01)
+        max(report["compute_s"], report["comm_s"], report["io_s"]) / report["scheduled_s"], rel=0.05, abs=0.01)
     # ZeRO-3 on 2 ranks: each holds half of every sharded kind (a padding page at most)
     assert all(0.45 <= share <= 0.55 for share in report["sharded_kinds_fraction"].values())
     assert report["states_bytes_per_rank"] < report["states_bytes_one_rank"]
