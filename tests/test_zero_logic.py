@@ -152,3 +152,39 @@ def test_the_stage_3_gatherer_fills_every_page_with_its_owners_values_and_follow
         assert seen == expected
         assert gathers == results[0][1] and prefetched == results[0][2]  # the same collectives on every rank
     assert results[0][2] > 0  # steps after the first gathered ahead
+
+
+def test_ranks_that_issued_different_collectives_of_one_size_all_raise_at_the_next_check():
+    from angel_ptm.errors import CollectiveError
+
+    def rank_main(rank):
+        _, _, _, _, comm = setup(rank, 3)
+        page = torch.zeros(4)
+        outputs = [torch.zeros(4) for _ in range(WORLD)]
+        comm.all_gather(outputs, page, "param group 1")
+        comm.all_gather(outputs, page, f"param group {2 if rank != 5 else 3}")  # rank 5 went its own way
+        comm.verify_sequence("step 1")  # what a good step looks like is checked too: this one is not
+        return None
+
+    def checked(rank):
+        try:
+            rank_main(rank)
+        except CollectiveError as exc:
+            return str(exc)
+        return "no error"
+
+    messages = run_threaded(checked)
+    for rank, message in enumerate(messages):
+        assert message.startswith(f"rank {rank} of 8: ranks [5] issued other collectives than rank 0 before step 1")
+
+
+def test_ranks_that_issued_the_same_collectives_pass_the_check_and_start_a_new_count():
+    def rank_main(rank):
+        _, _, _, _, comm = setup(rank, 3)
+        page, outputs = torch.zeros(4), [torch.zeros(4) for _ in range(WORLD)]
+        for step in range(2):
+            comm.all_gather(outputs, page, f"param group {step}")
+            comm.verify_sequence(f"step {step}")
+        return comm.calls
+
+    assert run_threaded(rank_main) == [4] * WORLD

@@ -9,6 +9,7 @@ engine treats it as fatal. Each collective is timed on the trace's "comm" lane.
 from __future__ import annotations
 
 import time
+import zlib
 from typing import Any, Sequence
 
 import torch
@@ -34,6 +35,10 @@ class Collectives:
         self.calls = 0
         self.on_failure = on_failure  # called with the error before it is raised (the engine fails for good)
         self.failed: CollectiveError | None = None
+        # A digest of the collectives issued since the last `verify_sequence` (name and what, in order): ranks that
+        # issued different ones of the same size would exchange the wrong data silently; the check makes it loud.
+        self._sequence = 0
+        self._since_check = 0
 
     def _run(self, name: str, what: str, nbytes: int, fn, *args, **kwargs):
         if self.failed is not None:  # the group is poisoned: no rank may wait on it again
@@ -52,9 +57,31 @@ class Collectives:
             raise self.failed from None
         self.calls += 1
         self.bytes_sent += nbytes
+        if name != "wait":
+            self._sequence = zlib.crc32(f"{name}:{what};".encode(), self._sequence)
+            self._since_check += 1
         if self.trace.enabled:
             self.trace.interval("comm", f"{name} {what}", start, self.trace.now(), bytes=nbytes)
         return result
+
+    def verify_sequence(self, what: str) -> None:
+        """Every rank issued the same collectives, in the same order, since the last check (one small all-gather);
+        otherwise a CollectiveError on every rank naming the ranks that differ from rank 0, and the engine fails."""
+        mine = torch.tensor([self._sequence, self._since_check], dtype=torch.int64)
+        everyone = [torch.empty_like(mine) for _ in range(self.size)]
+        self._run("all_gather", f"collective sequence check ({what})", _nbytes(mine), dist.all_gather, everyone,
+                  mine)
+        self._sequence, self._since_check = 0, 0
+        differ = [rank for rank, theirs in enumerate(everyone) if not torch.equal(theirs, everyone[0])]
+        if differ:
+            counts = [int(t[1]) for t in everyone]
+            self.failed = CollectiveError(
+                f"rank {self.rank} of {self.size}: ranks {differ} issued other collectives than rank 0 before "
+                f"{what} (collectives per rank {counts}); data exchanged since the last check may be wrong, so "
+                f"no rank trains on")
+            if self.on_failure is not None:
+                self.on_failure(self.failed)
+            raise self.failed
 
     def all_gather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, what: str,
                    async_op: bool = False):

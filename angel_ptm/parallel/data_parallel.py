@@ -76,6 +76,7 @@ class DataParallel:
 
     def finish_grads(self, without: set[str], overflow: bool) -> tuple[set[str], bool]:
         """Once per step, after the last backward (the engine calls it before the norm and the update)."""
+        self.collectives.verify_sequence("this step's gradient reduction")
         without = self.sync.agree_without_grad(without)
         overflow = self.sync.agree_flag(overflow, "fp16 overflow")
         if not overflow:  # a skipped step needs no reduced gradient
