@@ -65,11 +65,14 @@ def train_step(engine, x, y) -> float:
 
 
 def replay_step(engine, trace: StepTrace) -> float:
-    """The scheduled step without compute: its accesses in order, each acquired and released at once."""
+    """The scheduled step without compute: its accesses in order, each acquired and released at once (of another
+    rank's pages under ZeRO-3, none: their collectives are not I/O)."""
     scheduler, pages = engine.scheduler, engine.manager.pages
     t0 = time.perf_counter()
     for access in trace.accesses:
-        group = [pages[pid] for pid in access.pages]
+        group = [pages[pid] for pid in access.pages if pages[pid].home is None]
+        if not group:
+            continue
         scheduler.acquire(group, access.tier, label=access.label)
         written = [p for p in group if p.id in access.writes]
         scheduler.release([p for p in group if p.id not in access.writes])

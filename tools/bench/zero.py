@@ -33,6 +33,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from tools.bench.overlap import replay_step
+
 STATE_KINDS = 4
 
 
@@ -73,20 +75,9 @@ def engine_step(engine, x, y):
 def replay_own_pages(engine, trace):
     """The scheduled step's accesses of this rank's own pages, acquired and released in order, no compute
     (ZeRO-3: the collectives are (b)'s)."""
-    scheduler, pages = engine.scheduler, engine.manager.pages
     if engine.data_parallel.gatherer is not None:  # ZeRO-3: no gathered copies, the device is this rank's alone
         engine.data_parallel.gatherer.drop_all()
-    for access in trace.accesses:
-        group = [pages[pid] for pid in access.pages if pages[pid].home is None]
-        if not group:
-            continue
-        scheduler.acquire(group, access.tier, label=access.label)
-        written = [p for p in group if p.id in access.writes]
-        scheduler.release([p for p in group if p.id not in access.writes])
-        if written:
-            scheduler.release(written, dirty=True)
-    engine.scheduler.end_step()
-    sync(engine.device)
+    replay_step(engine, trace)
 
 
 class CommReplay:
