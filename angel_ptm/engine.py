@@ -324,6 +324,7 @@ class Engine(StateAccess):
                 self.flush()  # staleness 1: the pending update lands in the weights first
                 values = self.tensors.read_weights
         finally:
+            self.data_parallel.close()  # no gather may still be writing into a slot when the pools go
             self.scheduler.close()
             try:
                 self.binder.detach(values)

@@ -10,6 +10,7 @@ branch on the world size. `SingleRank` does nothing (a world of one); `DataParal
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from angel_ptm.config import config_to_dict
-from angel_ptm.errors import ConfigMismatchError
+from angel_ptm.errors import CollectiveError, ConfigMismatchError
 from angel_ptm.memory import Page, PageLayout, PageManager, Tier, compute_device
 from angel_ptm.parallel.mesh import Mesh, init_mesh, rank_device
 from angel_ptm.parallel.collectives import MIN, Collectives
@@ -61,6 +62,9 @@ class SingleRank:
     def mean(self, value: float, what: str) -> float:
         return value
 
+    def close(self) -> None:
+        pass
+
 
 class DataParallel:
     def __init__(self, collectives: Collectives, ownership: Ownership, manager: PageManager, access,
@@ -93,6 +97,13 @@ class DataParallel:
 
     def mean(self, value: float, what: str) -> float:
         return self.sync.mean_over_ranks(value, what)
+
+    def close(self) -> None:
+        """Land the gathers still in flight (the step's end starts the next step's first ones) and drop their
+        copies, before the pools they write into are freed. After a failed collective there is nothing to wait on."""
+        if self.gatherer is not None:
+            with contextlib.suppress(CollectiveError):
+                self.gatherer.drop_all()
 
 
 def _comm_device(collectives: Collectives) -> torch.device:
