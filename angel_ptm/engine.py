@@ -11,10 +11,6 @@ a ParamBinder that points parameters at pages around each module's forward and b
 
 from __future__ import annotations
 
-import os
-import shutil
-import tempfile
-import contextlib
 from contextlib import contextmanager
 
 import torch
@@ -25,19 +21,14 @@ from angel_ptm.config import Config, load_config
 from angel_ptm.errors import ChecksumError, EngineFailedError, PageIOError
 from angel_ptm.estimate import estimate_job
 from angel_ptm.inputs import to_device
-from angel_ptm.io import create_engine
 from angel_ptm.lr import lr_at, schedule_given
-from angel_ptm.memory import BufferPool, DiskTier, PageManager, Tier, build_layout
-from angel_ptm.memory.budgets import resolve_budgets
-from angel_ptm.memory.placement import (CREATION_ORDER, compute_dtype, creation_order, creation_tiers,
-                                        disk_reservations)
-from angel_ptm.memory.store import PageStore
-from angel_ptm.memory.disk_dir import page_dir, remove_dead_page_dirs
+from angel_ptm.memory import Tier, build_layout
 from angel_ptm.memory.materialize import materialize_buffers
+from angel_ptm.memory.placement import CREATION_ORDER, compute_dtype, creation_order
 from angel_ptm.optim import PagedAdamW
-from angel_ptm.optim.fused_adam import set_threads as set_adam_threads
-from angel_ptm.page_tensors import PageTensors
 from angel_ptm.optim.loss_scaler import LossScaler
+from angel_ptm.page_tensors import PageTensors
+from angel_ptm.paging import Paging, choose_disk_dir, open_paging
 from angel_ptm.parallel.data_parallel import DataParallel, SingleRank, agree_on_job, join
 from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import StateAccess
@@ -58,21 +49,13 @@ class Engine(StateAccess):
             raise
 
     def _abandon(self) -> None:
-        for part in (getattr(self, name, None) for name in ("scheduler", "manager", "io")):
-            if part is not None:
-                part.close()
-        self._remove_page_files()
-
-    def _remove_page_files(self) -> None:
-        if getattr(self, "_page_dir", None):
-            shutil.rmtree(self._page_dir, ignore_errors=True)
-            if self.mesh.distributed:  # this rank's folder (disk_dir/rank<R>), once nothing else is in it
-                with contextlib.suppress(OSError):
-                    os.rmdir(os.path.dirname(self._page_dir))
-        if getattr(self, "_own_disk_dir", False) and getattr(self, "_disk_dir", None):
-            shutil.rmtree(self._disk_dir, ignore_errors=True)
+        if getattr(self, "scheduler", None) is not None:
+            self.scheduler.close()
+        if getattr(self, "_paging", None) is not None:
+            self._paging.close()
 
     def _set_up(self, model: nn.Module, config: Config, trace: TraceRecorder | None, units: UnitsSpec) -> None:
+        self._paging = Paging()  # the tiers, opened in order; closed whole by close() or a failed start
         self.model, self.config = model, config
         self.trace = trace or TraceRecorder(None)
         self._failed: str | None = None  # why the engine refuses every call (a step or a collective failed part-way)
@@ -86,53 +69,20 @@ class Engine(StateAccess):
         if self.collectives is not None:  # same job everywhere, then rank 0's initial values everywhere
             agree_on_job(self.collectives, config, self.layout, model)
         self.units = find_units(model, units)
-        page_bytes = mem.page_bytes
         own = self.ownership
-        n_states = sum(own.local_count(kind, self.layout.kind_pages(kind)) for kind in self.kinds)
-        states_bytes = n_states * page_bytes
-        self._own_disk_dir = mem.disk_dir is None
-        if mem.disk_dir is not None:  # page files of killed runs: their space is this run's (memory/disk_dir.py)
-            remove_dead_page_dirs(mem.disk_dir)
-        self._disk_dir = disk_dir = mem.disk_dir or tempfile.mkdtemp(prefix="angel-ptm-pages-")
+        disk_dir = choose_disk_dir(self._paging, mem.disk_dir)
         # The estimate (angel-ptm estimate) runs first: a job that cannot fit is refused with the numbers, before
         # any allocation. It includes the largest layer's pages, which the device must hold at once.
         self.estimate = estimate_job(config, model, layout=self.layout, disk_dir=disk_dir, device=self.device,
                                      units=self.units, ownership=own, local_world_size=self.mesh.local_world_size)
         self.estimate.check()
         self._min_device_pages = max(self.estimate.largest_layer_pages, self.estimate.gather_pages)
-        self.budgets = resolve_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes,
-                                       self.device, disk_dir, page_bytes,
-                                       slack_bytes=self._min_device_pages * page_bytes,
-                                       share=self.mesh.local_world_size,
-                                       gathered_bytes=own.remote_count(self.layout.n_pages) * page_bytes)
-
-        if self.mesh.local_world_size > 1:  # the processes on this machine share its cores
-            set_adam_threads(max(1, (os.cpu_count() or 1) // self.mesh.local_world_size))
-        self.io = create_engine(mem.io_threads, mem.queue_depth)
-        pin = self.device.type == "cuda"
-        self._page_dir = page_dir(os.path.join(disk_dir, f"rank{self.mesh.rank}") if self.mesh.distributed
-                                  else disk_dir, id(self))
-        disk = DiskTier(self._page_dir, page_bytes, self.budgets.disk, self.io) if self.budgets.disk else None
-        self.manager = PageManager(
-            BufferPool(Tier.DEVICE, page_bytes, self.budgets.device, self.device),
-            BufferPool(Tier.HOST, page_bytes, self.budgets.host, "cpu", pin=pin),
-            disk,
-            trace=self.trace,
-            async_copies=mem.scheduler == "planned",  # CPU: host<->device copies on a thread, overlapping compute
-            zero_copy=mem.zero_copy,  # without CUDA both pools are plain memory: pages change tier by trading slots
-        )
+        open_paging(self._paging, config, self.layout, self.kinds, own, self.estimate, self.mesh, self.device,
+                    self.trace, id(self))
+        self.budgets, self.manager, self.pages = self._paging.budgets, self._paging.manager, self._paging.pages
         # The front door of the step's page accesses: the binder, the optimizer and the gatherer go through it.
         self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
                                    activation_bytes=lambda: self.binder.activation_bytes, trace=self.trace)
-        if disk is not None:  # one preallocated slot per page and kind: clean copies are dropped, never rewritten
-            counts = {kind: own.local_count(kind, self.layout.kind_pages(kind)) for kind in self.kinds}
-            for kind, slots in disk_reservations(counts, disk.capacity).items():
-                disk.reserve(kind, slots)
-        pools = self.manager.pools  # each new page where it will rest (placement.creation_tiers)
-        tiers = creation_tiers(pools[Tier.DEVICE].capacity, pools[Tier.HOST].capacity, n_states,
-                               self.estimate.gather_pages, self._min_device_pages)
-        self.pages = PageStore.create(self.manager, self.layout, self.kinds, own, iter(tiers),
-                                      PageTensors(self.manager, self.layout, {}).dtype)
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         # Parameter values into their pages (a meta-device model materialized straight into them: `meta_init`)
         self.meta_init = self.tensors.fill_from(model)
@@ -329,9 +279,7 @@ class Engine(StateAccess):
             try:
                 self.binder.detach(values)
             finally:
-                self.manager.close(remove_files=True)
-                self.io.close()
-                self._remove_page_files()
+                self._paging.close()
 
 
 def initialize(model: nn.Module, config=None, trace: TraceRecorder | None = None, units: UnitsSpec = None) -> Engine:
