@@ -55,10 +55,9 @@ class PageTensors:
 
     def _from_owner(self, kind: str, index: int) -> torch.Tensor:
         """Page `index` of a sharded kind, broadcast by the rank that owns it (a collective)."""
-        mesh = self.collectives.mesh
         if self._carrier is None:
-            device = torch.device("cuda", mesh.local_rank) if mesh.backend == "nccl" else torch.device("cpu")
-            self._carrier = torch.empty(self.layout.page_bytes, dtype=torch.uint8, device=device)
+            self._carrier = torch.empty(self.layout.page_bytes, dtype=torch.uint8,
+                                        device=self.collectives.mesh.comm_device)
         home = self.ownership.home(index)
         if home == self.ownership.rank:
             self._carrier.copy_(self._peek(self.pages[kind][index]))

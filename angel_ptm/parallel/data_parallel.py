@@ -106,16 +106,11 @@ class DataParallel:
                 self.gatherer.drop_all()
 
 
-def _comm_device(collectives: Collectives) -> torch.device:
-    return torch.device("cuda", collectives.mesh.local_rank) if collectives.mesh.backend == "nccl" \
-        else torch.device("cpu")
-
-
 def broadcast_module(model: nn.Module, collectives: Collectives) -> None:
     """Rank 0's parameter and buffer values on every rank (as DDP does at construction): ranks that built the model
     with different random states start equal. A model on the meta device has no values yet: rank 0's random state is
     taken instead, so every rank materializes the same values."""
-    device = _comm_device(collectives)
+    device = collectives.mesh.comm_device
     tensors = list(dict.fromkeys(t for t in list(model.parameters()) + list(model.buffers())))
     if any(t.is_meta for t in tensors):
         state = collectives.broadcast_object(torch.get_rng_state(), 0, "rank 0's random state")

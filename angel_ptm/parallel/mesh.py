@@ -38,6 +38,11 @@ class Mesh:
         return self.world_size > 1
 
     @property
+    def comm_device(self) -> torch.device:
+        """Where tensors handed to a collective must live: this rank's GPU for NCCL, the CPU for gloo."""
+        return torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+
+    @property
     def is_main(self) -> bool:
         """Rank 0: the one that writes metrics, the progress bar and the run directory's config."""
         return self.rank == 0

@@ -225,8 +225,8 @@ class GradSync:
         n = self.layout.trainable_pages
         needed = [any(name not in without_grad for name in self._on[i]) for i in range(n)]
         grads = self.pages["grad"]
-        for first in range(0, n, self.dp):
-            group = list(range(first, min(first + self.dp, n)))
+        for first in range(0, n, self.dp):  # the trainable pages are whole groups (the layout pads them)
+            group = list(range(first, first + self.dp))
             if not any(needed[i] for i in group):
                 continue
             if self.own.stage <= 1:
@@ -243,11 +243,9 @@ class GradSync:
         numel = self.layout.page_numel(index)
         buffer = self._scratch.get(key)
         if buffer is None or buffer.numel() < numel:
-            buffer = self._scratch[key] = torch.empty(numel, dtype=torch.float32, device=self.tier_device())
+            buffer = self._scratch[key] = torch.empty(numel, dtype=torch.float32,
+                                                      device=self.manager.pools[self.tier].device)
         return buffer[:numel]
-
-    def tier_device(self) -> torch.device:
-        return self.manager.pools[self.tier].device
 
     def _all_reduce_page(self, page: Page, index: int) -> None:
         self.manager.acquire([page], self.tier)
@@ -275,8 +273,6 @@ class GradSync:
                     continue
                 view = grads[i].view(self.layout.page_dtypes[i])[: self.layout.page_numel(i)]
                 inputs.append(view if view.dtype == torch.float32 else self._wide(i, ("in", k)).copy_(view))
-            while len(inputs) < self.dp:  # a last group short of dp pages cannot happen: layouts pad to whole groups
-                raise ValueError(f"page group at {group[0]} has {len(group)} pages, not {self.dp}")
             mine = group[self.own.rank]
             out = self._wide(mine, "out")
             self.comm.reduce_scatter(out, inputs, what=f"grad group {group[0] // self.dp}")

@@ -90,7 +90,7 @@ class CommReplay:
 
         self.comm, self.gathers, self.max = engine.collectives, gathers, MAX
         self.stage, dp, page_bytes = engine.ownership.stage, engine.mesh.dp, engine.layout.page_bytes
-        device = torch.device("cuda", engine.mesh.local_rank) if engine.mesh.backend == "nccl" else "cpu"
+        device = engine.mesh.comm_device
         self.groups = engine.layout.trainable_pages // dp
         self.page = torch.zeros(page_bytes // 4, device=device)
         self.pages = [torch.zeros_like(self.page) for _ in range(dp)]
