@@ -118,9 +118,9 @@ class Engine(StateAccess):
         if self.data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
             self.binder.param_access = self.data_parallel.gatherer
         # Updates during backward (planned scheduler, no clipping, no loss scaling, staleness 0) need every gradient
-        # final: not with more than one rank, where the reduction runs once backward is over on every rank.
+        # final: with more than one rank, reduced during backward too (parallel/grad_sync.py), else not at all.
         eager = (mem.scheduler == "planned" and opt.overlap_updates and not tcfg.grad_clip and loss_scaler is None
-                 and staleness == 0 and not self.mesh.distributed)
+                 and staleness == 0 and (not self.mesh.distributed or self.data_parallel.overlaps))
         self.driver = StepDriver(model=model, layout=self.layout, pages=self.pages, binder=self.binder,
                                  optimizer=self.optimizer, scheduler=self.scheduler, data_parallel=self.data_parallel,
                                  ownership=own, grad_accum=tcfg.grad_accum, loss_scaler=loss_scaler,

@@ -45,6 +45,7 @@ class StepDriver:
         self.final_order: list[int] = []  # page indices in the order their gradients became final (last backward)
         # Distinct tensors on each page: every last micro-batch counts them down as their gradients become final.
         self.tensors_per_page = [len(set(names)) for names in optimizer.slot_names_on_page]
+        self._updates_here = set(optimizer.local_indices)  # the page groups this rank's optimizer updates
         binder.on_grad_ready = self._grad_ready
         binder.check_finite = loss_scaler is not None
         # optimizer.staleness 1: update t runs during step t+1 (optim/delayed.py), a share before each unit's
@@ -65,17 +66,24 @@ class StepDriver:
                 f"number of micro-batches per step (or optimizer.overlap_updates: false)")
         last = self.micro == self.grad_accum and self.model.training
         # In the last micro-batch each page's gradients become final at some point of backward: then its group is
-        # updated (staleness 0, eager) or its param page takes the delayed update's master (staleness 1).
-        self.eager_now = last and (self.eager_allowed or self.delayed is not None)
+        # reduced over the ranks (stages 2-3) and updated once its owner holds the mean (staleness 0, eager), or
+        # its param page takes the delayed update's master (staleness 1).
+        dp = self.data_parallel
+        self.eager_now = last and (self.eager_allowed or self.delayed is not None or dp.overlaps)
         if self.eager_now:
-            if self.delayed is None:
+            if self.eager_allowed and self.delayed is None:
                 self.optimizer.begin_step()
             self.pending = list(self.tensors_per_page)
             self.ready = set()
             self.final_order = []
+            dp.begin_backward()
         try:
             (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
+            if self.eager_now:
+                self._update_landed()
         finally:
+            if self.eager_now:
+                dp.end_backward()
             self.eager_now = False
             self.binder.end_backward()
 
@@ -90,8 +98,18 @@ class StepDriver:
                 self.final_order.append(index)
                 if self.delayed is not None:
                     self.delayed.publish(index)
-                else:
+                elif self.eager_allowed and not self.data_parallel.overlaps:
                     self.optimizer.update_group(index)
+                self.data_parallel.page_final(index)
+        self._update_landed()
+
+    def _update_landed(self) -> None:
+        """Page groups whose reduction landed (their owner holds the mean gradient): this rank's page of each is
+        updated now (staleness 0, eager)."""
+        for group in self.data_parallel.take_landed():
+            index = group * self.ownership.dp + self.ownership.rank
+            if self.eager_allowed and self.delayed is None and index in self._updates_here:
+                self.optimizer.update_group(index)
 
     def _before_unit_forward(self) -> None:
         """staleness 1: a share of the pending update before each unit's forward (training steps only)."""
@@ -183,6 +201,9 @@ class StepDriver:
         if self.delayed is None and self.optimizer.updated_this_step:
             raise ConfigValueError("zero_grad: pages were already updated during this step's backward; "
                                    "call step() to finish it")
+        if self.data_parallel.reductions_open:  # begun during backward: finished alike on every rank, then dropped
+            self.finish_grads()
+            self.scheduler.discard(self.pages["grad"])
         self.start_over()
 
     def start_over(self) -> None:

@@ -10,7 +10,36 @@ import time
 import torch
 
 import angel_ptm
-from test_engine_equivalence import CASES, engine_config
+from torch import nn
+
+from test_engine_equivalence import CASES, engine_config, mlp_loss
+
+
+class Branchy(nn.Module):
+    """A branch taken only for micro-batches whose mean is positive (an expert routed or not): ranks disagree on
+    which tensors get a gradient, so one rank's gradient groups are final during backward and the other's only
+    after the agreement."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp, self.expert, self.out = nn.Linear(24, 48), nn.Linear(48, 48), nn.Linear(48, 24)
+
+    def forward(self, x):
+        h = torch.relu(self.inp(x))
+        if x.mean() > 0:
+            h = h + self.expert(h)
+        return self.out(h)
+
+
+def branchy_batches():
+    """Micro-batch i takes the branch for i in (0, 3, 4): in steps 0-2 of 2 ranks exactly one rank does, in step 3
+    neither (the expert gets no gradient anywhere)."""
+    g = torch.Generator().manual_seed(7)
+    return [(torch.randn(8, 24, generator=g).abs() * (1.0 if i in (0, 3, 4) else -1.0),) for i in range(8)]
+
+
+CASES["branchy"] = (Branchy, branchy_batches, mlp_loss)
 
 STEPS = 4
 # Per-rank budgets of 4 KiB pages. The GPT's paging unit (a block with the root's pages) takes 21 pages; ZeRO-3
@@ -55,6 +84,7 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
     disk_dir = os.path.join(tmp, f"{spec['name']}-w{world}")
     engine = angel_ptm.initialize(model, config_of(spec, world, disk_dir))
     losses, skipped, scales = [], [], []
+    eager = 0  # page groups updated during the last backward of a step (reduced there first with >1 rank)
     try:
         pages = {kind: sum(1 for p in ps if p is not None and p.home is None) for kind, ps in engine.pages.items()}
         for step in range(steps):
@@ -66,6 +96,7 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
                     loss = loss * float("inf")
                 engine.backward(loss / accum)
                 total += loss.item()
+            eager += engine.optimizer.updated_this_step
             if spec["clip"]:
                 engine.clip_grad_norm(spec["clip"])
             engine.step()
@@ -82,7 +113,9 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
                                             for k, v in s.items()})}
         return {"losses": losses, "skipped": skipped, "scales": scales, "pages": pages, "moved": stats["moved"],
                 "gathers": gatherer.gathers if gatherer is not None else 0, "states": states,
-                "comm_bytes": engine.collectives.bytes_sent if engine.collectives is not None else 0}
+                "comm_bytes": engine.collectives.bytes_sent if engine.collectives is not None else 0,
+                "eager_updates": eager,
+                "overlapped": getattr(getattr(engine.data_parallel, "sync", None), "overlapped", 0)}
     finally:
         engine.close()
 

@@ -23,11 +23,13 @@ JOBS = (
     + [job(f"zero{z}-bf16", zero=z, dtype="bfloat16") for z in STAGES]
     + [job("zero2-mlp-accum2", zero=2, model="mlp", accum=2), job("zero3-tied", zero=3, model="tied",
                                                                     placement="device+host")]
+    + [job(f"zero{z}-branchy", zero=z, model="branchy", placement="device+host") for z in (2, 3)]
     + [job("zero2-fp16-overflow", zero=2, dtype="float16", placement="device+host", overflow_at=[1, 1],
            optimizer={"loss_scale_initial": 1024.0})]
 )
 BY_NAME = {spec["name"]: spec for spec in JOBS}
-FP32_JOBS = [s["name"] for s in JOBS if s["dtype"] == "float32" and not s["staleness"]]
+# torch on the global batch: not for the branchy model, whose branch is decided per micro-batch
+FP32_JOBS = [s["name"] for s in JOBS if s["dtype"] == "float32" and not s["staleness"] and s["model"] != "branchy"]
 
 
 @pytest.fixture(scope="module")
@@ -109,6 +111,17 @@ def test_state_dicts_read_from_every_rank_equal_one_ranks_bitwise(two_ranks, zer
 def test_zero3_gathers_parameter_groups_and_stages_1_2_do_not_gather_before_use(two_ranks):
     assert result(two_ranks, "zero3-device")["gathers"] > 0
     assert result(two_ranks, "zero1-device")["gathers"] == 0
+
+
+@pytest.mark.parametrize("zero", [2, 3])
+def test_gradients_are_reduced_and_applied_during_backward_from_the_second_step(two_ranks, zero):
+    """Stages 2-3 reduce a page group as soon as its gradients are final (in the order agreed after step 0) and,
+    with no clipping, the owner updates its page then; with clipping only the reduction moves into backward."""
+    for rank in (0, 1):
+        plain, clipped = two_ranks[rank][f"zero{zero}-device+host+disk"], two_ranks[rank][f"zero{zero}-clip"]
+        assert plain["overlapped"] > 0 and plain["eager_updates"] > 0, rank
+        assert clipped["overlapped"] > 0 and clipped["eager_updates"] == 0, rank
+    assert result(two_ranks, "zero1-device+host+disk")["overlapped"] == 0  # stage 1 all-reduces after backward
 
 
 def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(two_ranks):

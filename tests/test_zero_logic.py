@@ -13,7 +13,8 @@ from angel_ptm.memory import BufferPool, PageManager, Tier, build_layout
 from angel_ptm.parallel.collectives import Collectives
 from angel_ptm.parallel.mesh import Mesh
 from angel_ptm.parallel.ownership import Ownership
-from angel_ptm.parallel.zero import GradSync, ParamGatherer
+from angel_ptm.parallel.grad_sync import GradSync
+from angel_ptm.parallel.zero import ParamGatherer
 from angel_ptm.schedule import Scheduler
 
 WORLD = 8

@@ -146,7 +146,10 @@ class PagedAdamW:
         """Open an optimizer step (idempotent until `step` closes it); groups may then be updated one by one.
         `without_grad`, when known: the tensors without a gradient this step (the others count a step each when
         it closes, wherever they are updated)."""
-        if not self._in_step:
+        if self._in_step:  # opened by an update during backward: the set is known now
+            if self._step_without is None and without_grad is not None:
+                self._step_without = frozenset(without_grad)
+        else:
             self._step_without = None if without_grad is None else frozenset(without_grad)
             self._in_step = True
             self.step_count += 1

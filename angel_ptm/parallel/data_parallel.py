@@ -1,8 +1,11 @@
 """The data-parallel side of the engine's step: one object the engine calls at fixed points, so the engine has no
 branch on the world size. `SingleRank` does nothing (a world of one); `DataParallel` agrees, reduces and publishes.
 
+    begin_backward() / page_final(i) / take_landed() / end_backward()
+                                     the step's last backward: gradients reduced as their page groups become
+                                     final (stages 2-3), the groups whose reduction landed (their owner may update)
     finish_grads(without, overflow)  after the last backward, before the norm or the update: the tensors no rank
-                                     gave a gradient, an overflow anywhere, and the reduction of the gradients
+                                     gave a gradient, an overflow anywhere, and the rest of the reduction
     grad_norm(optimizer, without)    the norm over every rank's pages
     params_updated()                 the owners' parameter pages changed: the others take them (stages 1, 2) or
                                      drop their gathered copies (stage 3)
@@ -23,7 +26,8 @@ from angel_ptm.memory import Page, PageLayout, PageManager, Tier, compute_device
 from angel_ptm.parallel.mesh import Mesh, init_mesh, rank_device
 from angel_ptm.parallel.collectives import MIN, Collectives
 from angel_ptm.parallel.ownership import Ownership
-from angel_ptm.parallel.zero import GradSync, ParamGatherer
+from angel_ptm.parallel.grad_sync import GradSync
+from angel_ptm.parallel.zero import ParamGatherer
 
 
 def join(config, trace=None, on_failure=None) -> tuple[Mesh, torch.device, Ownership, Collectives | None]:
@@ -49,6 +53,23 @@ class SingleRank:
     ownership = Ownership()
     collectives = None
     gatherer = None
+    overlaps = False  # no reduction to run during backward
+
+    def begin_backward(self) -> None:
+        pass
+
+    def page_final(self, index: int) -> None:
+        pass
+
+    def take_landed(self) -> list[int]:
+        return []
+
+    def end_backward(self) -> None:
+        pass
+
+    @property
+    def reductions_open(self) -> bool:
+        return False
 
     def finish_grads(self, without: set[str], overflow: bool) -> tuple[set[str], bool]:
         return without, overflow
@@ -70,7 +91,13 @@ class DataParallel:
     def __init__(self, collectives: Collectives, ownership: Ownership, manager: PageManager, access,
                  layout: PageLayout, pages: dict[str, list[Page | None]], update_tier: Tier, gather_capacity: int):
         self.collectives, self.ownership = collectives, ownership
-        self.sync = GradSync(manager, layout, pages, collectives, ownership, update_tier)
+        # Gradients reduced during backward where the collectives run a reduce-scatter beside compute (gloo's
+        # pairwise exchange)
+        self.sync = GradSync(manager, layout, pages, collectives, ownership, update_tier,
+                             overlap=collectives.pairwise)
+        self.overlaps = self.sync.overlap
+        self.begin_backward, self.page_final = self.sync.begin_backward, self.sync.page_final
+        self.take_landed, self.end_backward = self.sync.take_landed, self.sync.end_backward
         self.gatherer = None
         if ownership.gathers:  # the same capacity everywhere (auto GPU budgets differ by free memory): the least
             agreed = torch.tensor([float(gather_capacity)])
@@ -83,9 +110,16 @@ class DataParallel:
         self.collectives.verify_sequence("this step's gradient reduction")
         without = self.sync.agree_without_grad(without)
         overflow = self.sync.agree_flag(overflow, "fp16 overflow")
-        if not overflow:  # a skipped step needs no reduced gradient
+        # A skipped step needs no reduced gradient, but reductions begun during backward (a different number on
+        # each rank) are finished on every rank, so the next step's come in the same order everywhere.
+        if not overflow or self.sync.reductions_open:
             self.sync.reduce(without)
         return without, overflow
+
+    @property
+    def reductions_open(self) -> bool:
+        """The last backward's gradients are being reduced: the step (or zero_grad) must finish them."""
+        return self.sync.reductions_open
 
     def grad_norm(self, optimizer, without: set[str]) -> float:
         return optimizer.grad_norm(without, combine=self.sync.grad_norm)
@@ -101,6 +135,8 @@ class DataParallel:
     def close(self) -> None:
         """Land the gathers still in flight (the step's end starts the next step's first ones) and drop their
         copies, before the pools they write into are freed. After a failed collective there is nothing to wait on."""
+        with contextlib.suppress(CollectiveError):
+            self.sync.drain()
         if self.gatherer is not None:
             with contextlib.suppress(CollectiveError):
                 self.gatherer.drop_all()

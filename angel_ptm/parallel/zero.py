@@ -1,11 +1,8 @@
-"""ZeRO over page groups: the collectives of a data-parallel step, on pages (parallel/ownership.py says who holds
-what).
+"""ZeRO-3's parameter side: page groups all-gathered ahead of the units that compute with them (parallel/ownership.py
+says who holds what; parallel/grad_sync.py is the gradient side).
 
     gatherer = ParamGatherer(manager, param_pages, collectives, ownership, capacity_groups)   # stage 3
     gatherer.acquire(pages, Tier.DEVICE, label)    # every group of `pages` gathered, then pinned as usual
-    sync = GradSync(manager, layout, pages, collectives, ownership, update_tier)
-    sync.reduce(without_grad)                      # after the last backward: owners hold the mean gradient
-    sync.publish_params()                          # after the update: every rank computes with the new weights
 
 Every decision that issues a collective is a function of state that is the same on every rank (the model's
 access sequence, the agreed set of tensors with a gradient, group indices), never of this rank's residency or
@@ -17,14 +14,10 @@ there without a second all-gather; a group is dropped only by that LRU or at the
 from __future__ import annotations
 
 import bisect
-import math
 from collections import Counter, OrderedDict
 from typing import Sequence
 
-import torch
-
-from angel_ptm.memory import Page, PageLayout, PageManager, Tier
-from angel_ptm.parallel.collectives import MAX
+from angel_ptm.memory import Page, PageManager, Tier
 from angel_ptm.schedule.communicator import Communicator
 from angel_ptm.parallel.ownership import Ownership
 
@@ -171,141 +164,3 @@ class ParamGatherer:
         self._cursor, self._following = 0, bool(self._sequence)
         if self._following:
             self._prefetch()
-
-
-class GradSync:
-    """The gradient side of a data-parallel step and the parameter publication after it."""
-
-    def __init__(self, manager: PageManager, layout: PageLayout, pages: dict[str, list[Page | None]],
-                 collectives: Communicator, ownership: Ownership, tier: Tier):
-        self.manager, self.layout, self.pages, self.comm, self.own = manager, layout, pages, collectives, ownership
-        self.tier = tier  # where pages are pinned for a collective (the optimizer's update tier)
-        self.dp = ownership.dp
-        self._on: list[list[str]] = [[] for _ in range(layout.n_pages)]  # tensor names on each page
-        for slot in layout.slots:
-            for seg in slot.segments:
-                self._on[seg.page].append(slot.name)
-        self._scratch: dict = {}
-
-    # ------------------------------------------------------------------ agreement
-    def agree_without_grad(self, local_without: set[str]) -> set[str]:
-        """The tensors no rank gave a gradient (MAX over ranks of 'has one'). A tensor that got one elsewhere but not
-        here has its regions zeroed here, so the reduction adds nothing for this rank."""
-        slots = self.layout.slots
-        has = torch.tensor([0.0 if s.name in local_without else 1.0 for s in slots], dtype=torch.float32)
-        self.comm.all_reduce(has, "which tensors have a gradient", op=MAX)
-        without = {s.name for s, flag in zip(slots, has.tolist()) if flag == 0.0}
-        for slot in slots:
-            if slot.name in local_without and slot.name not in without and not self.layout.frozen(slot):
-                self._zero_region(slot)
-        return without
-
-    def _zero_region(self, slot) -> None:
-        for seg in slot.segments:
-            page = self.pages["grad"][seg.page]
-            self.manager.acquire([page], self.tier)
-            page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].zero_()
-            self.manager.release([page], dirty=True)
-
-    def agree_flag(self, flag: bool, what: str) -> bool:
-        """True on every rank if it is true on any (an fp16 overflow anywhere skips the step everywhere)."""
-        value = torch.tensor([1.0 if flag else 0.0])
-        self.comm.all_reduce(value, what, op=MAX)
-        return bool(value.item())
-
-    def mean_over_ranks(self, value: float, what: str) -> float:
-        box = torch.tensor([value], dtype=torch.float64)
-        self.comm.all_reduce(box, what)
-        return float(box.item()) / self.dp
-
-    # ------------------------------------------------------------------ gradients
-    def reduce(self, without_grad: set[str]) -> None:
-        """Every gradient page's owner gets the mean over ranks (fp32 reduction whatever the compute dtype); stage 0
-        all-reduces, so every rank gets every page; stages 1-3 drop the pages they do not own, unwritten."""
-        n = self.layout.trainable_pages
-        needed = [any(name not in without_grad for name in self._on[i]) for i in range(n)]
-        grads = self.pages["grad"]
-        for first in range(0, n, self.dp):  # the trainable pages are whole groups (the layout pads them)
-            group = list(range(first, first + self.dp))
-            if not any(needed[i] for i in group):
-                continue
-            if self.own.stage <= 1:
-                for i in group:
-                    if needed[i]:
-                        self._all_reduce_page(grads[i], i)
-            else:
-                self._reduce_scatter_group(group, needed)
-        if self.own.stage >= 1:
-            self.manager.discard([grads[i] for i in range(n) if not self.own.owns(i) and not grads[i].dead
-                                  and not grads[i].pin_count])
-
-    def _wide(self, index: int, key) -> torch.Tensor:
-        numel = self.layout.page_numel(index)
-        buffer = self._scratch.get(key)
-        if buffer is None or buffer.numel() < numel:
-            buffer = self._scratch[key] = torch.empty(numel, dtype=torch.float32,
-                                                      device=self.manager.pools[self.tier].device)
-        return buffer[:numel]
-
-    def _all_reduce_page(self, page: Page, index: int) -> None:
-        self.manager.acquire([page], self.tier)
-        try:
-            view = page.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)]
-            if view.dtype == torch.float32:
-                self.comm.all_reduce(view, f"grad page {index}")
-                view.mul_(1.0 / self.dp)
-            else:
-                wide = self._wide(index, "out").copy_(view)
-                self.comm.all_reduce(wide, f"grad page {index}")
-                view.copy_(wide.mul_(1.0 / self.dp))
-        finally:
-            self.manager.release([page], dirty=True)
-
-    def _reduce_scatter_group(self, group: list[int], needed: list[bool]) -> None:
-        grads = self.pages["grad"]
-        live = [grads[i] for i in group if needed[i]]
-        self.manager.acquire(live, self.tier)
-        try:
-            inputs = []
-            for k, i in enumerate(group):
-                if not needed[i]:
-                    inputs.append(self._wide(i, ("zero", k)).zero_())
-                    continue
-                view = grads[i].view(self.layout.page_dtypes[i])[: self.layout.page_numel(i)]
-                inputs.append(view if view.dtype == torch.float32 else self._wide(i, ("in", k)).copy_(view))
-            mine = group[self.own.rank]
-            out = self._wide(mine, "out")
-            self.comm.reduce_scatter(out, inputs, what=f"grad group {group[0] // self.dp}")
-            if needed[mine]:
-                view = grads[mine].view(self.layout.page_dtypes[mine])[: self.layout.page_numel(mine)]
-                view.copy_(out.mul_(1.0 / self.dp))
-        finally:
-            self.manager.release(live, dirty=True)
-
-    def grad_norm(self, squares: dict[int, float]) -> float:
-        """The global L2 norm from each page's sum of squares (`squares`: this rank's updated pages). Pages are
-        summed exactly (math.fsum), so the result does not depend on which rank summed which page."""
-        n = self.layout.trainable_pages
-        if self.own.stage == 0:  # every rank reduced and holds every page: nothing to exchange
-            return math.sqrt(math.fsum(squares.values()))
-        vector = torch.zeros(n, dtype=torch.float64)
-        for index, value in squares.items():
-            vector[index] = value
-        self.comm.all_reduce(vector, "gradient norm")
-        return math.sqrt(math.fsum(vector.tolist()))
-
-    # ------------------------------------------------------------------ parameters
-    def publish_params(self) -> None:
-        """Stages 1 and 2: the owners' updated parameter pages, all-gathered group by group into every rank's."""
-        if self.own.stage not in (1, 2):
-            return
-        params = self.pages["param"]
-        n = self.layout.trainable_pages
-        for first in range(0, n, self.dp):
-            pages = params[first : first + self.dp]
-            self.manager.acquire(pages, self.tier)
-            try:
-                own = pages[self.own.rank]
-                self.comm.all_gather([p.buffer for p in pages], own.buffer, what=f"param group {first // self.dp}")
-            finally:
-                self.manager.release(pages, dirty=True)

@@ -1,0 +1,326 @@
+"""ZeRO's gradient side: agreement, the reduction onto the owners (during backward where it can), the norm, and the
+publication of updated parameters (parallel/ownership.py says who holds what; parallel/zero.py gathers parameters).
+
+    sync = GradSync(manager, layout, pages, collectives, ownership, update_tier, overlap=True)
+    sync.begin_backward()           # the step's last backward starts
+    sync.page_final(index)          # every gradient on page `index` is in: its group's reduction may start
+    sync.take_landed()              # groups whose reduction has landed since (their owner may update them now)
+    sync.end_backward()
+    without = sync.agree_without_grad(local_without)   # after the last backward, on every rank
+    sync.reduce(without)            # the rest of the reductions, then every one landed
+    sync.publish_params()           # stages 1-2, after the update: every rank computes with the new weights
+
+Reductions during backward (stages 2 and 3, over a communicator with asynchronous reduce-scatters) keep DDP's rule:
+they are issued in one order agreed by every rank — the order the groups' gradients became final in the previous
+step (its latest position over ranks, agreed with the tensors that got a gradient) — a group only once every page
+of it is final here and every group before it was issued. A rank where a group is late (a tensor got no gradient
+here) issues it, and the ones after it, once backward is over, after the agreement zeroed what it lacks: the
+reductions come in the same order on every rank, only later there. They run on their own tags, and nothing waits on
+one during backward (a landed one is noticed by polling), so no rank ever blocks on a reduction another rank issues
+only after a collective this rank has not reached.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from angel_ptm.memory import Page, PageLayout, PageManager, Tier
+from angel_ptm.parallel.collectives import MAX
+from angel_ptm.parallel.ownership import Ownership
+from angel_ptm.schedule.communicator import Communicator
+
+
+@dataclass
+class _Reduction:
+    """A group's reduce-scatter in flight and the buffers it reads (`staged`) and writes (`out`)."""
+    group: int
+    pending: object
+    out: torch.Tensor
+    staged: list[torch.Tensor]  # fp32 copies of the group's gradients
+    write: bool  # this rank's page of the group has tensors: the mean lands in it
+    issued_at: int  # the gradient event it was issued at
+
+
+class GradSync:
+    """The gradient side of a data-parallel step and the parameter publication after it."""
+
+    IN_FLIGHT = 4  # reductions in flight at once, at most (each holds dp + 1 page-sized fp32 buffers)
+    # A reduction issued during backward lands `LAG` gradient events later (waiting for it then, up to `PATIENCE_S`):
+    # at the same point of every step, so the owner's update comes at the same place in the step's page accesses
+    # and the scheduler's plan holds. A reduction not done by then (a peer is late: a tensor got no gradient there)
+    # ends the waiting for this step: later ones land when done, noticed by polling.
+    LAG = 2
+    PATIENCE_S = 0.5
+
+    def __init__(self, manager: PageManager, layout: PageLayout, pages: dict[str, list[Page | None]],
+                 collectives: Communicator, ownership: Ownership, tier: Tier, overlap: bool = False):
+        self.manager, self.layout, self.pages, self.comm, self.own = manager, layout, pages, collectives, ownership
+        self.tier = tier  # where pages are pinned for a collective (the optimizer's update tier)
+        self.dp = ownership.dp
+        self._on: list[list[str]] = [[] for _ in range(layout.n_pages)]  # tensor names on each page
+        for slot in layout.slots:
+            for seg in slot.segments:
+                self._on[seg.page].append(slot.name)
+        self.n_groups = layout.trainable_pages // self.dp  # the trainable pages are whole groups (layout pads them)
+        self.overlap = overlap and ownership.stage >= 2 and self.dp > 1  # reductions during backward
+        self._order: list[int] | None = None  # the agreed reduction order (None: not known yet, layout order)
+        self._next_order: list[int] | None = None  # agreed for the next step
+        self._open = False  # in the last backward: groups are issued as they become final
+        self.reductions_open = False  # from the last backward's start to the end of its reduction
+        self._left: list[int] = []  # per group: its pages with tensors whose gradients are not final yet
+        self._final_at: dict[int, int] = {}  # group -> the position it became final this step (here)
+        self._issued = 0  # groups of the order issued this step
+        self._flight: deque[_Reduction] = deque()
+        self._landed: list[int] = []  # landed during backward, not taken yet
+        self._events = 0  # gradient events (take_landed calls) in this backward
+        self._patient = True  # this backward still waits for reductions at their landing point
+        self._scratch: dict = {}
+        self._spare: list[torch.Tensor] = []  # fp32 page buffers for reductions in flight
+        self.overlapped = 0  # reductions issued during backward, cumulative (the bench reports it)
+
+    # ------------------------------------------------------------------ agreement
+    def agree_without_grad(self, local_without: set[str]) -> set[str]:
+        """The tensors no rank gave a gradient (MAX over ranks of 'has one'). A tensor that got one elsewhere but not
+        here has its regions zeroed here, so the reduction adds nothing for this rank. The same all-reduce agrees
+        next step's reduction order (each group's latest position over ranks)."""
+        slots = self.layout.slots
+        positions = [float(self._final_at.get(g, self.n_groups)) for g in range(self.n_groups)]
+        vector = torch.tensor([0.0 if s.name in local_without else 1.0 for s in slots] + positions,
+                              dtype=torch.float32)
+        self.comm.all_reduce(vector, "which tensors have a gradient", op=MAX)
+        flags, latest = vector[: len(slots)].tolist(), vector[len(slots):].tolist()
+        if self.overlap:  # in force from the next step's backward (this step's finishes in the order it began)
+            self._next_order = sorted(range(self.n_groups), key=lambda g: (latest[g], g))
+            self._final_at = {}
+        without = {s.name for s, flag in zip(slots, flags) if flag == 0.0}
+        for slot in slots:
+            if slot.name in local_without and slot.name not in without and not self.layout.frozen(slot):
+                self._zero_region(slot)
+        return without
+
+    def _zero_region(self, slot) -> None:
+        for seg in slot.segments:
+            page = self.pages["grad"][seg.page]
+            self.manager.acquire([page], self.tier)
+            page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].zero_()
+            self.manager.release([page], dirty=True)
+
+    def agree_flag(self, flag: bool, what: str) -> bool:
+        """True on every rank if it is true on any (an fp16 overflow anywhere skips the step everywhere)."""
+        value = torch.tensor([1.0 if flag else 0.0])
+        self.comm.all_reduce(value, what, op=MAX)
+        return bool(value.item())
+
+    def mean_over_ranks(self, value: float, what: str) -> float:
+        box = torch.tensor([value], dtype=torch.float64)
+        self.comm.all_reduce(box, what)
+        return float(box.item()) / self.dp
+
+    # ------------------------------------------------------------------ reductions during backward
+    def begin_backward(self) -> None:
+        """The step's last backward starts: gradients become final from now on."""
+        if not self.overlap:
+            return
+        self._open = self.reductions_open = True
+        self._final_at, self._issued, self._landed = {}, 0, []
+        self._events, self._patient = 0, True
+        self._left = [sum(1 for i in self._group(g) if self._on[i]) for g in range(self.n_groups)]
+
+    def page_final(self, index: int) -> None:
+        """Every gradient on page `index` is in (last backward): once its whole group is, the group's reduction may
+        start (in the agreed order)."""
+        if not self._open or index >= self.layout.trainable_pages:
+            return
+        group = index // self.dp
+        self._left[group] -= 1
+        if self._left[group] == 0:
+            self._final_at[group] = len(self._final_at)
+        self._pump()
+
+    def take_landed(self) -> list[int]:
+        """Groups whose reduction landed since the last call (their owner holds the mean gradient now). Called at
+        every gradient event of the last backward: the reductions due land (`LAG`), then the next ones start."""
+        self._events += 1
+        while self._flight and self._patient and self._flight[0].issued_at <= self._events - self.LAG:
+            self._land_due(self._flight[0])
+        if not self._patient:  # not at fixed points any more: whatever is done
+            self._land(block=False)
+        if self._open:
+            self._pump()
+        landed, self._landed = self._landed, []
+        return landed
+
+    def _land_due(self, red: "_Reduction") -> None:
+        """Wait for the oldest reduction up to PATIENCE_S; land it, or stop waiting for this step."""
+        if red.pending.done() or red.pending.wait_for(self.PATIENCE_S):
+            self._land_one(self._flight.popleft())
+        else:
+            self._patient = False
+
+    def end_backward(self) -> None:
+        self._open = False
+
+    def _pump(self) -> None:
+        """Issue the next groups of the agreed order while they are final here and room allows."""
+        if self._order is None:
+            return
+        while self._issued < len(self._order) and self._order[self._issued] in self._final_at:
+            group = self._order[self._issued]
+            if len(self._flight) >= self.IN_FLIGHT:
+                if self._patient:
+                    self._land_due(self._flight[0])
+                else:
+                    self._land(block=False)
+                if len(self._flight) >= self.IN_FLIGHT:
+                    return
+            self._issued += 1
+            self._issue(group, [bool(self._on[i]) for i in self._group(group)])
+            self.overlapped += 1
+
+    # ------------------------------------------------------------------ gradients
+    def reduce(self, without_grad: set[str]) -> None:
+        """Every gradient page's owner gets the mean over ranks (fp32 reduction whatever the compute dtype); stage 0
+        all-reduces, so every rank gets every page; stages 1-3 drop the pages they do not own, unwritten. Reductions
+        already issued during backward are landed; the rest are issued in the agreed order."""
+        n = self.layout.trainable_pages
+        needed = [any(name not in without_grad for name in self._on[i]) for i in range(n)]
+        grads = self.pages["grad"]
+        if self.own.stage <= 1:
+            for i in range(n):
+                if needed[i]:
+                    self._all_reduce_page(grads[i], i)
+        else:
+            order = self._order if self._order is not None else range(self.n_groups)
+            for group in list(order)[self._issued:]:
+                flags = [needed[i] for i in self._group(group)]
+                if any(flags):
+                    if len(self._flight) >= self.IN_FLIGHT:
+                        self._land_one(self._flight.popleft())
+                    self._issue(group, flags)
+            self._land(block=True)
+            self._issued, self._landed = 0, []
+            self._order = self._next_order
+            self.reductions_open = False
+            self.comm.seal_reductions()
+        if self.own.stage >= 1:
+            self.manager.discard([grads[i] for i in range(n) if not self.own.owns(i) and not grads[i].dead
+                                  and not grads[i].pin_count])
+
+    def _group(self, group: int) -> range:
+        return range(group * self.dp, (group + 1) * self.dp)
+
+    def _issue(self, group: int, needed: list[bool]) -> None:
+        """Start the reduce-scatter of `group`. Its gradients are copied (fp32) into buffers of the collective's own,
+        as FSDP2 copies into its reduce-scatter input, and the pages are dead from then on: nothing stays pinned
+        while the collective is in flight, and the mean lands in a cleared slot of this rank's page."""
+        grads = self.pages["grad"]
+        inputs, staged = [], []
+        for i, need in zip(self._group(group), needed):
+            numel = self.layout.page_numel(i)
+            if not need:
+                inputs.append(self._zeros(numel))
+                continue
+            self.manager.acquire([grads[i]], self.tier)
+            try:
+                staged.append(self._take(numel).copy_(grads[i].view(self.layout.page_dtypes[i])[:numel]))
+            finally:
+                self.manager.release([grads[i]])
+            inputs.append(staged[-1])
+        self.manager.discard([grads[i] for i, need in zip(self._group(group), needed) if need])
+        mine = group * self.dp + self.own.rank
+        out = self._take(self.layout.page_numel(mine))
+        pending = self.comm.reduce_scatter(out, inputs, what=f"grad group {group}", async_op=True)
+        self._flight.append(_Reduction(group, pending, out, staged, needed[self.own.rank], self._events))
+
+    def _land(self, block: bool) -> None:
+        """Land the reductions in flight that are done (all of them with `block`), oldest first."""
+        while self._flight and (block or self._flight[0].pending.done()):
+            self._land_one(self._flight.popleft())
+
+    def _land_one(self, red: _Reduction) -> None:
+        red.pending.wait()
+        if red.write:
+            index = red.group * self.dp + self.own.rank
+            page = self.pages["grad"][index]
+            self.manager.acquire([page], self.tier)
+            try:
+                page.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)].copy_(
+                    red.out.mul_(1.0 / self.dp))
+            finally:
+                self.manager.release([page], dirty=True)
+        self._spare.extend([red.out, *red.staged])
+        self._landed.append(red.group)
+
+    def drain(self) -> None:
+        """Land every reduction in flight (closing: nothing may still read or write their buffers)."""
+        while self._flight:
+            self._flight.popleft().pending.wait()
+
+    def _take(self, numel: int) -> torch.Tensor:
+        while self._spare:
+            buffer = self._spare.pop()
+            if buffer.numel() >= numel:
+                return buffer[:numel]
+        return torch.empty(max(numel, self.layout.page_bytes // 4), dtype=torch.float32,
+                           device=self.manager.pools[self.tier].device)[:numel]
+
+    def _zeros(self, numel: int) -> torch.Tensor:
+        zeros = self._scratch.get("zeros")
+        if zeros is None or zeros.numel() < numel:
+            zeros = self._scratch["zeros"] = torch.zeros(numel, dtype=torch.float32,
+                                                         device=self.manager.pools[self.tier].device)
+        return zeros[:numel]
+
+    def _wide(self, index: int, key) -> torch.Tensor:
+        numel = self.layout.page_numel(index)
+        buffer = self._scratch.get(key)
+        if buffer is None or buffer.numel() < numel:
+            buffer = self._scratch[key] = torch.empty(numel, dtype=torch.float32,
+                                                      device=self.manager.pools[self.tier].device)
+        return buffer[:numel]
+
+    def _all_reduce_page(self, page: Page, index: int) -> None:
+        self.manager.acquire([page], self.tier)
+        try:
+            view = page.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)]
+            if view.dtype == torch.float32:
+                self.comm.all_reduce(view, f"grad page {index}")
+                view.mul_(1.0 / self.dp)
+            else:
+                wide = self._wide(index, "out").copy_(view)
+                self.comm.all_reduce(wide, f"grad page {index}")
+                view.copy_(wide.mul_(1.0 / self.dp))
+        finally:
+            self.manager.release([page], dirty=True)
+
+    def grad_norm(self, squares: dict[int, float]) -> float:
+        """The global L2 norm from each page's sum of squares (`squares`: this rank's updated pages). Pages are
+        summed exactly (math.fsum), so the result does not depend on which rank summed which page."""
+        n = self.layout.trainable_pages
+        if self.own.stage == 0:  # every rank reduced and holds every page: nothing to exchange
+            return math.sqrt(math.fsum(squares.values()))
+        vector = torch.zeros(n, dtype=torch.float64)
+        for index, value in squares.items():
+            vector[index] = value
+        self.comm.all_reduce(vector, "gradient norm")
+        return math.sqrt(math.fsum(vector.tolist()))
+
+    # ------------------------------------------------------------------ parameters
+    def publish_params(self) -> None:
+        """Stages 1 and 2: the owners' updated parameter pages, all-gathered group by group into every rank's."""
+        if self.own.stage not in (1, 2):
+            return
+        params = self.pages["param"]
+        n = self.layout.trainable_pages
+        for first in range(0, n, self.dp):
+            pages = params[first : first + self.dp]
+            self.manager.acquire(pages, self.tier)
+            try:
+                own = pages[self.own.rank]
+                self.comm.all_gather([p.buffer for p in pages], own.buffer, what=f"param group {first // self.dp}")
+            finally:
+                self.manager.release(pages, dirty=True)
