@@ -39,7 +39,7 @@ def branchy_batches():
     return [(torch.randn(8, 24, generator=g).abs() * (1.0 if i in (0, 3, 4) else -1.0),) for i in range(8)]
 
 
-CASES["branchy"] = (Branchy, branchy_batches, mlp_loss)
+CASES = {**CASES, "branchy": (Branchy, branchy_batches, mlp_loss)}  # a copy: other modules parametrize over theirs
 
 STEPS = 4
 # Per-rank budgets of 4 KiB pages. The GPT's paging unit (a block with the root's pages) takes 21 pages; ZeRO-3

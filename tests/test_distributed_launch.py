@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -93,7 +94,10 @@ def test_a_rank_killed_mid_step_ends_the_other_with_a_collective_error_at_once(t
 def test_a_hung_rank_ends_the_other_with_a_collective_error_after_parallel_timeout_s(tmp_path):
     results = spawn(2, die_mid_step, (job("hang", timeout_s=3, hang=10), str(tmp_path)), tmp_path, timeout_s=60)
     assert results[0]["type"] == "CollectiveError", results[0]
-    assert "failed after 3." in results[0]["message"] and "(parallel.timeout_s 3)" in results[0]["message"]
+    # Within the timeout, counted from when the collective was issued (the hung rank's own receive times out first
+    # when it was issued earlier, closing the connection: then a little sooner)
+    seconds = float(re.search(r"failed after ([0-9.]+) s", results[0]["message"]).group(1))
+    assert 1.0 <= seconds <= 3.5 and "(parallel.timeout_s 3)" in results[0]["message"], results[0]
 
 
 def test_ranks_with_different_configs_or_a_mesh_the_world_does_not_divide_refuse_to_start(tmp_path):

@@ -58,7 +58,9 @@ class Collectives:
         self._reductions_since_check = 0
         self._sealed = (0, 0)  # the reductions' digest and count when the last step's reductions were all issued
 
-    def _run(self, name: str, what: str, nbytes: int, fn, *args, **kwargs):
+    def _run(self, name: str, what: str, nbytes: int, fn, *args, since: float | None = None, **kwargs):
+        """fn(*args, **kwargs), timed on the trace; a failure becomes this rank's CollectiveError, its elapsed time
+        counted from `since` (a wait: when the collective was issued, as the process group's timeout counts)."""
         if self.failed is not None:  # the group is poisoned: no rank may wait on it again
             raise self.failed
         t0 = time.perf_counter()
@@ -68,7 +70,8 @@ class Collectives:
         except (RuntimeError, ValueError) as exc:  # DistBackendError and gloo's errors are RuntimeErrors
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             self.failed = CollectiveError(
-                f"rank {self.rank} of {self.size}: {name} ({what}) failed after {time.perf_counter() - t0:.1f} s "
+                f"rank {self.rank} of {self.size}: {name} ({what}) failed after "
+                f"{time.perf_counter() - (t0 if since is None else since):.1f} s "
                 f"(parallel.timeout_s {self.mesh.timeout_s:g}): a peer rank died or hung: {detail[:300]}")
             if self.on_failure is not None:
                 self.on_failure(self.failed)
@@ -226,6 +229,7 @@ class Pending:
     def __init__(self, collectives: Collectives, works: list, what: str, then=None, background: bool = False):
         self.collectives, self.works, self.what = collectives, [w for w in works if w is not None], what
         self.then = then
+        self.issued = time.perf_counter()
         self._finished: threading.Event | None = None
         self._error: BaseException | None = None
         if background:
@@ -257,10 +261,10 @@ class Pending:
 
     def wait(self) -> None:
         if self._finished is not None:
-            self.collectives._run("wait", self.what, 0, self._wait_background)
+            self.collectives._run("wait", self.what, 0, self._wait_background, since=self.issued)
             return
         while self.works:
-            self.collectives._run("wait", self.what, 0, self.works[0].wait)
+            self.collectives._run("wait", self.what, 0, self.works[0].wait, since=self.issued)
             self.works.pop(0)
         if self.then is not None:
             then, self.then = self.then, None
