@@ -114,7 +114,7 @@ class Engine(StateAccess):
                                     updates=own.updated)
         self.data_parallel = SingleRank() if self.collectives is None else DataParallel(
             self.collectives, own, self.manager, self.scheduler, self.layout, self.pages, update_tier,
-            self.estimate.gather_groups)
+            self.estimate.gather_groups, self.estimate.largest_unit_groups, config.parallel.osdp)
         if self.data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
             self.binder.param_access = self.data_parallel.gatherer
         # Updates during backward (planned scheduler, no clipping, no loss scaling, staleness 0) need every gradient
@@ -216,7 +216,7 @@ class Engine(StateAccess):
     def memory_stats(self) -> dict:
         return {"in_use": self.manager.in_use(), "moved": dict(self.manager.bytes_moved),
                 "zero_copy": self.manager.zero_copy,
-                "schedule": self.scheduler.last_stats.as_dict()}
+                "schedule": self.scheduler.last_stats.as_dict(), **self.data_parallel.stats()}
 
     def mean_over_ranks(self, value: float) -> float:
         """`value` averaged over the data-parallel ranks (every rank must call it): the loss to log. `value` itself

@@ -46,7 +46,8 @@ from angel_ptm.memory.placement import (CREATION_ORDER, Problem, StartPlacement,
                                         update_tier)
 from angel_ptm.memory.disk_dir import check_disk_dir
 from angel_ptm.models import GPT, build_model, estimate_activation_bytes
-from angel_ptm.parallel.ownership import Ownership, gather_capacity, gather_reserve, min_gather_device_pages
+from angel_ptm.parallel.ownership import (Ownership, gather_capacity, gather_reserve, min_gather_device_pages,
+                                          osdp_replicable)
 
 MIXED_MASTER_NOTE = "param and grad pages hold bf16/fp16 in half their bytes"
 STALE_MASTER_NOTE = "optimizer.staleness 1: the delayed update writes it while a step computes with the param pages"
@@ -98,6 +99,7 @@ class Estimate:
     zero: int = 0  # ZeRO stage (parallel.zero; no effect with one rank)
     largest_unit_groups: int = 1  # page groups the largest unit and those around it span (ZeRO-3 gathers them)
     gather_groups: int = 0  # ZeRO-3: page groups kept gathered at once (parallel/ownership.gather_capacity)
+    osdp_groups: int = 0  # parallel.osdp: page groups that may be kept replicated (parallel/ownership.osdp_replicable)
     gather_pages: int = 0  # ZeRO-3: device slots those groups take at most
     collective_bytes: dict = field(default_factory=dict)  # per step, bytes this rank hands to each collective
 
@@ -148,6 +150,9 @@ class Estimate:
             lines.append(f"  gathered parameter pages up to {self.gather_pages} on the device "
                          f"({format_bytes(self.gather_pages * self.page_bytes)}: "
                          f"{self.gather_groups} page groups of {self.world_size})")
+        if self.osdp_groups:
+            lines.append(f"  OSDP: up to {self.osdp_groups} of those groups kept replicated: the ones compute waits "
+                         f"on longest in the first step after the recorded one (the engine reports which, and why)")
         if self.collective_bytes:
             lines.append("  collectives per step: " + ", ".join(
                 f"{name} {format_bytes(n)}" for name, n in self.collective_bytes.items()))
@@ -318,6 +323,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         master_note=STALE_MASTER_NOTE if config.trainer.dtype == "float32" else MIXED_MASTER_NOTE,
         gpu_memory_given=gpu_memory is not None,
         zero=own.stage, largest_unit_groups=chain_groups, gather_groups=gather_groups, gather_pages=gather_pages,
+        osdp_groups=osdp_replicable(gather_groups, chain_groups) if own.gathers and config.parallel.osdp else 0,
         collective_bytes=collective_bytes(own, layout, page_bytes),
     )
 

@@ -328,3 +328,15 @@ def test_save_config_writes_a_file_that_loads_back_equal(tmp_path):
     save_config(cfg, path)
     assert load_config(path) == cfg
     assert os.listdir(path.parent) == ["config.yaml"]  # no temporary file left behind
+
+
+def test_osdp_needs_zero_3_and_staleness_0(tmp_path):
+    with pytest.raises(ConfigValueError, match=r"^parallel\.osdp: must be false unless zero is 3"):
+        load_config(None, ["parallel.zero=2", "parallel.osdp=true"])
+    assert load_config(None, ["parallel.osdp=true"]).parallel.osdp is True
+    import angel_ptm
+    from torch import nn
+
+    config = {"parallel": {"osdp": True}, "optimizer": {"staleness": 1}, "memory": {"disk_dir": str(tmp_path)}}
+    with pytest.raises(ConfigValueError, match=r"^parallel\.osdp: true needs optimizer\.staleness 0"):
+        angel_ptm.initialize(nn.Linear(4, 4), config)

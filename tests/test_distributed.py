@@ -24,6 +24,7 @@ JOBS = (
     + [job("zero2-mlp-accum2", zero=2, model="mlp", accum=2), job("zero3-tied", zero=3, model="tied",
                                                                     placement="device+host")]
     + [job(f"zero{z}-branchy", zero=z, model="branchy", placement="device+host") for z in (2, 3)]
+    + [job("zero3-osdp", zero=3, osdp=True, steps=5)]
     + [job("zero2-fp16-overflow", zero=2, dtype="float16", placement="device+host", overflow_at=[1, 1],
            optimizer={"loss_scale_initial": 1024.0})]
 )
@@ -122,6 +123,16 @@ def test_gradients_are_reduced_and_applied_during_backward_from_the_second_step(
         assert plain["overlapped"] > 0 and plain["eager_updates"] > 0, rank
         assert clipped["overlapped"] > 0 and clipped["eager_updates"] == 0, rank
     assert result(two_ranks, "zero1-device+host+disk")["overlapped"] == 0  # stage 1 all-reduces after backward
+
+
+def test_osdp_keeps_the_groups_compute_waited_on_replicated_within_the_estimates_allowance(two_ranks):
+    """The same groups on every rank (agreed), no more than the estimate allows, each one waited on when chosen;
+    the losses (bitwise equal to one rank's, within 1e-5 of torch: the parametrized tests) are unchanged."""
+    first = result(two_ranks, "zero3-osdp")
+    assert first["osdp"] and two_ranks[1]["zero3-osdp"]["osdp"] == first["osdp"]
+    assert len(first["osdp"]) <= first["osdp_allowed"]
+    assert all(seconds > 1e-4 for seconds in first["osdp"].values())
+    assert result(two_ranks, "zero3-device+host+disk")["osdp"] == {}
 
 
 def test_an_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(two_ranks):

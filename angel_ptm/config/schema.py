@@ -253,10 +253,17 @@ class ParallelConfig(_Section):
     # Seconds a collective may wait for its peers (process-group set-up included): past it, a dead or hung rank ends
     # every rank with a CollectiveError naming the collective, instead of a hang.
     timeout_s: float = 300.0
+    # OSDP (zero 3 only): keep the page groups whose gathers compute waited on longest (measured in the first step
+    # that follows the recorded one, agreed over ranks) replicated on every rank: refreshed by one all-gather after
+    # each update instead of gathered before use, within half of the device room spare beside the largest unit's
+    # groups (the other half keeps prefetching). The estimate says how many may be; the engine which, and why.
+    osdp: bool = False
 
     def validate(self) -> None:
         if self.dp is not None:
             self._require("dp", self.dp >= 1, ">= 1 or null")
+        if self.osdp:
+            self._require("osdp", self.zero == 3, "false unless zero is 3 (only ZeRO-3 shards parameters)")
         self._require("timeout_s", 0 < self.timeout_s <= 86400, "> 0 and at most 86400 (a day)")
 
 

@@ -21,11 +21,11 @@ import torch
 from torch import nn
 
 from angel_ptm.config import config_to_dict
-from angel_ptm.errors import CollectiveError, ConfigMismatchError
+from angel_ptm.errors import CollectiveError, ConfigMismatchError, ConfigValueError
 from angel_ptm.memory import Page, PageLayout, PageManager, Tier, compute_device
 from angel_ptm.parallel.mesh import Mesh, init_mesh, rank_device
 from angel_ptm.parallel.collectives import MIN, Collectives
-from angel_ptm.parallel.ownership import Ownership
+from angel_ptm.parallel.ownership import Ownership, osdp_replicable
 from angel_ptm.parallel.grad_sync import GradSync
 from angel_ptm.parallel.zero import ParamGatherer
 
@@ -34,6 +34,9 @@ def join(config, trace=None, on_failure=None) -> tuple[Mesh, torch.device, Owner
     """This process's place in the job: its mesh (torchrun's process group, set up from the environment when
     nobody did), its compute device (`cuda:LOCAL_RANK` on GPUs), its share of the pages and, with more than one
     rank, the collectives (`on_failure`: told of a failed collective before it raises)."""
+    if config.parallel.osdp and config.optimizer.staleness:
+        raise ConfigValueError("parallel.osdp: true needs optimizer.staleness 0 (a replicated group is refreshed when "
+                               "the step ends; staleness 1 publishes the update during the next step)")
     mesh = init_mesh(config.parallel, compute_device(config.trainer.device).type)
     device = rank_device(compute_device(config.trainer.device), mesh)
     ownership = Ownership(mesh.rank, mesh.dp, config.parallel.zero)
@@ -57,6 +60,9 @@ class SingleRank:
 
     def begin_backward(self) -> None:
         pass
+
+    def stats(self) -> dict:
+        return {}
 
     def page_final(self, index: int) -> None:
         pass
@@ -89,7 +95,8 @@ class SingleRank:
 
 class DataParallel:
     def __init__(self, collectives: Collectives, ownership: Ownership, manager: PageManager, access,
-                 layout: PageLayout, pages: dict[str, list[Page | None]], update_tier: Tier, gather_capacity: int):
+                 layout: PageLayout, pages: dict[str, list[Page | None]], update_tier: Tier, gather_capacity: int,
+                 chain_groups: int = 0, osdp: bool = False):
         self.collectives, self.ownership = collectives, ownership
         # Gradients reduced during backward where the collectives run a reduce-scatter beside compute (gloo's
         # pairwise exchange)
@@ -102,8 +109,9 @@ class DataParallel:
         if ownership.gathers:  # the same capacity everywhere (auto GPU budgets differ by free memory): the least
             agreed = torch.tensor([float(gather_capacity)])
             collectives.all_reduce(agreed, "ZeRO-3 gather capacity", op=MIN)
-            self.gatherer = ParamGatherer(manager, pages["param"], collectives, ownership, int(agreed.item()),
-                                          access=access)
+            capacity = int(agreed.item())
+            self.gatherer = ParamGatherer(manager, pages["param"], collectives, ownership, capacity, access=access,
+                                          replicable=osdp_replicable(capacity, chain_groups) if osdp else 0)
 
     def finish_grads(self, without: set[str], overflow: bool) -> tuple[set[str], bool]:
         """Once per step, after the last backward (the engine calls it before the norm and the update)."""
@@ -115,6 +123,15 @@ class DataParallel:
         if not overflow or self.sync.reductions_open:
             self.sync.reduce(without)
         return without, overflow
+
+    def stats(self) -> dict:
+        """What the collectives did (Engine.memory_stats): gradient reductions started during backward, and OSDP's
+        replicated page groups with the seconds compute waited on each one's gathers when they were chosen."""
+        out = {"reductions_in_backward": self.sync.overlapped}
+        if self.gatherer is not None:
+            out.update(gathers=self.gatherer.gathers,
+                       osdp_replicated={g: round(s, 6) for g, s in self.gatherer.replicated.items()})
+        return out
 
     @property
     def reductions_open(self) -> bool:

@@ -77,6 +77,12 @@ def gather_capacity(chain_groups: int, dp: int, device_slots: int, reserve: int,
     return min(n_groups, max(chain_groups, (device_slots - reserve) // dp))
 
 
+def osdp_replicable(capacity_groups: int, chain_groups: int) -> int:
+    """OSDP: page groups that may be kept replicated (gathered for good): half of the gathered-group room beside the
+    largest unit's chain (the other half keeps prefetching the groups that stay sharded)."""
+    return max(0, capacity_groups - chain_groups) // 2
+
+
 def min_gather_device_pages(chain_groups: int, dp: int, reserve: int) -> int:
     """The fewest device slots ZeRO-3 runs with: the largest unit's chain of groups, gathered, beside `reserve`."""
     return chain_groups * dp + reserve

@@ -14,10 +14,14 @@ there without a second all-gather; a group is dropped only by that LRU or at the
 from __future__ import annotations
 
 import bisect
+import time
 from collections import Counter, OrderedDict
 from typing import Sequence
 
+import torch
+
 from angel_ptm.memory import Page, PageManager, Tier
+from angel_ptm.parallel.collectives import MAX
 from angel_ptm.schedule.communicator import Communicator
 from angel_ptm.parallel.ownership import Ownership
 
@@ -33,9 +37,10 @@ class ParamGatherer:
     group (the owners' pages changed) and starts gathering the first groups of the next step."""
 
     LOOKAHEAD = 8  # accesses ahead whose groups may be gathered early
+    EXPOSED_S = 1e-4  # OSDP: a group whose gathers kept compute waiting longer than this may be kept replicated
 
     def __init__(self, manager: PageManager, param_pages: list[Page], collectives: Communicator,
-                 ownership: Ownership, capacity: int, access, tier: Tier = Tier.DEVICE):
+                 ownership: Ownership, capacity: int, access, tier: Tier = Tier.DEVICE, replicable: int = 0):
         self.manager, self.param_pages, self.comm, self.own = manager, param_pages, collectives, ownership
         self.access = access  # the scheduler: the step's accesses go through it
         self.capacity = max(1, capacity)
@@ -51,11 +56,20 @@ class ParamGatherer:
         self._uses: dict[int, list[int]] = {}  # group -> positions in the sequence
         self._cursor = 0
         self._following = False
+        # OSDP (parallel.osdp): up to `replicable` groups kept gathered for good (replicated on every rank, refreshed
+        # once after each update instead of gathered before use), chosen after the first step that followed the
+        # recording: the groups whose gathers compute waited on longest there (agreed over ranks: the MAX).
+        self.replicable = replicable
+        self.replicated: dict[int, float] = {}  # group -> seconds compute waited on its gathers when chosen
+        self._exposed: Counter = Counter()  # group -> seconds waited on its gathers, in the step being measured
+        self._measuring = False
+        self._decided = replicable == 0
 
     def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None) -> None:
         groups = tuple(dict.fromkeys(page.index // self.dp for page in pages))
         self._advance(groups)
         for group in groups:
+            t0 = time.perf_counter()
             if group in self.held:
                 self.held.move_to_end(group)
                 self._settle(group)
@@ -63,6 +77,8 @@ class ParamGatherer:
                 self._make_room(keep=groups)
                 self._start(group)
                 self._settle(group)
+            if self._measuring:
+                self._exposed[group] += time.perf_counter() - t0
         self.access.acquire(pages, tier, label=label)
         for page in pages:
             self._in_use[page.index // self.dp] += 1
@@ -95,7 +111,8 @@ class ParamGatherer:
         whichever page of it a rank owns), in flight, nor needed by this access; with `before`, only one whose next
         use comes after that position. False if none could go: the capacity is a target, not a hard bound."""
         while len(self.held) >= self.capacity:
-            victims = [g for g in self.held if g not in keep and not self._in_use[g] and g not in self.pending]
+            victims = [g for g in self.held if g not in keep and not self._in_use[g] and g not in self.pending
+                       and g not in self.replicated]
             if self._following:
                 if before != float("inf"):  # a prefetch: only for a group needed sooner than the victim
                     victims = [g for g in victims if self._next_use(g) > before]
@@ -144,23 +161,53 @@ class ParamGatherer:
             finally:
                 self.manager.release([own])
 
-    def drop_all(self) -> None:
-        """Drop every held group (once its gather has landed)."""
+    def drop_all(self, keep_replicated: bool = False) -> None:
+        """Drop every held group (once its gather has landed); OSDP's replicated ones too unless `keep_replicated`."""
         for group in list(self.pending):
             self._settle(group)
-        while self.held:
-            _, remote = self.held.popitem(last=False)
-            self.manager.drop_remote(remote)
+        for group in [g for g in self.held if not (keep_replicated and g in self.replicated)]:
+            self.manager.drop_remote(self.held.pop(group))
 
     def clear(self) -> None:
-        """The step is over (the owners' pages changed): drop every held group, then start gathering the first
-        groups of the next step."""
-        self.drop_all()
+        """The step is over (the owners' pages changed): drop every held group, refresh OSDP's replicated ones, then
+        start gathering the first groups of the next step."""
+        self.drop_all(keep_replicated=True)
         if self._recording is not None:
             self._sequence, self._recording = self._recording, None
             for position, groups in enumerate(self._sequence):
                 for group in groups:
                     self._uses.setdefault(group, []).append(position)
+            self._measuring = not self._decided  # the next step follows the recording: measure its waits
+        elif self._measuring:
+            self._choose_replicated()
+        for group in sorted(self.replicated):
+            self._refresh(group)
         self._cursor, self._following = 0, bool(self._sequence)
         if self._following:
             self._prefetch()
+
+    def _choose_replicated(self) -> None:
+        """OSDP: the groups compute waited on longest in the measured step (MAX over ranks, so every rank picks the
+        same), as many as `replicable`, each only if it waited at all (EXPOSED_S)."""
+        self._measuring, self._decided = False, True
+        waited = torch.tensor([self._exposed.get(g, 0.0) for g in range(len(self.param_pages) // self.dp)],
+                              dtype=torch.float64)
+        self.comm.all_reduce(waited, "OSDP: seconds waited on each group's gathers", op=MAX)
+        ranked = sorted(range(len(waited)), key=lambda g: (-float(waited[g]), g))
+        chosen = [g for g in ranked if float(waited[g]) > self.EXPOSED_S][: self.replicable]
+        self.replicated = {g: float(waited[g]) for g in sorted(chosen)}
+
+    def _refresh(self, group: int) -> None:
+        """A replicated group's copies take the owners' updated pages (an all-gather into the held slots)."""
+        if group not in self.held:  # just chosen: gathered for the first time, and kept
+            self._make_room(keep=tuple(self.replicated))
+            self._start(group)
+            return
+        first = group * self.dp
+        pages = self.param_pages[first : first + self.dp]
+        own = pages[self.own.rank]
+        self.manager.acquire([own], self.tier)
+        handle = self.comm.all_gather([page.buffer for page in pages], own.buffer, what=f"param group {group}",
+                                      async_op=True)
+        self.pending[group] = (handle, own)
+        self.gathers += 1
