@@ -2,6 +2,7 @@
 
     python -m tools.bench.zero --nproc 2 --dir DIR [--zero 3] [--dim 384] [--layers 4] [--batch 4] [--seq 64]
                                [--page-kib 512] [--device-frac 0.25] [--host-frac 0.25] [--steps 5] [--warmup 2]
+                               [--osdp]
 
 N ranks over gloo (NCCL on GPUs), each its own process, as torchrun starts them. Per rank, interleaved step by step
 so all see the same machine, the median step time after `--warmup` steps of:
@@ -52,7 +53,7 @@ def engine_config(args, device_budget, host_budget, disk_dir):
                        "host_budget": host_budget, "disk_dir": disk_dir, "scheduler": "planned",
                        "io_threads": args.io_threads},
             "trainer": {"device": args.device, "grad_clip": 0},
-            "parallel": {"zero": args.zero, "timeout_s": 300}}
+            "parallel": {"zero": args.zero, "timeout_s": 300, "osdp": args.osdp}}
 
 
 def sync(device):
@@ -193,6 +194,8 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
                 for name, s in seconds.items():
                     times[name].append(s)
         own_bytes = sum(1 for p in scheduled.manager.pages if p.home is None) * page_bytes
+        stats = {k: v for k, v in scheduled.memory_stats().items() if k in ("reductions_in_backward",
+                                                                              "osdp_replicated")}
         estimate = scheduled.estimate
         alone = estimate_job(scheduled.config, make_model(args), device=device)
     finally:
@@ -206,6 +209,7 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
         "estimate_comm_bytes": sum(estimate.collective_bytes.values()), "gathers": statistics.median(gathers),
         "kind_bytes": estimate.kind_bytes, "one_rank_kind_bytes": alone.kind_bytes, "params": n_params,
         "device_budget": device_budget, "host_budget": host_budget,
+        "collectives": stats,
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
@@ -239,6 +243,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--osdp", action="store_true", help="parallel.osdp: keep exposed groups replicated")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
     say = (lambda *a: None) if args.json else print
@@ -277,6 +282,8 @@ def main(argv=None) -> dict:
                                    for kind in sharded},
         "comm_bytes_per_step": first["comm_bytes"], "estimate_comm_bytes_per_step": first["estimate_comm_bytes"],
         "gathers_per_step": first["gathers"],
+        "reductions_in_backward": first["collectives"].get("reductions_in_backward", 0),
+        "osdp_replicated_groups": len(first["collectives"].get("osdp_replicated", {})),
     }
     print(json.dumps(report))
     return report
