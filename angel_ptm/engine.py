@@ -11,17 +11,15 @@ a ParamBinder that points parameters at pages around each module's forward and b
 
 from __future__ import annotations
 
-from contextlib import contextmanager
-
 import torch
 from torch import nn
 
 from angel_ptm.binding import ParamBinder
 from angel_ptm.config import Config, load_config
-from angel_ptm.errors import ChecksumError, EngineFailedError, PageIOError
+from angel_ptm.failure import Failure
 from angel_ptm.estimate import estimate_job
 from angel_ptm.inputs import to_device
-from angel_ptm.lr import lr_at, schedule_given
+from angel_ptm.lr import ConfigSchedule
 from angel_ptm.memory import Tier, build_layout
 from angel_ptm.memory.materialize import materialize_buffers
 from angel_ptm.memory.placement import CREATION_ORDER, compute_dtype, creation_order
@@ -32,7 +30,7 @@ from angel_ptm.paging import Paging, choose_disk_dir, open_paging
 from angel_ptm.parallel.data_parallel import DataParallel, SingleRank, agree_on_job, join
 from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import StateAccess
-from angel_ptm.step import StepDriver, copy_master_into_param
+from angel_ptm.step import StepDriver, cast_master_into_parameters, copy_masters_into_params
 from angel_ptm.trace import TraceRecorder
 from angel_ptm.units import UnitsSpec, find_units
 
@@ -58,10 +56,11 @@ class Engine(StateAccess):
         self._paging = Paging()  # the tiers, opened in order; closed whole by close() or a failed start
         self.model, self.config = model, config
         self.trace = trace or TraceRecorder(None)
-        self._failed: str | None = None  # why the engine refuses every call (a step or a collective failed part-way)
+        self.failure = Failure()  # why the engine refuses every call, once a step or a collective failed part-way
         mem = config.memory
         # torchrun: the process group from the environment, one GPU per process, this rank's share of the pages
-        self.mesh, self.device, self.ownership, self.collectives = join(config, self.trace, self._collective_failed)
+        self.mesh, self.device, self.ownership, self.collectives = join(config, self.trace,
+                                                                        self.failure.collective_failed)
         self.compute_dtype = compute_dtype(config)  # None: fp32, the parameters are the master weights
         self.kinds = creation_order(config)
         self.layout = build_layout(model, mem.page_bytes, dp_world_size=self.mesh.dp,
@@ -87,7 +86,7 @@ class Engine(StateAccess):
         # Parameter values into their pages (a meta-device model materialized straight into them: `meta_init`)
         self.meta_init = self.tensors.fill_from(model)
         if "master" in self.pages:
-            self._cast_master_into_parameters()
+            cast_master_into_parameters(model, self.scheduler, self.pages, self.layout, own, self.compute_dtype)
         materialize_buffers(model, self.device)  # buffers built on the meta device (GPT's RoPE tables)
         for buffer_name, buffer in list(model.named_buffers()):
             module_name, _, leaf = buffer_name.rpartition(".")
@@ -98,8 +97,7 @@ class Engine(StateAccess):
         self.binder.read_values = self.tensors.read_weights
         self._closed = False
         self._steps_done = 0
-        # The config's lr_schedule is applied on step() when the config spells one out; set_lr turns it off.
-        self._schedule = config.lr_schedule if schedule_given(config) else None
+        self._schedule = ConfigSchedule(config)  # applied on step(); set_lr turns it off
         self.binder.attach()
         tcfg = config.trainer
         # fp16: loss scaling. The binder notes inf/NaN gradients as they land; no page may be updated before the
@@ -125,20 +123,7 @@ class Engine(StateAccess):
                                  optimizer=self.optimizer, scheduler=self.scheduler, data_parallel=self.data_parallel,
                                  ownership=own, grad_accum=tcfg.grad_accum, loss_scaler=loss_scaler,
                                  eager_allowed=eager, staleness=staleness, n_units=len(self.units))
-        self._apply_schedule()
-
-    # ------------------------------------------------------------------ set-up
-    def _cast_master_into_parameters(self) -> None:
-        """Mixed precision: the compute parameters are the fp32 master weights rounded to the compute dtype, page by
-        page; the model's floating parameters become compute-dtype tensors (the binder points them at the pages).
-        Every rank wrote every parameter page it holds from the same values, so no rank needs another's yet."""
-        self._copy_masters_into_params()
-        if self.compute_dtype is None:  # fp32 under optimizer.staleness 1: the copy is all there is to do
-            return
-        with torch.no_grad():
-            for param in self.model.parameters():
-                if param.is_floating_point() and param.dtype != self.compute_dtype:
-                    param.data = torch.zeros((), dtype=self.compute_dtype).expand(param.shape)
+        self._schedule.apply(self.optimizer, 0)
 
     # ------------------------------------------------------------------ the step
     def __call__(self, *args, **kwargs):
@@ -153,7 +138,7 @@ class Engine(StateAccess):
         scheduler and no clipping, each page group is updated as soon as all its gradients are in. With fp16 the
         loss is multiplied by the loss scale first (the update divides the gradients by it)."""
         self._check_alive()
-        with self._failing_step():  # pages are updated during backward (eager updates): all or nothing
+        with self.failure.step(self.optimizer, self.delayed):  # pages updated during backward: all or nothing
             self.driver.backward(loss)
 
     def flush(self) -> None:
@@ -168,15 +153,8 @@ class Engine(StateAccess):
 
     def set_lr(self, lr: float) -> None:
         """Drive the learning rate yourself: from now on the config's lr_schedule is no longer applied."""
-        self._schedule = None
+        self._schedule.on = False
         self.optimizer.lr = lr
-
-    def _apply_schedule(self) -> None:
-        """The config's lr_schedule (when it has one) for the next optimizer step, counted from 0."""
-        if self._schedule is not None:
-            sched = self._schedule
-            self.optimizer.lr = lr_at(self._steps_done, self.config.optimizer.lr, self.config.trainer.steps,
-                                      sched.warmup_steps, sched.decay, sched.min_lr_ratio)
 
     @property
     def lr(self) -> float:
@@ -188,10 +166,10 @@ class Engine(StateAccess):
         loss scaling, a step whose gradients overflowed is skipped whole and the loss scale adjusted. An error part-way
         (I/O, checksum, disk full) marks the engine failed: every later call raises EngineFailedError."""
         self._check_alive()
-        with self._failing_step():
+        with self.failure.step(self.optimizer, self.delayed):
             self.driver.step()
-        self._steps_done += 1
-        self._apply_schedule()
+        self._steps_done = self.failure.steps_done = self._steps_done + 1
+        self._schedule.apply(self.optimizer, self._steps_done)
 
     def zero_grad(self) -> None:
         self._check_alive()
@@ -230,47 +208,22 @@ class Engine(StateAccess):
 
     def parameters_written(self) -> None:
         """After weights were written into master pages: the compute copies (param pages) take them, on every rank."""
-        self._copy_masters_into_params()
+        copy_masters_into_params(self.scheduler, self.pages, self.layout, self.ownership)
         self.data_parallel.params_updated()
 
-    def _copy_masters_into_params(self) -> None:
-        if "master" in self.pages:  # on the host when it has room for the pair (this rank's master pages only)
-            tier = Tier.HOST if self.manager.pools[Tier.HOST].capacity >= 2 else Tier.DEVICE
-            for index in filter(self.ownership.updated, range(self.layout.trainable_pages)):
-                copy_master_into_param(self.scheduler, self.pages, self.layout, index, tier)
-
-    # ------------------------------------------------------------------ failure
     def _check_alive(self) -> None:
-        if self._failed is not None:
-            raise EngineFailedError(self._failed)
-
-    def _collective_failed(self, error: Exception) -> None:
-        """A collective failed (a peer died or hung): the ranks may be mid-step, and the group is unusable."""
-        self._failed = (f"the engine failed at step {getattr(self, '_steps_done', 0)} ({type(error).__name__}: "
-                        f"{error}); resume every rank from the last checkpoint")
-
-    @contextmanager
-    def _failing_step(self):
-        """An error part-way through updating pages (some groups done, others not) fails the engine for good."""
-        try:
-            yield
-        except BaseException as exc:
-            torn = self.optimizer.failed_group is not None or (self.delayed is None and self.optimizer.updated_this_step)
-            if torn or isinstance(exc, (PageIOError, ChecksumError)):
-                self._failed = (f"the engine failed during optimizer step {self.optimizer.step_count} "
-                                f"({type(exc).__name__}: {exc}); pages may hold a half-applied update, so it "
-                                f"refuses to go on: resume from the last checkpoint")
-            raise
+        self.failure.check()
 
     def close(self) -> None:
         """Stop the engine and free its pages; the model keeps its trained weights as ordinary CPU tensors (the
-        fp32 master weights under mixed precision), usable and saveable; a failed one leaves placeholders. Idempotent."""
+        fp32 master weights under mixed precision), usable and saveable; a failed one leaves placeholders.
+        Idempotent."""
         if self._closed:
             return
         self._closed = True
         values = None  # the weights the model keeps: none from a failed engine, or when the last update fails
         try:
-            if self._failed is None:
+            if self.failure.reason is None:
                 self.flush()  # staleness 1: the pending update lands in the weights first
                 values = self.tensors.read_weights
         finally:

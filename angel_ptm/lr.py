@@ -52,3 +52,19 @@ def schedule_given(config) -> bool:
     if given is not None:
         return "lr_schedule" in given
     return config.lr_schedule != type(config.lr_schedule)()
+
+
+class ConfigSchedule:
+    """The config's lr_schedule, applied to the optimizer for the next step, when the config spells one out;
+    `set_lr` (the user drives the learning rate) turns it off for good."""
+
+    def __init__(self, config):
+        self.config = config
+        self.on = schedule_given(config)
+
+    def apply(self, optimizer, steps_done: int) -> None:
+        """The learning rate of optimizer step `steps_done` (counted from 0)."""
+        if self.on:
+            sched = self.config.lr_schedule
+            optimizer.lr = lr_at(steps_done, self.config.optimizer.lr, self.config.trainer.steps,
+                                 sched.warmup_steps, sched.decay, sched.min_lr_ratio)

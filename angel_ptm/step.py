@@ -29,6 +29,28 @@ def copy_master_into_param(scheduler, pages, layout: PageLayout, index: int, tie
     scheduler.release([param], dirty=True)
 
 
+def copy_masters_into_params(scheduler, pages, layout: PageLayout, ownership) -> None:
+    """Every param page this rank updates takes its master page's values (after weights were written into the
+    masters); on the host when it has room for the pair."""
+    if "master" in pages:
+        tier = Tier.HOST if scheduler.manager.pools[Tier.HOST].capacity >= 2 else Tier.DEVICE
+        for index in filter(ownership.updated, range(layout.trainable_pages)):
+            copy_master_into_param(scheduler, pages, layout, index, tier)
+
+
+def cast_master_into_parameters(model, scheduler, pages, layout: PageLayout, ownership, compute_dtype) -> None:
+    """Mixed precision: the compute parameters are the fp32 master weights rounded to the compute dtype, page by
+    page; the model's floating parameters become compute-dtype placeholders (the binder points them at the pages).
+    Every rank wrote every parameter page it holds from the same values, so no rank needs another's yet."""
+    copy_masters_into_params(scheduler, pages, layout, ownership)
+    if compute_dtype is None:  # fp32 under optimizer.staleness 1: the copy is all there is to do
+        return
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.is_floating_point() and param.dtype != compute_dtype:
+                param.data = torch.zeros((), dtype=compute_dtype).expand(param.shape)
+
+
 class StepDriver:
     def __init__(self, *, model, layout: PageLayout, pages, binder, optimizer, scheduler, data_parallel, ownership,
                  grad_accum: int, loss_scaler, eager_allowed: bool, staleness: int, n_units: int):
