@@ -17,6 +17,8 @@ so all see the same machine, the median step time after `--warmup` steps of:
 The last line is one JSON object: the medians (rank 0's; the maximum over ranks is `*_max_s`), `overlap` =
 max(a, b, c) / d (goal >= 0.85), `ratio_vs_fsdp2` = e / d (goal >= 1.0), per-rank state bytes against one rank's
 (the estimate of the same job at world 1), and the collective bytes per step measured against the estimate.
+`cpu_s`: the CPU seconds per step of each phase in a rank's process, all its threads (compute, gloo's, the SSD
+engine's): with `cores_per_rank` cores, no schedule makes a step shorter than its CPU seconds / cores.
 """
 
 from __future__ import annotations
@@ -61,10 +63,17 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-def timed(fn) -> float:
-    t0 = time.perf_counter()
+CPU_SECONDS: dict[str, list[float]] = {}  # phase -> CPU seconds this process (every thread) spent in each run
+
+
+def timed(fn, name: str = "") -> float:
+    """Wall seconds of fn(); the CPU seconds of the whole process (compute, gloo's and the SSD engine's threads)
+    go to CPU_SECONDS[name]."""
+    c0, t0 = time.process_time(), time.perf_counter()
     fn()
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    CPU_SECONDS.setdefault(name, []).append(time.process_time() - c0)
+    return seconds
 
 
 def engine_step(engine, x, y):
@@ -184,12 +193,12 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
                 "compute": lambda: plain_step(plain, plain_opt, x, y, device),
                 "fsdp2": lambda: plain_step(fsdp, fsdp_opt, x, y, device),
             }
-            seconds = {name: timed(fn) for name, fn in (steps.items() if i % 2 == 0 else reversed(steps.items()))}
+            seconds = {name: timed(fn, name) for name, fn in (steps.items() if i % 2 == 0 else reversed(steps.items()))}
             gathers.append((gathered.gathers - before) if gathered is not None else 0)
             comm_bytes.append(scheduled.collectives.bytes_sent - sent)
             if replay is None:
                 replay = CommReplay(scheduled, gathers[-1])
-            seconds["comm"] = timed(replay)
+            seconds["comm"] = timed(replay, "comm")
             if i >= args.warmup:
                 for name, s in seconds.items():
                     times[name].append(s)
@@ -210,6 +219,7 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
         "kind_bytes": estimate.kind_bytes, "one_rank_kind_bytes": alone.kind_bytes, "params": n_params,
         "device_budget": device_budget, "host_budget": host_budget,
         "collectives": stats,
+        "cpu": {name: statistics.median(v[args.warmup:]) for name, v in CPU_SECONDS.items()},
     }
     gathered = [None] * world
     dist.all_gather_object(gathered, result)
@@ -282,6 +292,10 @@ def main(argv=None) -> dict:
                                    for kind in sharded},
         "comm_bytes_per_step": first["comm_bytes"], "estimate_comm_bytes_per_step": first["estimate_comm_bytes"],
         "gathers_per_step": first["gathers"],
+        # CPU seconds per step of each rank's process (all its threads): with fewer cores than ranks x threads,
+        # a step cannot take less wall time than its CPU seconds divided by the cores it has
+        "cpu_s": {name: round(v, 4) for name, v in first["cpu"].items()},
+        "cores_per_rank": round((os.cpu_count() or 1) / args.nproc, 2),
         "reductions_in_backward": first["collectives"].get("reductions_in_backward", 0),
         "osdp_replicated_groups": len(first["collectives"].get("osdp_replicated", {})),
     }
