@@ -128,9 +128,12 @@ def grad_final_times(trace: StepTrace) -> dict[int, int]:
 
 def order_updates(trace: StepTrace) -> StepTrace:
     """The same step with its optimizer updates ("opt:update" accesses, one per page group) in the order their
-    gradients became final: the last layers' first, while the pages they touch are still warm."""
+    gradients became final: the last layers' first, while the pages they touch are still warm. Only the updates
+    after the last gradient write move: those made during backward (eager updates, which data parallelism lands at
+    fixed points) stay where they are, since the step makes them there again."""
     final = grad_final_times(trace)
-    updates = [i for i, a in enumerate(trace.accesses) if a.label == "opt:update"]
+    last_grad = max((i for i, a in enumerate(trace.accesses) if a.label.startswith("grad:")), default=-1)
+    updates = [i for i, a in enumerate(trace.accesses) if a.label == "opt:update" and i > last_grad]
     if len(updates) < 2:
         return trace
     by_final = sorted(updates, key=lambda i: (min((final.get(p, len(trace)) for p in trace[i].pages)), i))

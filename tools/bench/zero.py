@@ -67,8 +67,10 @@ CPU_SECONDS: dict[str, list[float]] = {}  # phase -> CPU seconds this process (e
 
 
 def timed(fn, name: str = "") -> float:
-    """Wall seconds of fn(); the CPU seconds of the whole process (compute, gloo's and the SSD engine's threads)
-    go to CPU_SECONDS[name]."""
+    """Wall seconds of fn(), every rank starting it together (a barrier first: a rank that finished the phase before
+    sooner would otherwise count the wait for the others inside this one); the CPU seconds of the whole process
+    (compute, gloo's and the SSD engine's threads) go to CPU_SECONDS[name]."""
+    dist.barrier()
     c0, t0 = time.process_time(), time.perf_counter()
     fn()
     seconds = time.perf_counter() - t0
