@@ -372,3 +372,16 @@ def test_cli_estimate_refuses_a_bad_gpu_memory_in_one_line(capsys, argv, message
     assert cli.main(["estimate", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"angel-ptm: error: {message}") and err.count("\n") == 1
+
+
+def test_osdp_allowance_is_half_the_gathered_group_room_beside_the_largest_unit():
+    from angel_ptm.parallel import Ownership
+    from angel_ptm.parallel.ownership import osdp_replicable
+
+    config = job("default", "parallel.osdp=true")
+    estimate = estimate_job(config, ownership=Ownership(0, 2, 3), local_world_size=2)
+    assert estimate.gather_groups > estimate.largest_unit_groups  # the default job has room to spare
+    assert estimate.osdp_groups == osdp_replicable(estimate.gather_groups, estimate.largest_unit_groups) > 0
+    assert f"OSDP: up to {estimate.osdp_groups} of those groups kept replicated" in estimate.format_table()
+    assert estimate_job(job("default"), ownership=Ownership(0, 2, 3)).osdp_groups == 0  # osdp off
+    assert estimate_job(config).osdp_groups == 0  # one rank gathers nothing
