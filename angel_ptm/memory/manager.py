@@ -488,6 +488,9 @@ class PageManager(RemotePages):
         }
 
     def _emit(self, event: str, page: Page, src: Tier | None, dst: Tier | str | None, **extra) -> None:
+        if not self.trace.enabled:  # counted only: no page name to format on every move
+            self.trace.count(event)
+            return
         self.trace.event(event, page=page.name, kind=page.kind, src=src.value if src else None,
                          dst=dst.value if isinstance(dst, Tier) else dst, nbytes=page.nbytes,
                          in_use=self.in_use() if self.trace.enabled else None, **extra)

@@ -90,9 +90,19 @@ class BeladyPolicy:
     def victim(self, candidates: Sequence[int]) -> int:
         if not candidates:
             raise ValueError("no eviction candidates")
-        # Farthest next use first; among equals the least recently used; then the lowest id (deterministic).
-        lru_rank = {pid: self.history.recency(pid) for pid in candidates}
-        return max(candidates, key=lambda pid: (self.next_use(pid), tuple(-x for x in lru_rank[pid])))
+        # Farthest next use first; among equals the least recently used; then the lowest id (deterministic). One
+        # pass with the key built inline: this runs on every eviction, over every unpinned page of the tier.
+        uses, now, recency = self._uses, self._now, self.history.recency
+        best, best_key = candidates[0], None
+        for pid in candidates:
+            page_uses = uses.get(pid)
+            i = bisect.bisect_left(page_uses, now) if page_uses else 0
+            nxt = page_uses[i] if page_uses and i < len(page_uses) else float("inf")
+            last, _ = recency(pid)
+            key = (nxt, -last, -pid)
+            if best_key is None or key > best_key:
+                best, best_key = pid, key
+        return best
 
 
 def count_misses(policy: Policy, sequence: Sequence[int], capacity: int) -> int:

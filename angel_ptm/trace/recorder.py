@@ -42,6 +42,10 @@ class TraceRecorder:
     def now(self) -> float:
         return time.perf_counter() - self._t0
 
+    def count(self, event: str) -> None:
+        """Count `event` without recording it (what `event` does when the trace is off)."""
+        self.counts[event] = self.counts.get(event, 0) + 1
+
     def event(self, event: str, *, page: str | None = None, kind: str | None = None, src: str | None = None,
               dst: str | None = None, nbytes: int = 0, in_use: dict | None = None, **extra) -> None:
         self.counts[event] = self.counts.get(event, 0) + 1
