@@ -97,6 +97,12 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
                 engine.backward(loss / accum)
                 total += loss.item()
             eager += engine.optimizer.updated_this_step
+            if spec.get("drop_at") == step:  # this step's gradients are thrown away: zero_grad, no update
+                engine.zero_grad()
+                losses.append(engine.mean_over_ranks(total / accum))
+                skipped.append(True)
+                scales.append(engine.loss_scale)
+                continue
             if spec["clip"]:
                 engine.clip_grad_norm(spec["clip"])
             engine.step()

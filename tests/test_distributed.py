@@ -25,12 +25,14 @@ JOBS = (
                                                                     placement="device+host")]
     + [job(f"zero{z}-branchy", zero=z, model="branchy", placement="device+host") for z in (2, 3)]
     + [job("zero3-osdp", zero=3, osdp=True, steps=5)]
+    + [job(f"zero{z}-dropped-step", zero=z, drop_at=2, optimizer={"overlap_updates": False}) for z in (2, 3)]
     + [job("zero2-fp16-overflow", zero=2, dtype="float16", placement="device+host", overflow_at=[1, 1],
            optimizer={"loss_scale_initial": 1024.0})]
 )
 BY_NAME = {spec["name"]: spec for spec in JOBS}
-# torch on the global batch: not for the branchy model, whose branch is decided per micro-batch
-FP32_JOBS = [s["name"] for s in JOBS if s["dtype"] == "float32" and not s["staleness"] and s["model"] != "branchy"]
+# torch on the global batch: not for the branchy model, whose branch is decided per micro-batch, nor a dropped step
+FP32_JOBS = [s["name"] for s in JOBS if s["dtype"] == "float32" and not s["staleness"] and s["model"] != "branchy"
+             and "drop_at" not in s]
 
 
 @pytest.fixture(scope="module")
