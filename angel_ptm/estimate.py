@@ -46,6 +46,7 @@ from angel_ptm.memory.placement import (CREATION_ORDER, Problem, StartPlacement,
                                         update_tier)
 from angel_ptm.memory.disk_dir import check_disk_dir
 from angel_ptm.models import GPT, build_model, estimate_activation_bytes
+from angel_ptm.parallel.grad_sync import reduction_buffer_bytes
 from angel_ptm.parallel.ownership import (Ownership, gather_capacity, gather_reserve, min_gather_device_pages,
                                           osdp_replicable)
 
@@ -99,6 +100,7 @@ class Estimate:
     zero: int = 0  # ZeRO stage (parallel.zero; no effect with one rank)
     largest_unit_groups: int = 1  # page groups the largest unit and those around it span (ZeRO-3 gathers them)
     gather_groups: int = 0  # ZeRO-3: page groups kept gathered at once (parallel/ownership.gather_capacity)
+    collective_buffer_bytes: int = 0  # ZeRO 2-3: the reduce-scatters' own buffers, outside the pools
     osdp_groups: int = 0  # parallel.osdp: page groups that may be kept replicated (parallel/ownership.osdp_replicable)
     gather_pages: int = 0  # ZeRO-3: device slots those groups take at most
     collective_bytes: dict = field(default_factory=dict)  # per step, bytes this rank hands to each collective
@@ -156,6 +158,9 @@ class Estimate:
         if self.collective_bytes:
             lines.append("  collectives per step: " + ", ".join(
                 f"{name} {format_bytes(n)}" for name, n in self.collective_bytes.items()))
+        if self.collective_buffer_bytes:
+            lines.append(f"  reduce-scatter buffers {format_bytes(self.collective_buffer_bytes)}, on the "
+                         f"{self.compute_device} outside the page pools")
         lines.append(f"  activation peak {act}, on the {self.compute_device} outside the page pools")
         lines.append(f"  pinned host memory {format_bytes(self.pinned_host_bytes)}; host RAM needed "
                      f"{format_bytes(self.host_ram_needed)} of {format_bytes(self.host_ram_available)} available"
@@ -280,12 +285,14 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     # The machine: activations live on the compute device, outside the pools; on a CPU the device pool is RAM too.
     activation = activation_bytes(model, config)
     pools = {tier: slots[tier] * page_bytes for tier in ("device", "host")}
-    host_ram = pools["host"] + (0 if device.type == "cuda" else pools["device"] + (activation or 0))
-    device_memory = pools["device"] + (activation or 0)
+    buffers = reduction_buffer_bytes(own.dp, own.stage, page_bytes)  # on the device with NCCL, in RAM on a CPU
+    host_ram = pools["host"] + (0 if device.type == "cuda" else pools["device"] + (activation or 0) + buffers)
+    device_memory = pools["device"] + (activation or 0) + buffers
     if gpu_free is not None and device_memory > gpu_free:
         problems.append(Problem("device", device_memory, gpu_free,
-                                f"the device pool ({format_bytes(pools['device'])}) and activations "
-                                f"({format_bytes(activation or 0)}) in "
+                                f"the device pool ({format_bytes(pools['device'])})"
+                                + (f", collective buffers ({format_bytes(buffers)})" if buffers else "")
+                                + f" and activations ({format_bytes(activation or 0)}) in "
                                 + ("the given GPU memory" if gpu_memory is not None else "free GPU memory")))
     if host_ram > ram_available:
         problems.append(Problem("host", host_ram, ram_available,
@@ -315,7 +322,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         n_pages=layout.n_pages, kind_bytes={kind: counts[kind] * page_bytes for kind in kinds},
         master_extra_bytes=counts.get("master", 0) * page_bytes, states_bytes=states_bytes,
         largest_layer=largest_name, largest_layer_pages=largest,
-        update_tier=update, activation_bytes=activation,
+        update_tier=update, activation_bytes=activation, collective_buffer_bytes=buffers,
         pinned_host_bytes=pools["host"] if device.type == "cuda" else 0,
         host_ram_needed=host_ram, host_ram_available=ram_available, disk_dir=disk_dir,
         start_pages={"device": start.device, "host": start.host, "disk": start.disk},

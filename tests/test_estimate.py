@@ -385,3 +385,16 @@ def test_osdp_allowance_is_half_the_gathered_group_room_beside_the_largest_unit(
     assert f"OSDP: up to {estimate.osdp_groups} of those groups kept replicated" in estimate.format_table()
     assert estimate_job(job("default"), ownership=Ownership(0, 2, 3)).osdp_groups == 0  # osdp off
     assert estimate_job(config).osdp_groups == 0  # one rank gathers nothing
+
+
+def test_reduce_scatter_buffers_count_in_ram_on_a_cpu_for_zero_2_and_3_only():
+    from angel_ptm.parallel import Ownership
+    from angel_ptm.parallel.grad_sync import GradSync
+
+    page = MiB  # the default job's pages
+    for stage, expected in ((1, 0), (2, GradSync.IN_FLIGHT * 2 * 2 * page), (3, GradSync.IN_FLIGHT * 2 * 2 * page)):
+        estimate = estimate_job(job("default"), ownership=Ownership(0, 2, stage), local_world_size=2)
+        alone = estimate_job(job("default"), ownership=Ownership(0, 2, 1), local_world_size=2)
+        assert estimate.collective_buffer_bytes == expected, stage
+        assert estimate.host_ram_needed - expected == alone.host_ram_needed  # the same pools otherwise
+        assert ("reduce-scatter buffers" in estimate.format_table()) == bool(expected)

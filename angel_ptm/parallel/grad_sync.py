@@ -34,6 +34,13 @@ from angel_ptm.parallel.ownership import Ownership
 from angel_ptm.schedule.communicator import Communicator
 
 
+def reduction_buffer_bytes(dp: int, stage: int, page_bytes: int) -> int:
+    """Bytes of the reduce-scatters' own buffers at most (stages 2-3, outside the page pools, on the collectives'
+    device): per reduction in flight, the group's dp staged gradients, its result and dp - 1 received pages, fp32
+    copies of at most a page each. The estimate counts them."""
+    return GradSync.IN_FLIGHT * 2 * dp * page_bytes if stage >= 2 and dp > 1 else 0
+
+
 @dataclass
 class _Reduction:
     """A group's reduce-scatter in flight and the buffers it reads (`staged`) and writes (`out`)."""
