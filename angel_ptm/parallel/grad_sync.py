@@ -23,6 +23,7 @@ only after a collective this rank has not reached.
 from __future__ import annotations
 
 import math
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -56,12 +57,13 @@ class GradSync:
     """The gradient side of a data-parallel step and the parameter publication after it."""
 
     IN_FLIGHT = 4  # reductions in flight at once, at most (each holds dp + 1 page-sized fp32 buffers)
-    # A reduction issued during backward lands `LAG` gradient events later (waiting for it then, up to `PATIENCE_S`):
+    # A reduction issued during backward lands `LAG` gradient events later, waiting for it then up to 8 times what
+    # one takes on this link (a running mean of those landed during backward), at least `PATIENCE_S`:
     # at the same point of every step, so the owner's update comes at the same place in the step's page accesses
     # and the scheduler's plan holds. A reduction not done by then (a peer is late: a tensor got no gradient there)
     # ends the waiting for this step: later ones land when done, noticed by polling.
     LAG = 2
-    PATIENCE_S = 0.5
+    PATIENCE_S = 0.05
 
     def __init__(self, manager: PageManager, layout: PageLayout, pages: dict[str, list[Page | None]],
                  collectives: Communicator, ownership: Ownership, tier: Tier, overlap: bool = False):
@@ -85,6 +87,7 @@ class GradSync:
         self._landed: list[int] = []  # landed during backward, not taken yet
         self._events = 0  # gradient events (take_landed calls) in this backward
         self._patient = True  # this backward still waits for reductions at their landing point
+        self._typical_s = 0.0  # a running mean of the seconds from issue to landing, during backward
         self._scratch: dict = {}
         self._spare: list[torch.Tensor] = []  # fp32 page buffers for reductions in flight
         self.overlapped = 0  # reductions issued during backward, cumulative (the bench reports it)
@@ -162,8 +165,8 @@ class GradSync:
         return landed
 
     def _land_due(self, red: "_Reduction") -> None:
-        """Wait for the oldest reduction up to PATIENCE_S; land it, or stop waiting for this step."""
-        if red.pending.done() or red.pending.wait_for(self.PATIENCE_S):
+        """Wait for the oldest reduction up to its patience; land it, or stop waiting for this step."""
+        if red.pending.done() or red.pending.wait_for(max(self.PATIENCE_S, 8 * self._typical_s)):
             self._land_one(self._flight.popleft())
         else:
             self._patient = False
@@ -250,6 +253,9 @@ class GradSync:
 
     def _land_one(self, red: _Reduction) -> None:
         red.pending.wait()
+        if self._open:  # during backward (one a late peer held up lands after it): how long one takes here
+            took = time.perf_counter() - red.pending.issued
+            self._typical_s = took if not self._typical_s else 0.8 * self._typical_s + 0.2 * took
         if red.write:
             index = red.group * self.dp + self.own.rank
             page = self.pages["grad"][index]
