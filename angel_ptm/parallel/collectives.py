@@ -185,6 +185,13 @@ class Collectives:
         works += [dist.isend(buffer, dst=peer, tag=tag) for buffer, peer in sends]
         return works
 
+    def close(self) -> None:
+        """Stop the background waiter once it has finished what it was given (the process group stays: its owner,
+        torchrun's script or the trainer, destroys it)."""
+        if self._jobs is not None:
+            self._jobs.put(None)
+            self._jobs = None
+
     def _waiter(self) -> "queue.SimpleQueue[Pending | None]":
         """The queue of the thread that waits for background collectives, in the order they were issued."""
         if self._jobs is None:

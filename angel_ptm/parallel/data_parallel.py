@@ -151,12 +151,14 @@ class DataParallel:
 
     def close(self) -> None:
         """Land the gathers still in flight (the step's end starts the next step's first ones) and drop their
-        copies, before the pools they write into are freed. After a failed collective there is nothing to wait on."""
+        copies, and the reductions still in flight, before the pools and buffers they use are freed; then the
+        collectives' waiter thread stops. After a failed collective there is nothing to wait on."""
         with contextlib.suppress(CollectiveError):
             self.sync.drain()
         if self.gatherer is not None:
             with contextlib.suppress(CollectiveError):
                 self.gatherer.drop_all()
+        self.collectives.close()
 
 
 def broadcast_module(model: nn.Module, collectives: Collectives) -> None:
