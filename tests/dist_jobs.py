@@ -10,6 +10,7 @@ import time
 import torch
 
 import angel_ptm
+from angel_ptm.parallel import collectives as collectives_module
 from torch import nn
 
 from test_engine_equivalence import CASES, engine_config, mlp_loss
@@ -82,7 +83,12 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
     accum, steps = spec["accum"], spec["steps"]
     batches = micro_batches(spec["model"], steps * world * accum)
     disk_dir = os.path.join(tmp, f"{spec['name']}-w{world}")
-    engine = angel_ptm.initialize(model, config_of(spec, world, disk_dir))
+    # pairwise False: gloo's own collectives, reductions on a process group of their own (NCCL's way)
+    collectives_module.PAIRWISE_ON_GLOO = spec.get("pairwise", True)
+    try:
+        engine = angel_ptm.initialize(model, config_of(spec, world, disk_dir))
+    finally:
+        collectives_module.PAIRWISE_ON_GLOO = True
     losses, skipped, scales = [], [], []
     eager = 0  # page groups updated during the last backward of a step (reduced there first with >1 rank)
     try:

@@ -25,6 +25,7 @@ JOBS = (
                                                                     placement="device+host")]
     + [job(f"zero{z}-branchy", zero=z, model="branchy", placement="device+host") for z in (2, 3)]
     + [job("zero3-osdp", zero=3, osdp=True, steps=5)]
+    + [job(f"zero{z}-collective-group", zero=z, pairwise=False) for z in (2, 3)]
     + [job(f"zero{z}-dropped-step", zero=z, drop_at=2, optimizer={"overlap_updates": False}) for z in (2, 3)]
     + [job("zero2-fp16-overflow", zero=2, dtype="float16", placement="device+host", overflow_at=[1, 1],
            optimizer={"loss_scale_initial": 1024.0})]
@@ -124,6 +125,8 @@ def test_gradients_are_reduced_and_applied_during_backward_from_the_second_step(
         plain, clipped = two_ranks[rank][f"zero{zero}-device+host+disk"], two_ranks[rank][f"zero{zero}-clip"]
         assert plain["overlapped"] > 0 and plain["eager_updates"] > 0, rank
         assert clipped["overlapped"] > 0 and clipped["eager_updates"] == 0, rank
+        group = two_ranks[rank][f"zero{zero}-collective-group"]  # NCCL's way: reductions on a group of their own
+        assert group["overlapped"] > 0 and group["eager_updates"] > 0, rank
     assert result(two_ranks, "zero1-device+host+disk")["overlapped"] == 0  # stage 1 all-reduces after backward
 
 

@@ -10,7 +10,8 @@ to every peer and receives theirs straight into the destination; gloo runs them 
 collectives stage every list through a flat copy, and its reduce-scatter is a reduction of the whole group's bytes,
 so on page-sized buffers the exchange measured 1.2-2x (all-gather) and 2-4x (reduce-scatter) faster on this
 machine's loopback. The bytes each rank sends are the same as a ring's. Other backends (NCCL) use their own
-collectives. A reduce-scatter sums the ranks' contributions in rank order on every rank, so the result does not
+collectives, with the reductions on a process group of their own (tests run that path on gloo too, with
+PAIRWISE_ON_GLOO off). A reduce-scatter sums the ranks' contributions in rank order on every rank, so the result does not
 depend on which rank owns the page.
 """
 
@@ -20,6 +21,7 @@ import queue
 import threading
 import time
 import zlib
+from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
@@ -30,6 +32,7 @@ from angel_ptm.parallel.mesh import Mesh
 from angel_ptm.trace.recorder import TraceRecorder
 
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
+PAIRWISE_ON_GLOO = True  # gloo's page-group collectives as pairwise exchanges (tests turn it off to run NCCL's way)
 
 
 class Collectives:
@@ -49,7 +52,16 @@ class Collectives:
         # issued different ones of the same size would exchange the wrong data silently; the check makes it loud.
         self._sequence = 0
         self._since_check = 0
-        self.pairwise = mesh.backend == "gloo"  # page-group collectives as pairwise exchanges (module docstring)
+        self.pairwise = mesh.backend == "gloo" and PAIRWISE_ON_GLOO  # page-group collectives as pairwise exchanges
+        # Elsewhere (NCCL) reductions run on a process group of their own: one issued during backward may then come
+        # between other collectives at a different point on each rank without crossing them (a communicator runs
+        # its collectives in the order issued). Not on torch's threaded test group, which cannot make one.
+        self._reduction_group = None
+        if not self.pairwise and mesh.backend in ("nccl", "gloo"):
+            self._reduction_group = dist.new_group(list(range(self.size)), backend=mesh.backend,
+                                                   timeout=timedelta(seconds=mesh.timeout_s))
+        # Reductions can run asynchronously beside compute and other collectives (GradSync overlaps them)
+        self.async_reductions = self.pairwise or self._reduction_group is not None
         self._exchanges = 0  # pairwise all-gathers issued: the tag of the next one (the same count on every rank)
         self._reductions = 0  # pairwise reductions issued, likewise
         self._spare: dict = {}  # (numel, dtype, device) -> buffers a reduction may receive into
@@ -146,8 +158,9 @@ class Collectives:
         nbytes = sum(_nbytes(t) for t in inputs)
         if not self.pairwise:
             works = [self._run("reduce_scatter", what, nbytes, dist.reduce_scatter, output, list(inputs),
-                               async_op=async_op)]
-            pending = Pending(self, works, what)
+                               group=self._reduction_group, async_op=async_op)]
+            # NCCL's work says when it is done (a CUDA event); gloo's only once waited on: a thread waits for it
+            pending = Pending(self, works, what, background=async_op and self.mesh.backend != "nccl")
         else:
             peers = [r for r in range(self.size) if r != self.rank]
             received = {r: self._take_buffer(inputs[self.rank]) for r in peers}
@@ -249,10 +262,15 @@ class Pending:
         return all(work.is_completed() for work in self.works)
 
     def wait_for(self, seconds: float) -> bool:
-        """Whether it is done within `seconds` (a background collective; others answer `done()` at once)."""
+        """Whether it is done within `seconds` (a background one waits on its event; others poll `done()`)."""
         if self._finished is not None:
             return self._finished.wait(seconds)
-        return self.done()
+        deadline = time.perf_counter() + seconds
+        while not self.done():
+            if time.perf_counter() >= deadline:
+                return False
+            time.sleep(0.0002)
+        return True
 
     def _complete(self) -> None:
         """On the waiter thread."""

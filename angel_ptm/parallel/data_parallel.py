@@ -98,10 +98,10 @@ class DataParallel:
                  layout: PageLayout, pages: dict[str, list[Page | None]], update_tier: Tier, gather_capacity: int,
                  chain_groups: int = 0, osdp: bool = False):
         self.collectives, self.ownership = collectives, ownership
-        # Gradients reduced during backward where the collectives run a reduce-scatter beside compute (gloo's
-        # pairwise exchange)
+        # Gradients reduced during backward where the collectives run a reduce-scatter beside compute and the
+        # other collectives (gloo's pairwise exchange, NCCL's group of its own for reductions)
         self.sync = GradSync(manager, layout, pages, collectives, ownership, update_tier,
-                             overlap=collectives.pairwise)
+                             overlap=collectives.async_reductions)
         self.overlaps = self.sync.overlap
         self.begin_backward, self.page_final = self.sync.begin_backward, self.sync.page_final
         self.take_landed, self.end_backward = self.sync.take_landed, self.sync.end_backward
