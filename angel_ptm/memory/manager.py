@@ -481,11 +481,8 @@ class PageManager(RemotePages):
 
     # ------------------------------------------------------------------ accounting
     def in_use(self) -> dict[str, int]:
-        return {
-            "device": self.pools[Tier.DEVICE].used_bytes,
-            "host": self.pools[Tier.HOST].used_bytes,
-            "disk": self.disk.used_bytes if self.disk else 0,
-        }
+        return {"device": self.pools[Tier.DEVICE].used_bytes, "host": self.pools[Tier.HOST].used_bytes,
+                "disk": self.disk.used_bytes if self.disk else 0}
 
     def _emit(self, event: str, page: Page, src: Tier | None, dst: Tier | str | None, **extra) -> None:
         if not self.trace.enabled:  # counted only: no page name to format on every move
@@ -493,7 +490,7 @@ class PageManager(RemotePages):
             return
         self.trace.event(event, page=page.name, kind=page.kind, src=src.value if src else None,
                          dst=dst.value if isinstance(dst, Tier) else dst, nbytes=page.nbytes,
-                         in_use=self.in_use() if self.trace.enabled else None, **extra)
+                         in_use=self.in_use(), **extra)
 
     def close(self, remove_files: bool = True) -> None:
         self.flush()
