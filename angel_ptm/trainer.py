@@ -5,7 +5,8 @@
 A run directory holds everything one run writes:
   config.yaml    the resolved config (run.dir filled in); ``load_config`` reads it back
   metrics.jsonl  one JSON line per logged step (step, loss, lr, grad_norm, tokens_per_s, step_s, in_use, moved,
-                 and the scheduler's stall_s, deviations, planned_moves, replanned)
+                 and the scheduler's stall_s, deviations, planned_moves, replanned; with parallel.osdp, once
+                 chosen, osdp_replicated: page group -> seconds compute waited on its gathers when chosen)
                  and one per evaluation (step, val_loss); written line by line, so a crash keeps what was logged.
                  A run never overwrites another's: a run.dir whose metrics.jsonl holds lines is refused.
   trace.jsonl    the memory trace (page events from the engine; a ``step`` event and a compute interval per step),
@@ -172,6 +173,7 @@ class Trainer:
                         "in_use": dict(stats["in_use"]), "moved": moved,
                         **schedule_metrics(stats.get("schedule")),
                         **precision_metrics(engine),
+                        **({"osdp_replicated": stats["osdp_replicated"]} if stats.get("osdp_replicated") else {}),
                     })
                     if print_lines:
                         print(progress_line(step, tcfg.steps, step_loss, lr, tokens_per_step / step_s), flush=True)
