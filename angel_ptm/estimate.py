@@ -343,7 +343,7 @@ def collective_bytes(own: Ownership, layout: PageLayout, page_bytes: int) -> dic
     if own.dp == 1:
         return {}
     trainable = layout.trainable_pages
-    out = {"all_reduce" if own.stage <= 1 else "reduce_scatter": trainable * page_bytes}
+    out = {"all_reduce" if own.stage == 0 else "reduce_scatter": trainable * page_bytes}
     if own.stage in (1, 2):
         out["all_gather"] = trainable // own.dp * page_bytes
     elif own.stage == 3:

@@ -127,7 +127,7 @@ def test_gradients_are_reduced_and_applied_during_backward_from_the_second_step(
         assert clipped["overlapped"] > 0 and clipped["eager_updates"] == 0, rank
         group = two_ranks[rank][f"zero{zero}-collective-group"]  # NCCL's way: reductions on a group of their own
         assert group["overlapped"] > 0 and group["eager_updates"] > 0, rank
-    assert result(two_ranks, "zero1-device+host+disk")["overlapped"] == 0  # stage 1 all-reduces after backward
+    assert result(two_ranks, "zero1-device+host+disk")["overlapped"] == 0  # stage 1 reduces after backward
 
 
 def test_osdp_keeps_the_groups_compute_waited_on_replicated_within_the_estimates_allowance(two_ranks):

@@ -247,8 +247,9 @@ class ParallelConfig(_Section):
     # without torchrun). Until tensor parallelism exists it must equal the world size.
     dp: Optional[int] = None
     # 0: every rank holds every state (gradients all-reduced, as DDP). 1: optimizer states (moments, fp32 master)
-    # sharded: rank r keeps page r of every page group. 2: gradients too (reduce-scattered). 3: parameters too
-    # (a page group is all-gathered before its unit computes and dropped after).
+    # sharded: rank r keeps page r of every page group; gradients reduce-scattered onto their owners after backward.
+    # 2: gradients sharded during backward too (a group reduced as soon as it is final). 3: parameters too (a page
+    # group is all-gathered before its unit computes and dropped after).
     zero: Literal[0, 1, 2, 3] = 3
     # Seconds a collective may wait for its peers (process-group set-up included): past it, a dead or hung rank ends
     # every rank with a CollectiveError naming the collective, instead of a hang.

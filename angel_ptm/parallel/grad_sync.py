@@ -194,12 +194,13 @@ class GradSync:
     # ------------------------------------------------------------------ gradients
     def reduce(self, without_grad: set[str]) -> None:
         """Every gradient page's owner gets the mean over ranks (fp32 reduction whatever the compute dtype); stage 0
-        all-reduces, so every rank gets every page; stages 1-3 drop the pages they do not own, unwritten. Reductions
-        already issued during backward are landed; the rest are issued in the agreed order."""
+        all-reduces, so every rank gets every page; stages 1-3 reduce-scatter (only the owner's update reads a
+        page's mean) and drop the pages they do not own, unwritten. Reductions already issued during backward
+        (stages 2-3) are landed; the rest are issued in the agreed order."""
         n = self.layout.trainable_pages
         needed = [any(name not in without_grad for name in self._on[i]) for i in range(n)]
         grads = self.pages["grad"]
-        if self.own.stage <= 1:
+        if self.own.stage == 0:
             for i in range(n):
                 if needed[i]:
                     self._all_reduce_page(grads[i], i)

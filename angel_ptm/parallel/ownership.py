@@ -4,13 +4,15 @@ The layout groups pages in `dp` consecutive pages; rank r owns page r of every g
 stage says which kinds are sharded:
 
   stage 0   nothing: every rank holds every page of every kind (gradients all-reduced, as DDP)
-  stage 1   optimizer states (exp_avg, exp_avg_sq and the fp32 master): a rank creates only the pages it owns
-  stage 2   stage 1, and gradients are reduce-scattered: after the step's reduction a rank keeps only its own
+  stage 1   optimizer states (exp_avg, exp_avg_sq and the fp32 master): a rank creates only the pages it owns;
+            gradients are reduce-scattered once backward is over (only the owner's update reads a page's mean)
+  stage 2   stage 1, and gradients are sharded during backward: a page group is reduce-scattered as soon as its
+            gradients are final and the pages other ranks own die then
   stage 3   stage 2, and parameters: a page another rank owns exists here as a REMOTE page (no slot, no disk copy),
             filled by an all-gather of its group while a unit computes with it, and dropped after
 
 Gradient pages exist on every rank in every stage: backward writes a rank's own gradient of every tensor, and the
-reduction makes the owner's page the sum over ranks (stages 2 and 3 then drop the others unwritten).
+reduction makes the owner's page the mean over ranks (stages 1-3 then drop the others unwritten).
 """
 
 from __future__ import annotations
