@@ -65,7 +65,8 @@ class Collectives:
         self._exchanges = 0  # pairwise all-gathers issued: the tag of the next one (the same count on every rank)
         self._reductions = 0  # pairwise reductions issued, likewise
         self._spare: dict = {}  # (numel, dtype, device) -> buffers a reduction may receive into
-        self._jobs = None  # the background waiter's queue, once one is needed
+        self._jobs: dict = {}  # channel -> its background waiter's queue, once one is needed
+        self.gathers_observed = False  # all_gather's handles answer done() truly (a thread waits for them)
         self._reduction_sequence = 0  # reductions keep a digest of their own (reduce_scatter's docstring)
         self._reductions_since_check = 0
         self._sealed = (0, 0)  # the reductions' digest and count when the last step's reductions were all issued
@@ -143,7 +144,11 @@ class Collectives:
         else:
             works = [self._run("all_gather", what, _nbytes(tensor), dist.all_gather, list(outputs), tensor,
                                async_op=async_op)]
-        pending = Pending(self, works, what)
+        # While `gathers_observed`, an asynchronous pairwise gather is waited on by a thread of its own, so `done()`
+        # tells whether its data is here (OSDP measures what compute really waited for; a thread hop per gather
+        # costs CPU, so only then)
+        pending = Pending(self, works, what, background=async_op and self.pairwise and self.gathers_observed,
+                          channel="gathers")
         if not async_op:
             pending.wait()
             return None
@@ -160,14 +165,15 @@ class Collectives:
             works = [self._run("reduce_scatter", what, nbytes, dist.reduce_scatter, output, list(inputs),
                                group=self._reduction_group, async_op=async_op)]
             # NCCL's work says when it is done (a CUDA event); gloo's only once waited on: a thread waits for it
-            pending = Pending(self, works, what, background=async_op and self.mesh.backend != "nccl")
+            pending = Pending(self, works, what, background=async_op and self.mesh.backend != "nccl",
+                              channel="reductions")
         else:
             peers = [r for r in range(self.size) if r != self.rank]
             received = {r: self._take_buffer(inputs[self.rank]) for r in peers}
             works = self._run("reduce_scatter", what, nbytes, self._exchange, [(inputs[r], r) for r in peers],
                               [(received[r], r) for r in peers], reduction=True)
             pending = Pending(self, works, what, then=lambda: self._sum_in_rank_order(output, inputs, received),
-                              background=async_op)
+                              background=async_op, channel="reductions")
         if not async_op:
             pending.wait()
             return None
@@ -199,19 +205,20 @@ class Collectives:
         return works
 
     def close(self) -> None:
-        """Stop the background waiter once it has finished what it was given (the process group stays: its owner,
-        torchrun's script or the trainer, destroys it)."""
-        if self._jobs is not None:
-            self._jobs.put(None)
-            self._jobs = None
+        """Stop the background waiters once they have finished what they were given (the process group stays: its
+        owner, torchrun's script or the trainer, destroys it)."""
+        for jobs in self._jobs.values():
+            jobs.put(None)
+        self._jobs = {}
 
-    def _waiter(self) -> "queue.SimpleQueue[Pending | None]":
-        """The queue of the thread that waits for background collectives, in the order they were issued."""
-        if self._jobs is None:
-            self._jobs = queue.SimpleQueue()
-            threading.Thread(target=_wait_in_order, args=(self._jobs,), name="angel-ptm-collectives",
-                             daemon=True).start()
-        return self._jobs
+    def _waiter(self, channel: str) -> "queue.SimpleQueue[Pending | None]":
+        """The queue of the thread that waits for `channel`'s background collectives in the order they were issued
+        (one thread per channel: a reduction held up by a late peer never holds up a gather's completion)."""
+        if channel not in self._jobs:
+            self._jobs[channel] = queue.SimpleQueue()
+            threading.Thread(target=_wait_in_order, args=(self._jobs[channel],),
+                             name=f"angel-ptm-{channel}", daemon=True).start()
+        return self._jobs[channel]
 
     def _take_buffer(self, like: torch.Tensor) -> torch.Tensor:
         """A buffer like `like` for a reduction to receive into (reused: a fresh page-sized one costs page faults)."""
@@ -246,7 +253,8 @@ class Pending:
     collectives waits for it (and runs `then`) as soon as it can, so `done()` turns true by itself: gloo's
     point-to-point works only notice completion when waited on."""
 
-    def __init__(self, collectives: Collectives, works: list, what: str, then=None, background: bool = False):
+    def __init__(self, collectives: Collectives, works: list, what: str, then=None, background: bool = False,
+                 channel: str = "reductions"):
         self.collectives, self.works, self.what = collectives, [w for w in works if w is not None], what
         self.then = then
         self.issued = time.perf_counter()
@@ -254,7 +262,7 @@ class Pending:
         self._error: BaseException | None = None
         if background:
             self._finished = threading.Event()
-            collectives._waiter().put(self)
+            collectives._waiter(channel).put(self)
 
     def done(self) -> bool:
         if self._finished is not None:

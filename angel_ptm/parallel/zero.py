@@ -69,16 +69,17 @@ class ParamGatherer:
         groups = tuple(dict.fromkeys(page.index // self.dp for page in pages))
         self._advance(groups)
         for group in groups:
-            t0 = time.perf_counter()
-            if group in self.held:
+            if group in self.held:  # gathered ahead: compute waits only if its data is not here yet
                 self.held.move_to_end(group)
-                self._settle(group)
-            else:
+                waited = self._settle(group)
+            else:  # on demand: compute waits for the whole gather
+                t0 = time.perf_counter()
                 self._make_room(keep=groups)
                 self._start(group)
                 self._settle(group)
+                waited = time.perf_counter() - t0
             if self._measuring:
-                self._exposed[group] += time.perf_counter() - t0
+                self._exposed[group] += waited
         self.access.acquire(pages, tier, label=label)
         for page in pages:
             self._in_use[page.index // self.dp] += 1
@@ -152,14 +153,18 @@ class ParamGatherer:
         self.pending[group] = (handle, own)
         self.gathers += 1
 
-    def _settle(self, group: int) -> None:
+    def _settle(self, group: int) -> float:
+        """Land `group`'s gather if it is in flight; the seconds compute waited for it (0 if its data was here)."""
         entry = self.pending.pop(group, None)
-        if entry is not None:
-            handle, own = entry
-            try:
-                handle.wait()
-            finally:
-                self.manager.release([own])
+        if entry is None:
+            return 0.0
+        handle, own = entry
+        ready, t0 = handle.done(), time.perf_counter()
+        try:
+            handle.wait()
+        finally:
+            self.manager.release([own])
+        return 0.0 if ready else time.perf_counter() - t0
 
     def drop_all(self, keep_replicated: bool = False) -> None:
         """Drop every held group (once its gather has landed); OSDP's replicated ones too unless `keep_replicated`."""
@@ -178,6 +183,7 @@ class ParamGatherer:
                 for group in groups:
                     self._uses.setdefault(group, []).append(position)
             self._measuring = not self._decided  # the next step follows the recording: measure its waits
+            self.comm.gathers_observed = self._measuring
         elif self._measuring:
             self._choose_replicated()
         for group in sorted(self.replicated):
@@ -190,6 +196,7 @@ class ParamGatherer:
         """OSDP: the groups compute waited on longest in the measured step (MAX over ranks, so every rank picks the
         same), as many as `replicable`, each only if it waited at all (EXPOSED_S)."""
         self._measuring, self._decided = False, True
+        self.comm.gathers_observed = False
         waited = torch.tensor([self._exposed.get(g, 0.0) for g in range(len(self.param_pages) // self.dp)],
                               dtype=torch.float64)
         self.comm.all_reduce(waited, "OSDP: seconds waited on each group's gathers", op=MAX)

@@ -18,10 +18,14 @@ class PendingCollective(Protocol):
     def wait(self) -> None:
         """Block until the collective is done (CollectiveError if it failed)."""
 
+    def done(self) -> bool:
+        """Whether `wait()` would return at once."""
+
 
 class Communicator(Protocol):
     rank: int  # this rank in the data-parallel group
     size: int  # ranks in it
+    gathers_observed: bool  # while true, an asynchronous all_gather's handle answers done() truly (OSDP measures)
 
     def all_gather(self, outputs: Sequence[torch.Tensor], tensor: torch.Tensor, what: str,
                    async_op: bool = False) -> PendingCollective | None:
