@@ -92,4 +92,7 @@ def test_zero_bench_runs_two_ranks_against_fsdp2_and_reports_every_figure(tmp_pa
     # ZeRO-3 on 2 ranks: each holds half of every sharded kind (a padding page at most)
     assert all(0.45 <= share <= 0.55 for share in report["sharded_kinds_fraction"].values())
     assert report["states_bytes_per_rank"] < report["states_bytes_one_rank"]
+    assert report["reductions_in_backward"] > 0  # from the second step on, stage 3 reduces during backward
+    assert set(report["cpu_s"]) == {"compute", "comm", "io", "scheduled", "fsdp2"}
+    assert all(seconds > 0 for seconds in report["cpu_s"].values()) and report["cores_per_rank"] > 0
     assert [p.name for p in tmp_path.iterdir()] == []  # page files and the result file removed
