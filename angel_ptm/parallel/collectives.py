@@ -11,8 +11,8 @@ collectives stage every list through a flat copy, and its reduce-scatter is a re
 so on page-sized buffers the exchange measured 1.2-2x (all-gather) and 2-4x (reduce-scatter) faster on this
 machine's loopback. The bytes each rank sends are the same as a ring's. Other backends (NCCL) use their own
 collectives, with the reductions on a process group of their own (tests run that path on gloo too, with
-PAIRWISE_ON_GLOO off). A reduce-scatter sums the ranks' contributions in rank order on every rank, so the result does not
-depend on which rank owns the page.
+PAIRWISE_ON_GLOO off). A reduce-scatter sums the ranks' contributions in rank order on every rank, so the result
+does not depend on which rank owns the page.
 """
 
 from __future__ import annotations

@@ -88,7 +88,7 @@ class GradSync:
         self._events = 0  # gradient events (take_landed calls) in this backward
         self._patient = True  # this backward still waits for reductions at their landing point
         self._typical_s = 0.0  # a running mean of the seconds from issue to landing, during backward
-        self._scratch: dict = {}
+        self._zero_page: torch.Tensor | None = None
         self._spare: list[torch.Tensor] = []  # fp32 page buffers for reductions in flight
         self.overlapped = 0  # reductions issued during backward, cumulative (the bench reports it)
 
@@ -266,7 +266,7 @@ class GradSync:
                     red.out.mul_(1.0 / self.dp))
             finally:
                 self.manager.release([page], dirty=True)
-        self._spare.extend([red.out, *red.staged])
+        self._give(red.out, *red.staged)
         self._landed.append(red.group)
 
     def drain(self) -> None:
@@ -275,27 +275,22 @@ class GradSync:
             self._flight.popleft().pending.wait()
 
     def _take(self, numel: int) -> torch.Tensor:
-        while self._spare:
-            buffer = self._spare.pop()
-            if buffer.numel() >= numel:
-                return buffer[:numel]
-        return torch.empty(max(numel, self.layout.page_bytes // 4), dtype=torch.float32,
-                           device=self.manager.pools[self.tier].device)[:numel]
+        """An fp32 buffer of a page's elements (a page holds at most page_bytes / 4 of them: bf16/fp16 pages use
+        their first half), from those given back to `_spare` when one is there."""
+        buffer = self._spare.pop() if self._spare else torch.empty(
+            self.layout.page_bytes // 4, dtype=torch.float32, device=self.manager.pools[self.tier].device)
+        return buffer[:numel]
+
+    def _give(self, *buffers: torch.Tensor) -> None:
+        """Buffers from `_take` back for reuse (whole: a later page may hold more elements)."""
+        self._spare.extend(b if b._base is None else b._base for b in buffers)
 
     def _zeros(self, numel: int) -> torch.Tensor:
-        zeros = self._scratch.get("zeros")
-        if zeros is None or zeros.numel() < numel:
-            zeros = self._scratch["zeros"] = torch.zeros(numel, dtype=torch.float32,
-                                                         device=self.manager.pools[self.tier].device)
-        return zeros[:numel]
-
-    def _wide(self, index: int, key) -> torch.Tensor:
-        numel = self.layout.page_numel(index)
-        buffer = self._scratch.get(key)
-        if buffer is None or buffer.numel() < numel:
-            buffer = self._scratch[key] = torch.empty(numel, dtype=torch.float32,
-                                                      device=self.manager.pools[self.tier].device)
-        return buffer[:numel]
+        """Zeros for a page no rank gave a gradient (read only, shared by every reduction)."""
+        if self._zero_page is None:
+            self._zero_page = torch.zeros(self.layout.page_bytes // 4, dtype=torch.float32,
+                                          device=self.manager.pools[self.tier].device)
+        return self._zero_page[:numel]
 
     def _all_reduce_page(self, page: Page, index: int) -> None:
         self.manager.acquire([page], self.tier)
@@ -305,9 +300,10 @@ class GradSync:
                 self.comm.all_reduce(view, f"grad page {index}")
                 view.mul_(1.0 / self.dp)
             else:
-                wide = self._wide(index, "out").copy_(view)
+                wide = self._take(view.numel()).copy_(view)
                 self.comm.all_reduce(wide, f"grad page {index}")
                 view.copy_(wide.mul_(1.0 / self.dp))
+                self._give(wide)
         finally:
             self.manager.release([page], dirty=True)
 

@@ -135,19 +135,20 @@ class ParamGatherer:
                 self.prefetched += 1
 
     def _start(self, group: int) -> None:
-        """Issue the all-gather of `group` into slots held for its remote pages (the owned page stays pinned as its
-        input until the gather has landed)."""
+        """Issue the all-gather of `group` into slots held for its remote pages (taken now unless it is held: an
+        OSDP refresh); the owned page stays pinned as its input until the gather has landed."""
         first = group * self.dp
         pages = self.param_pages[first : first + self.dp]
         own = pages[self.own.rank]
-        remote = [page for page in pages if page is not own]
         self.manager.acquire([own], self.tier)
-        try:
-            self.manager.hold_remote(remote, self.tier)
-        except BaseException:
-            self.manager.release([own])
-            raise
-        self.held[group] = remote
+        if group not in self.held:
+            remote = [page for page in pages if page is not own]
+            try:
+                self.manager.hold_remote(remote, self.tier)
+            except BaseException:
+                self.manager.release([own])
+                raise
+            self.held[group] = remote
         handle = self.comm.all_gather([page.buffer for page in pages], own.buffer, what=f"param group {group}",
                                       async_op=True)
         self.pending[group] = (handle, own)
@@ -208,13 +209,4 @@ class ParamGatherer:
         """A replicated group's copies take the owners' updated pages (an all-gather into the held slots)."""
         if group not in self.held:  # just chosen: gathered for the first time, and kept
             self._make_room(keep=tuple(self.replicated))
-            self._start(group)
-            return
-        first = group * self.dp
-        pages = self.param_pages[first : first + self.dp]
-        own = pages[self.own.rank]
-        self.manager.acquire([own], self.tier)
-        handle = self.comm.all_gather([page.buffer for page in pages], own.buffer, what=f"param group {group}",
-                                      async_op=True)
-        self.pending[group] = (handle, own)
-        self.gathers += 1
+        self._start(group)
