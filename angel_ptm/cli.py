@@ -1,6 +1,6 @@
 """The ``angel-ptm`` command line.
 
-    angel-ptm train [CONFIG.yaml] [--set section.field=value ...] [--no-progress]
+    angel-ptm train [CONFIG.yaml] [--set section.field=value ...] [--no-progress] [--resume RUN_DIR]
     angel-ptm estimate [CONFIG.yaml] [--set section.field=value ...] [--json]
     angel-ptm viz RUN_DIR [-o REPORT.html] [--chrome-trace PATH]
 
@@ -60,6 +60,9 @@ def add_train_command(commands: argparse._SubParsersAction) -> None:
     train = commands.add_parser("train", help="train a model", description="Train a model from a YAML config.")
     add_job_arguments(train, example="optimizer.lr=3e-4")
     train.add_argument("--no-progress", dest="progress", action="store_false", help="no progress bar")
+    train.add_argument("--resume", metavar="RUN_DIR",
+                       help="continue the run in RUN_DIR from its newest complete checkpoint (its config.yaml "
+                            "unless CONFIG is given; metrics.jsonl is appended to)")
     train.set_defaults(handler=run_train)
 
 
@@ -103,9 +106,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return args.handler(args)
     except AngelError as err:
         return fail(str(err))
-    except Terminated:  # raised by the trainer's SIGTERM handler, once the run has cleaned up as on Ctrl-C
+    except Terminated as stop:  # raised by the trainer's SIGTERM handler, once the run has cleaned up as on Ctrl-C
         print(f"{PROG}: terminated (SIGTERM)", file=sys.stderr)
-        return EXIT_TERMINATED
+        return 128 + stop.signum
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
@@ -131,17 +134,39 @@ def load_job_config(args: argparse.Namespace):
 def run_train(args: argparse.Namespace) -> int:
     from angel_ptm.trainer import Trainer
 
-    config = load_job_config(args)
+    config = resume_config(args) if args.resume else load_job_config(args)
     result = Trainer(config, progress=args.progress).run()
     if result.rank != 0:  # under torchrun, rank 0 speaks for the run
         return 0
     print(f"run dir: {result.run_dir}")
+    if result.resumed_from is not None:
+        print(f"resumed from: {result.resumed_from} (step {result.start_step - 1})")
     if result.losses:
-        print(f"final train loss: {result.losses[-1]:.4f} (step {result.steps}, first {result.losses[0]:.4f})")
+        print(f"final train loss: {result.losses[-1]:.4f} (step {result.steps}, first {result.losses[0]:.4f} at step "
+              f"{result.start_step})")
     if result.final_val_loss is not None:
         print(f"final val loss: {result.final_val_loss:.4f}")
     print(f"throughput: {result.tokens_per_s:,.0f} tokens/s")
     return 0
+
+
+def resume_config(args: argparse.Namespace):
+    """`train --resume RUN_DIR`: the run's config (RUN_DIR/config.yaml, or CONFIG), its directory, and its
+    checkpoints to resume from (checkpoint.dir, else RUN_DIR/checkpoints): a run without one is an error."""
+    import dataclasses
+
+    from angel_ptm.config import load_config
+    from angel_ptm.errors import ConfigValueError
+
+    run_dir = Path(args.resume).expanduser().absolute()
+    if not run_dir.is_dir():
+        raise ConfigValueError(f"--resume: {run_dir} is not a run directory")
+    source = args.config or run_dir / "config.yaml"
+    if not Path(source).is_file():
+        raise ConfigValueError(f"--resume: {source} not found; give the run's CONFIG")
+    config = load_config(source, args.overrides)
+    checkpoints = config.checkpoint.dir or str(run_dir / "checkpoints")
+    return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(run_dir), resume=checkpoints))
 
 
 def run_estimate(args: argparse.Namespace) -> int:

@@ -126,6 +126,30 @@ class EngineFailedError(AngelError):
     call refuses; resume from the last checkpoint."""
 
 
+# --- checkpoints ----------------------------------------------------------------------------------------------
+class CheckpointError(AngelError):
+    """A checkpoint that cannot be saved or loaded: a path in use, a save between backward and step, a checkpoint
+    of another model, a peer's failure during a collective save or load."""
+
+    def __init__(self, message: str, path: str = ""):
+        self.path = path
+        super().__init__(message)
+
+
+class CheckpointCorruptError(CheckpointError):
+    """A checkpoint file that is missing, truncated or whose bytes do not match the checksum the manifest recorded
+    when it was written; the message names the file."""
+
+
+class CheckpointWriteError(CheckpointError):
+    """A save that failed writing (ENOSPC, EIO, permissions): the partial checkpoint was removed, the training state
+    is untouched and the previous checkpoint stays the latest."""
+
+    def __init__(self, message: str, path: str = "", errno: int = 0):
+        self.errno = int(errno)
+        super().__init__(message, path)
+
+
 # --- distributed ----------------------------------------------------------------------------------------------
 class DistributedError(AngelError):
     """A data-parallel run that cannot start: a world size the mesh does not divide, a process group that cannot

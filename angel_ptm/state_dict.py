@@ -180,3 +180,18 @@ class StateAccess:
         self._check_alive()
         self.flush()
         load_optimizer_state_dict(self, state_dict)
+
+    def save_checkpoint(self, path, extra=None):
+        """The whole training state into checkpoint directory `path` (DCP format, written as `path`.tmp and renamed
+        when complete), on every rank; `extra`: any picklable object, returned by load_checkpoint
+        (angel_ptm/checkpoint)."""
+        from angel_ptm.checkpoint import save_checkpoint
+
+        return save_checkpoint(self, path, extra)
+
+    def load_checkpoint(self, path):
+        """The training state of checkpoint directory `path` (saved by any rank count, page size or placement) into
+        the pages, on every rank; returns the `extra` it was saved with."""
+        from angel_ptm.checkpoint import load_checkpoint
+
+        return load_checkpoint(self, path)

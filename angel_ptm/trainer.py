@@ -28,21 +28,24 @@ import contextlib
 import dataclasses
 import json
 import math
+import os
 import signal
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
+from angel_ptm.checkpoint.directory import Checkpoints
+from angel_ptm.checkpoint.storage import write_durably
 from angel_ptm.config import Config, format_bytes, save_config
 from angel_ptm.data import BatchSampler, load_tokens, split_train_val
-from angel_ptm.errors import ConfigValueError, DataError, RunDirInUseError, Terminated
+from angel_ptm.errors import CheckpointError, ConfigValueError, DataError, RunDirInUseError, Terminated
 from angel_ptm.lr import lr_at
 from angel_ptm.models import build_model
 from angel_ptm.parallel import Mesh, init_mesh, rank_device
@@ -62,6 +65,9 @@ class TrainResult:
     run_dir: Path
     tokens_per_s: float  # over the whole loop, evaluation excluded (every rank's tokens)
     rank: int = 0  # this process's rank (data parallelism): rank 0 reports the run
+    resumed_from: Optional[Path] = None  # the checkpoint this run continued from; `losses` are the steps after it
+    start_step: int = 1  # the first step this process ran
+    last_checkpoint: Optional[Path] = None  # the newest checkpoint this process saved
 
 
 class Trainer:
@@ -71,7 +77,8 @@ class Trainer:
         self.progress = progress
 
     def run(self) -> TrainResult:
-        with sigterm_raises_terminated():
+        with StopSignals() as signals:
+            self.signals = signals
             return self._run()
 
     def _run(self) -> TrainResult:
@@ -101,9 +108,14 @@ class Trainer:
             )
         model = build_model(cfg.model)
 
-        # The run directory, created only once the inputs are known to be good; rank 0's, on every rank.
-        run_dir = agree_run_dir(cfg.run.dir, mesh, collectives)
+        # The run directory, created only once the inputs are known to be good; rank 0's, on every rank. A run that
+        # resumes (run.resume, or torchrun restarting it) continues its own directory.
+        resume = cfg.run.resume
+        if resume is None and _env_int("TORCHELASTIC_RESTART_COUNT") > 0:
+            resume = "auto"
+        run_dir = agree_run_dir(cfg.run.dir, mesh, collectives, refuse_used=resume is None)
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)))
+        checkpoints = Checkpoints(cfg.checkpoint.dir or run_dir / "checkpoints", keep=cfg.checkpoint.keep)
         if cfg.memory.disk_dir is None:  # page files live in the run directory unless the job says otherwise
             cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, disk_dir=str(run_dir / "pages")))
         if mesh.is_main:
@@ -118,8 +130,7 @@ class Trainer:
             trace_path.unlink(missing_ok=True)  # the recorder appends; a run dir holds one run
             trace = TraceRecorder(trace_path, max_bytes=cfg.trace.max_bytes)
             cleanup.callback(trace.close)
-            metrics = cleanup.enter_context(open(run_dir / "metrics.jsonl", "w", encoding="utf-8")) \
-                if mesh.is_main else None
+            metrics = None
             # A bar on a terminal; nohup, Slurm and pipes get a plain line per logged step, which a log file keeps.
             progress = self.progress and mesh.is_main
             print_lines = progress and not sys.stdout.isatty()
@@ -129,11 +140,25 @@ class Trainer:
             )
             engine = self._create_engine(model, cfg, trace)
             cleanup.callback(engine.close)
+            can_checkpoint = hasattr(engine, "save_checkpoint")
+            if not can_checkpoint and (cfg.checkpoint.every or resume is not None):
+                raise ConfigValueError("checkpoint.every / run.resume: the engine made by engine_factory has no "
+                                       "save_checkpoint/load_checkpoint")
+            resumed_from, done = None, 0  # the checkpoint continued from, and the steps it had taken
+            if resume is not None:
+                resumed_from, done = resume_run(engine, resume, checkpoints)
+            if mesh.is_main:  # metrics of the steps done so far are kept (a resumed run appends after them)
+                keep_metrics_until(run_dir / "metrics.jsonl", done)
+                metrics = cleanup.enter_context(open(run_dir / "metrics.jsonl", "a", encoding="utf-8"))
+            bar.update(done)
+            # From here a signal can wait for the step to end: there is an engine to save.
+            self.signals.save_first = cfg.checkpoint.on_signal and can_checkpoint
             device = getattr(engine, "device", device)  # where the engine computes, if it says
             evaluate = Evaluator(engine, split.val, cfg, device) if evaluate_every else None
             moved_before = engine.memory_stats()["moved"]
+            last_checkpoint = None
 
-            for step in range(1, tcfg.steps + 1):
+            for step in range(done + 1, tcfg.steps + 1):
                 t_start = time.perf_counter()
                 lr = lr_at(step - 1, cfg.optimizer.lr, tcfg.steps, cfg.lr_schedule.warmup_steps,
                            cfg.lr_schedule.decay, cfg.lr_schedule.min_lr_ratio)
@@ -187,13 +212,27 @@ class Trainer:
                     if progress:
                         bar.write(f"step {step}: val_loss {final_val_loss:.4f}")
 
+                # A checkpoint every checkpoint.every steps and after the last; on SIGTERM/SIGINT (agreed over the
+                # ranks, so all save at the same step) one now, then the run stops as the signal asks.
+                stop = self.signals.requested(collectives) if can_checkpoint else None
+                every = cfg.checkpoint.every
+                if stop is not None or (every and (step % every == 0 or step == tcfg.steps)):
+                    last_checkpoint = checkpoints.save(engine, step, {"step": step})
+                    if progress:
+                        bar.write(f"step {step}: checkpoint {last_checkpoint}")
+                if stop is not None:
+                    raise Terminated(stop) if stop != signal.SIGINT else KeyboardInterrupt()
+
         return TrainResult(
             steps=tcfg.steps,
             losses=losses,
             final_val_loss=final_val_loss,
             run_dir=run_dir,
-            tokens_per_s=tokens_per_step * tcfg.steps / train_seconds if train_seconds else 0.0,
+            tokens_per_s=tokens_per_step * len(losses) / train_seconds if train_seconds else 0.0,
             rank=mesh.rank,
+            resumed_from=resumed_from,
+            start_step=done + 1,
+            last_checkpoint=last_checkpoint,
         )
 
     def _create_engine(self, model: torch.nn.Module, cfg: Config, trace: TraceRecorder) -> Any:
@@ -240,14 +279,16 @@ def trace_name(mesh: Mesh) -> str:
     return f"trace.rank{mesh.rank}.jsonl" if mesh.distributed else "trace.jsonl"
 
 
-def agree_run_dir(requested: Optional[str], mesh: Mesh, collectives: Optional[Collectives]) -> Path:
-    """Rank 0 makes the run directory (refusing an earlier run's) and every rank takes its path, or raises the
-    error rank 0 met, so no rank is left waiting."""
+def agree_run_dir(requested: Optional[str], mesh: Mesh, collectives: Optional[Collectives],
+                  refuse_used: bool = True) -> Path:
+    """Rank 0 makes the run directory (refusing an earlier run's unless this run resumes it) and every rank takes
+    its path, or raises the error rank 0 met, so no rank is left waiting."""
     outcome: Any = None
     if mesh.is_main:
         try:
             run_dir = make_run_dir(requested)
-            refuse_an_earlier_run(run_dir)
+            if refuse_used:
+                refuse_an_earlier_run(run_dir)
             outcome = str(run_dir)
         except (ConfigValueError, RunDirInUseError) as err:
             outcome = err
@@ -287,26 +328,97 @@ def refuse_an_earlier_run(run_dir: Path) -> None:
                                f"{metrics.stat().st_size} bytes); choose another run.dir or move that file away")
 
 
-@contextlib.contextmanager
-def sigterm_raises_terminated() -> Iterator[None]:
-    """While active, SIGTERM raises Terminated (a KeyboardInterrupt) where the run is, so it unwinds as on Ctrl-C:
-    the engine closes and removes its page files. The previous handler is restored after. Signal handlers belong to
-    the main thread: a run on another thread keeps the default (the process dies at once)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+def resume_run(engine: Any, resume: str, checkpoints: Checkpoints) -> tuple[Optional[Path], int]:
+    """Load what `resume` names into the engine: "auto", the newest complete checkpoint of `checkpoints` (none: a
+    new run); a path, that checkpoint directory or the newest complete one in a directory of them. Returns the
+    checkpoint and the steps it had taken."""
+    if resume == "auto":
+        found = checkpoints.load_latest(engine)
+    else:
+        path = Path(resume).expanduser().absolute()
+        if (path / ".metadata").is_file():
+            found = engine.load_checkpoint(path), path
+        else:
+            found = Checkpoints(path).load_latest(engine)
+            if found is None:
+                raise CheckpointError(f"run.resume: no complete checkpoint in {path}", str(path))
+    if found is None:
+        return None, 0
+    extra, path = found
+    if not isinstance(extra, dict) or "step" not in extra:
+        raise CheckpointError(f"run.resume: {path} was not saved by the trainer (no step recorded)", str(path))
+    return path, int(extra["step"])
 
-    def on_sigterm(signum: int, frame: Any) -> None:
+
+def keep_metrics_until(path: Path, step: int) -> None:
+    """metrics.jsonl keeps the lines of steps up to `step` (those after it, from a run that went past its last
+    checkpoint, are dropped: the resumed run logs them again); replaced atomically."""
+    if not path.is_file():
+        return
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:
+            continue  # a line torn by a crash
+        if isinstance(record, dict) and int(record.get("step", 0)) <= step:
+            kept.append(line + "\n")
+    write_durably(path, "".join(kept).encode())
+
+
+def _env_int(name: str) -> int:
+    try:
+        return int(os.environ.get(name, "0"))
+    except ValueError:
+        return 0
+
+
+class StopSignals:
+    """SIGTERM (what Slurm and Kubernetes send before they kill a job) and SIGINT during a run.
+
+    By default SIGTERM raises Terminated (a KeyboardInterrupt) where the run is and SIGINT KeyboardInterrupt, so
+    it unwinds as on Ctrl-C: the engine closes and removes its page files. Once `save_first` is set (the trainer
+    does, with checkpoint.on_signal, when the engine is up): the first signal is noted, the trainer saves a
+    checkpoint at the end of the step (`requested`, agreed over the ranks) and then raises; a second signal raises
+    at once. The previous handlers are restored after. Signal handlers belong to the main thread: a run on another
+    thread keeps the defaults."""
+
+    def __init__(self):
+        self.save_first = False
+        self.received: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def __enter__(self) -> "StopSignals":
+        if threading.current_thread() is threading.main_thread():
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                previous = signal.signal(signum, self._on_signal)
+                # a handler installed outside Python: the default is the closest we can restore
+                self._previous[signum] = signal.SIG_DFL if previous is None else previous
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self.save_first and self.received is None:
+            self.received = signum  # saved at the end of this step
+            return
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the cleanup short
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise Terminated(signum)
 
-    previous = signal.signal(signal.SIGTERM, on_sigterm)
-    if previous is None:  # a handler installed outside Python: the default is the closest we can restore
-        previous = signal.SIG_DFL
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    def requested(self, collectives: Optional[Collectives]) -> Optional[int]:
+        """The signal that asks the run to stop after this step, on any rank (every rank calls this each step)."""
+        if not self.save_first:
+            return None
+        received = self.received or 0
+        if collectives is not None:
+            flag = torch.tensor([float(received)])
+            collectives.all_reduce(flag, "stop signal", op=torch.distributed.ReduceOp.MAX)
+            received = int(flag.item())
+        return received or None
 
 
 def precision_metrics(engine: Any) -> dict[str, Any]:

@@ -269,14 +269,37 @@ class ParallelConfig(_Section):
 
 
 @dataclass
+class CheckpointConfig(_Section):
+    SECTION: ClassVar[str] = "checkpoint"
+
+    # Save the whole training state every this many steps (and after the last step); 0: only on a signal.
+    every: int = 0
+    keep: int = 2  # complete checkpoints kept; older ones are deleted after each save
+    dir: Optional[str] = None  # None: <run.dir>/checkpoints
+    # SIGTERM or SIGINT: finish the step, save a checkpoint, then exit cleanly (page files removed). false: stop at
+    # once, as before (nothing saved).
+    on_signal: bool = True
+
+    def validate(self) -> None:
+        self._require("every", self.every >= 0, ">= 0")
+        self._require("keep", self.keep >= 1, ">= 1")
+
+
+@dataclass
 class RunConfig(_Section):
     SECTION: ClassVar[str] = "run"
 
     dir: Optional[str] = None  # None: runs/<timestamp>
     name: str = "default"
+    # null: a new run. "auto": continue from the newest complete checkpoint in checkpoint.dir if there is one (a new
+    # run otherwise). A path: that checkpoint directory. torchrun's restarts (TORCHELASTIC_RESTART_COUNT > 0)
+    # resume as "auto" does.
+    resume: Optional[str] = None
 
     def validate(self) -> None:
         self._require("name", self.name != "", "a non-empty string")
+        if self.resume is not None:
+            self._require("resume", self.resume.strip() != "", '"auto", a checkpoint path or null')
 
 
 @dataclass
@@ -289,6 +312,7 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
     trace: TraceConfig = field(default_factory=TraceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:

@@ -70,6 +70,7 @@ class Collectives:
         self._reduction_sequence = 0  # reductions keep a digest of their own (reduce_scatter's docstring)
         self._reductions_since_check = 0
         self._sealed = (0, 0)  # the reductions' digest and count when the last step's reductions were all issued
+        self._side_group = None  # side_group(), once made
 
     def _run(self, name: str, what: str, nbytes: int, fn, *args, since: float | None = None, **kwargs):
         """fn(*args, **kwargs), timed on the trace; a failure becomes this rank's CollectiveError, its elapsed time
@@ -203,6 +204,14 @@ class Collectives:
         works = [dist.irecv(buffer, src=peer, tag=tag) for buffer, peer in receives]
         works += [dist.isend(buffer, dst=peer, tag=tag) for buffer, peer in sends]
         return works
+
+    def side_group(self):
+        """A gloo group of the same ranks for object collectives outside the step (DCP's checkpoint planning: CPU
+        objects, which NCCL cannot carry), made at the first call: every rank makes it at the same point."""
+        if self._side_group is None:
+            self._side_group = dist.new_group(list(range(self.size)), backend="gloo",
+                                              timeout=timedelta(seconds=self.mesh.timeout_s))
+        return self._side_group
 
     def close(self) -> None:
         """Stop the background waiters once they have finished what they were given (the process group stays: its

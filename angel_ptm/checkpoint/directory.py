@@ -1,0 +1,77 @@
+"""A run's checkpoints: `step-N/` directories, a `latest` pointer, the last `keep` of them kept.
+
+    ckpts = Checkpoints("run/checkpoints", keep=2)
+    ckpts.save(engine, step=50, extra={"step": 50})   # step-50.tmp/ -> step-50/, latest <- "step-50", old ones gone
+    extra, path = ckpts.load_latest(engine)           # the newest complete one that reads back whole
+
+A directory counts as a checkpoint only when complete: renamed from `.tmp` with its `.metadata` and manifest. A
+`.tmp` left by a killed save is removed by the next save. `latest` is rewritten atomically after each save; loading
+does not trust it alone: it tries the complete checkpoints newest first, and one that is torn or bit-flipped is
+skipped with a warning naming the file. Rank 0 writes and deletes (the directory is shared by the ranks, as DCP's
+single `.metadata` requires); every rank calls save and load.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+from angel_ptm.checkpoint.save_load import load_checkpoint, save_checkpoint
+from angel_ptm.checkpoint.storage import MANIFEST, METADATA, write_durably
+from angel_ptm.errors import CheckpointCorruptError, CheckpointError
+
+STEP_DIR = re.compile(r"^step-(\d+)$")
+LATEST = "latest"
+
+
+class Checkpoints:
+    def __init__(self, root: str | Path, keep: int = 2):
+        if keep < 1:
+            raise ValueError(f"keep must be >= 1, got {keep}")
+        self.root, self.keep = Path(root).expanduser().absolute(), keep
+
+    def path(self, step: int) -> Path:
+        return self.root / f"step-{step}"
+
+    def complete(self) -> list[tuple[int, Path]]:
+        """(step, directory) of every complete checkpoint, oldest first."""
+        if not self.root.is_dir():
+            return []
+        found = []
+        for entry in self.root.iterdir():
+            match = STEP_DIR.match(entry.name)
+            if match and (entry / METADATA).is_file() and (entry / MANIFEST).is_file():
+                found.append((int(match.group(1)), entry))
+        return sorted(found)
+
+    def latest(self) -> Path | None:
+        done = self.complete()
+        return done[-1][1] if done else None
+
+    def save(self, engine, step: int, extra: Any = None) -> Path:
+        """Checkpoint `step` (every rank calls it); then `latest` points at it and the oldest beyond `keep` go."""
+        is_main = engine.ownership.rank == 0
+        if is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+        path = save_checkpoint(engine, self.path(step), extra)
+        if is_main:
+            write_durably(self.root / LATEST, f"{path.name}\n".encode())
+            for _, old in self.complete()[: -self.keep]:
+                shutil.rmtree(old, ignore_errors=True)
+        return path
+
+    def load_latest(self, engine) -> tuple[Any, Path] | None:
+        """Load the newest complete checkpoint that reads back whole (a corrupt one is skipped with a warning);
+        None when there is none. Every rank calls it and sees the same directory listing."""
+        for _, path in reversed(self.complete()):
+            try:
+                return load_checkpoint(engine, path), path
+            except CheckpointCorruptError as err:
+                warnings.warn(f"skipping corrupt checkpoint {path}: {err}", stacklevel=2)
+        if self.complete():
+            raise CheckpointError(f"checkpoint: no checkpoint in {self.root} reads back whole (see the warnings)",
+                                  str(self.root))
+        return None

@@ -1,0 +1,320 @@
+"""DCP planners over pages: what a rank writes and reads, named by the model's parameter names.
+
+Saved tensors (every one with the model's full shape; DCP chunks say which part each file holds):
+
+    param.<name>        the parameters as the model computes with them (bf16/fp16 under mixed precision)
+    master.<name>       the fp32 master weights (mixed precision, optimizer.staleness 1)
+    exp_avg.<name>      Adam's first moment
+    exp_avg_sq.<name>   Adam's second moment
+    buffer.<name>       the model's persistent buffers (rank 0)
+
+A rank writes page i of a kind when it owns page i (`i % dp == rank`): its own pages of a sharded kind and one
+rank's share of a replicated one, so each element is written once. Each tensor segment on a page is one run of the
+tensor's elements, written as the boxes that tile it (boxes.py). Items are listed in page order, so a page is read
+from its tier once (PageStream: a bounded set of scratch buffers, disk reads of the next pages in flight).
+
+Loading asks, for every page this rank holds in the new layout (any page size, any number of ranks), for the runs
+its segments cover, and DCP finds them in whichever files hold them: that is the resharding.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch.distributed._shard._utils import narrow_tensor_by_index
+from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex, TensorProperties,
+                                                   TensorStorageMetadata)
+from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPlanner, ReadItem, SavePlan,
+                                                  SavePlanner, TensorWriteData, WriteItem, WriteItemType)
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from angel_ptm.checkpoint.boxes import box_start, flat_boxes
+from angel_ptm.errors import CheckpointError
+from angel_ptm.io.slot_file import aligned_empty
+from angel_ptm.memory import Page, PageLayout, Tier
+
+SAVED_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class Run:
+    """A box of tensor `name` that lies in page `page` of `kind` at element `offset` (contiguous there)."""
+
+    kind: str
+    name: str
+    page: int
+    offset: int
+    numel: int
+    sizes: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def segments_by_page(layout: PageLayout) -> list[list[tuple]]:
+    """Per page, the (slot, segment) pairs on it."""
+    out: list[list[tuple]] = [[] for _ in range(layout.n_pages)]
+    for slot in layout.slots:
+        for seg in slot.segments:
+            out[seg.page].append((slot, seg))
+    return out
+
+
+def page_runs(layout: PageLayout, on_page: list[tuple], kind: str, index: int,
+              dtype: torch.dtype) -> list[tuple[str, tuple, Run]]:
+    """(fqn, box offsets, Run) for every box of every tensor segment on page `index` of `kind` (`on_page`: its
+    (slot, segment) pairs)."""
+    out = []
+    for slot, seg in on_page:
+        if kind != "param" and layout.frozen(slot):
+            continue
+        for offsets, sizes in flat_boxes(slot.shape, seg.start, seg.start + seg.numel):
+            start = box_start(slot.shape, offsets) if slot.shape else 0
+            run = Run(kind, slot.name, index, seg.offset + start - seg.start, math.prod(sizes), sizes, dtype)
+            out.append((f"{kind}.{slot.name}", offsets, run))
+    return out
+
+
+def held_pages(engine, kind: str) -> list[tuple[int, Page]]:
+    """(index, page) of every page of `kind` this rank holds as its own."""
+    return [(i, p) for i, p in enumerate(engine.pages.get(kind, ())) if p is not None and p.home is None]
+
+
+class PageStream:
+    """Pages served in a known order, each copied into one of `depth` scratch buffers; the disk reads of the next
+    pages are in flight while the current one is served. No page changes tier: a device or host page is copied from
+    its buffer, a disk page read from its slot (checked against its checksum), a dead one is zeros."""
+
+    def __init__(self, manager, order: list[Page], page_bytes: int, depth: int = 2):
+        self.manager, self.order, self.depth = manager, order, max(1, depth)
+        self._free = [aligned_empty(page_bytes, "cpu") for _ in range(self.depth)]
+        self._ready: dict[int, tuple[torch.Tensor, object]] = {}  # position -> (buffer, disk read or None)
+        self._position = {page.id: i for i, page in enumerate(order)}
+        self._next = 0  # the next position to start
+        self._current: tuple[int, torch.Tensor] | None = None
+        self.read_bytes = 0
+
+    def get(self, page: Page) -> torch.Tensor:
+        """Page `page`'s bytes (valid until the next page is asked for)."""
+        position = self._position[page.id]
+        if self._current is not None and self._current[0] == position:
+            return self._current[1]
+        if self._current is not None:
+            self._free.append(self._current[1])
+            self._current = None
+        for stale in [p for p in self._ready if p < position]:  # skipped pages: their buffers come back
+            buffer, handle = self._ready.pop(stale)
+            if handle is not None:
+                handle.wait()
+            self._free.append(buffer)
+        self._next = max(self._next, position)
+        self._start_until(position)
+        buffer, handle = self._ready.pop(position)
+        if handle is not None:
+            self.manager.disk.check_read(page, handle)
+        self._current = (position, buffer)
+        self._start_until(position + self.depth - 1)  # read ahead into the buffers now free
+        return buffer
+
+    def _start_until(self, last: int) -> None:
+        while self._next <= min(last, len(self.order) - 1) and self._free:
+            page = self.order[self._next]
+            buffer = self._free.pop()
+            self.manager.flush([page])
+            handle = None
+            if page.buffer is not None:
+                buffer.copy_(page.buffer.view(torch.uint8).reshape(-1))
+            elif page.dead or page.disk_slot is None:
+                buffer.zero_()
+            else:
+                handle = self.manager.disk.read(page.kind, page.disk_slot, buffer)
+                self.read_bytes += buffer.numel()
+            self._ready[self._next] = (buffer, handle)
+            self._next += 1
+
+    def close(self) -> None:
+        for buffer, handle in self._ready.values():
+            if handle is not None:
+                handle.wait()
+        self._ready.clear()
+
+
+class PageSavePlanner(SavePlanner):
+    """This rank's owned pages of every saved kind, plus `objects` (fqn -> picklable) as bytes items and
+    `tensors` (fqn -> whole tensor: the model's buffers) written whole."""
+
+    def __init__(self, engine, objects: dict[str, object], tensors: dict[str, torch.Tensor]):
+        self.engine, self.objects, self.tensors = engine, objects, tensors
+        self.runs: dict[tuple[str, tuple], Run] = {}
+        self.stream: PageStream | None = None
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
+        engine = self.engine
+        layout, rank = engine.layout, engine.ownership.rank
+        items: list[WriteItem] = [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
+                                  for fqn in self.objects]
+        for fqn, tensor in self.tensors.items():
+            items.append(_tensor_item(fqn, (0,) * tensor.dim(), tuple(tensor.shape), tensor.dtype, tensor.shape))
+        order: list[Page] = []
+        on_page = segments_by_page(layout)
+        for index in range(layout.n_pages):
+            if layout.owner(index) != rank:
+                continue
+            for kind in SAVED_KINDS:
+                pages = engine.pages.get(kind, ())
+                page = pages[index] if index < len(pages) else None
+                if page is None or page.home is not None:
+                    continue
+                runs = page_runs(layout, on_page[index], kind, index, engine.tensors.dtype(kind, index))
+                if not runs:
+                    continue
+                order.append(page)
+                for fqn, offsets, run in runs:
+                    slot = layout.slot(run.name)
+                    self.runs[(fqn, offsets)] = run
+                    items.append(_tensor_item(fqn, offsets, run.sizes, run.dtype, slot.shape))
+        self.stream = PageStream(engine.manager, order, layout.page_bytes)
+        self.plan = SavePlan(items)
+        return self.plan
+
+    def create_global_plan(self, all_plans: list[SavePlan]):
+        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+        plans, metadata = create_default_global_save_plan(all_plans, rewrite_index_hints=False)
+        for fqn, md in metadata.state_dict_metadata.items():  # every element of every tensor written exactly once
+            if isinstance(md, TensorStorageMetadata):
+                covered = sum(math.prod(c.sizes) for c in md.chunks)
+                if covered != math.prod(md.size):
+                    raise CheckpointError(f"checkpoint: the ranks' pages cover {covered} of the {math.prod(md.size)} "
+                                          f"elements of '{fqn}' (a layout that differs between ranks?)")
+        return plans, metadata
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        self.plan = new_plan
+        return new_plan
+
+    def resolve_data(self, write_item: WriteItem):
+        fqn = write_item.index.fqn
+        if write_item.type == WriteItemType.BYTE_IO:
+            buffer = io.BytesIO()
+            torch.save(self.objects[fqn], buffer)
+            return buffer
+        if fqn in self.tensors:
+            return self.tensors[fqn].detach().cpu()
+        run = self.runs[(fqn, tuple(write_item.index.offset))]
+        raw = self.stream.get(self.engine.pages[run.kind][run.page])
+        return raw.view(run.dtype)[run.offset: run.offset + run.numel].clone().view(run.sizes)
+
+
+def _source(fqn: str, kind: str, name: str, saved: dict, job_has_master: bool) -> str:
+    """The checkpoint's tensor that page kind `kind` of tensor `name` loads from. The weights are the master
+    wherever one was saved: a job without master pages takes it into its parameters (under staleness 1 the saved
+    parameters lag it by one update); a job with master pages takes the parameters where no master was saved."""
+    master, param = f"master.{name}", f"param.{name}"
+    if kind == "param" and not job_has_master and master in saved:
+        return master
+    if kind == "master" and master not in saved:
+        return param
+    return fqn
+
+
+def _tensor_item(fqn: str, offsets: tuple, sizes: tuple, dtype: torch.dtype, shape) -> WriteItem:
+    return WriteItem(index=MetadataIndex(fqn, torch.Size(offsets)), type=WriteItemType.SHARD,
+                     tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(torch.Size(offsets), torch.Size(sizes)),
+                                                 properties=TensorProperties(dtype=dtype), size=torch.Size(shape)))
+
+
+class PageLoadPlanner(LoadPlanner):
+    """Every page this rank holds, of every kind the job has, from the checkpoint's tensors; bytes items into
+    `objects` (those named in `wanted`, or starting with a prefix in it); `buffers` (fqn -> the model's tensor)."""
+
+    def __init__(self, engine, wanted: list[str], buffers: dict[str, torch.Tensor]):
+        self.engine, self.wanted, self.buffers = engine, wanted, buffers
+        self.objects: dict[str, object] = {}
+        self.targets: dict[tuple[str, tuple], Run] = {}
+        self._held: dict[int, Page] = {}
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
+        self.metadata = metadata
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> LoadPlan:
+        engine, md = self.engine, self.metadata.state_dict_metadata
+        layout = engine.layout
+        items: list[ReadItem] = []
+        for fqn in md:
+            if any(fqn == w or (w.endswith(".") and fqn.startswith(w)) for w in self.wanted):
+                items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=MetadataIndex(fqn),
+                                      dest_offsets=torch.Size((0,)), storage_index=MetadataIndex(fqn),
+                                      storage_offsets=torch.Size((0,)), lengths=torch.Size((0,))))
+        problems: list[str] = []
+        for fqn, tensor in self.buffers.items():
+            saved = md.get(fqn)
+            if not isinstance(saved, TensorStorageMetadata):
+                problems.append(f"no '{fqn}'")
+                continue
+            if tuple(saved.size) != tuple(tensor.shape):
+                problems.append(f"'{fqn}' has shape {tuple(saved.size)}, the model's {tuple(tensor.shape)}")
+                continue
+            chunk = ChunkStorageMetadata(torch.Size((0,) * tensor.dim()), tensor.shape)
+            items += create_read_items_for_chunk_list(fqn, saved, [chunk])
+        on_page = segments_by_page(layout)
+        for kind in SAVED_KINDS:
+            for index, _page in held_pages(engine, kind):
+                for fqn, offsets, run in page_runs(layout, on_page[index], kind, index,
+                                                   engine.tensors.dtype(kind, index)):
+                    source = _source(fqn, kind, run.name, md, "master" in engine.pages)
+                    saved = md.get(source)
+                    if not isinstance(saved, TensorStorageMetadata):
+                        problems.append(f"no '{fqn}'")
+                        continue
+                    shape = layout.slot(run.name).shape
+                    if tuple(saved.size) != tuple(shape):
+                        problems.append(f"'{fqn}' has shape {tuple(saved.size)}, the model's {tuple(shape)}")
+                        continue
+                    self.targets[(fqn, offsets)] = run
+                    chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(run.sizes))
+                    for item in create_read_items_for_chunk_list(source, saved, [chunk]):
+                        items.append(replace(item, dest_index=MetadataIndex(fqn, torch.Size(offsets))))
+        if problems:
+            unique = list(dict.fromkeys(problems))
+            more = f" (and {len(unique) - 4} more)" if len(unique) > 4 else ""
+            raise CheckpointError(f"checkpoint: does not fit this model: {'; '.join(unique[:4])}{more}")
+        self.plan = LoadPlan(items)
+        return self.plan
+
+    def create_global_plan(self, global_plan: list[LoadPlan]) -> list[LoadPlan]:
+        return global_plan
+
+    def finish_plan(self, central_plan: LoadPlan) -> LoadPlan:
+        return central_plan
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.objects[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        fqn = read_item.dest_index.fqn
+        if fqn in self.buffers:
+            target = self.buffers[fqn]
+        else:
+            run = self.targets[(fqn, tuple(read_item.dest_index.offset))]
+            page = self.engine.pages[run.kind][run.page]
+            self.engine.manager.acquire([page], Tier.HOST)  # released dirty once the bytes are in (commit_tensor)
+            self._held[id(read_item)] = page
+            target = page.view(run.dtype)[run.offset: run.offset + run.numel].view(run.sizes)
+        return narrow_tensor_by_index(target, read_item.dest_offsets, read_item.lengths)
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        page = self._held.pop(id(read_item), None)
+        if page is not None:
+            self.engine.manager.release([page], dirty=True)
+
+    def release_all(self) -> None:
+        """After a failed read: no page stays pinned."""
+        for page in self._held.values():
+            self.engine.manager.release([page], dirty=True)
+        self._held.clear()

@@ -1,0 +1,234 @@
+"""Save and load an engine's whole training state as a DCP checkpoint directory, collectively on every rank.
+
+    save_checkpoint(engine, "ckpts/step-5", extra={"step": 5})   # written into ckpts/step-5.tmp, then renamed
+    extra = load_checkpoint(engine, "ckpts/step-5")              # any rank count, page size or placement
+
+What a checkpoint holds besides the tensors (planners.py), as DCP bytes items:
+
+    angel_ptm.engine      steps taken, per-tensor AdamW step counts, lr and hyperparameters, whether the config's
+                          LR schedule drives the lr, the fp16 loss scaler, whether the param pages lag the master
+                          (optimizer.staleness 1: update t ran, its parameters are published during step t+1), the
+                          saving job's world size, ZeRO stage, page size and layout fingerprint
+    angel_ptm.rng.<R>     rank R's RNG states (torch CPU and CUDA, numpy, python)
+    angel_ptm.extra       the caller's picklable object (the trainer's step), returned by load_checkpoint
+
+A save happens between steps: with staleness 1 the pending update runs first (its result does not depend on when
+it runs, so the run goes on exactly as it would have), and the param pages keep the values step t+1 computes with.
+Pages are read where they live and no page changes tier. The directory is complete only once renamed from `.tmp`;
+a failed save removes its `.tmp` on rank 0 and leaves the engine as it was.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from angel_ptm.checkpoint.planners import PageLoadPlanner, PageSavePlanner
+from angel_ptm.checkpoint.storage import CheckedReader, CheckedWriter, fsync_dir
+from angel_ptm.errors import AngelError, CheckpointCorruptError, CheckpointError, CheckpointWriteError
+from angel_ptm.state_dict import _persistent_buffers
+from angel_ptm.step import copy_masters_into_params
+
+ENGINE, EXTRA, RNG = "angel_ptm.engine", "angel_ptm.extra", "angel_ptm.rng."
+
+
+def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None) -> Path:
+    """Write the engine's training state to directory `path` (which must not exist), on every rank."""
+    engine._check_alive()
+    _at_step_boundary(engine, "save_checkpoint")
+    path = Path(path).expanduser().absolute()
+    rank = engine.ownership.rank
+    delayed = engine.delayed
+    if delayed is not None and delayed.pending:  # staleness 1: update t runs now, exactly as it would later
+        with engine.failure.step(engine.optimizer, delayed):
+            delayed.finish()
+    lagging = delayed is not None and bool(delayed.unpublished)
+    tmp = path.with_name(path.name + ".tmp")
+    outcome: Any = None
+    if rank == 0:  # one rank decides, every rank learns it: no rank is left waiting in a collective
+        try:
+            if path.exists():
+                raise CheckpointError(f"checkpoint: {path} already exists; a checkpoint is never written into an "
+                                      f"existing directory", str(path))
+            if tmp.exists():  # a save killed part-way: never a checkpoint, removed before this one
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        except OSError as err:
+            outcome = CheckpointWriteError(f"checkpoint: cannot create {tmp}: {err.strerror}", str(tmp),
+                                           err.errno or 0)
+        except CheckpointError as err:
+            outcome = err
+    outcome = _agree(engine, outcome, "checkpoint directory")
+    if outcome is not None:
+        raise outcome
+    engine.manager.flush()  # no move in flight: a page's bytes are where the planner finds them
+    objects = {f"{RNG}{rank}": rng_state()}
+    tensors = {}
+    if rank == 0:
+        objects[ENGINE] = engine_state(engine, lagging)
+        objects[EXTRA] = extra
+        tensors = {f"buffer.{k}": v for k, v in _persistent_buffers(engine.model).items()}
+    info = {"world_size": engine.mesh.world_size, "dp": engine.ownership.dp, "zero": engine.ownership.stage,
+            "page_bytes": engine.layout.page_bytes, "layout": engine.layout.fingerprint(),
+            "steps_done": engine._steps_done}
+    planner = PageSavePlanner(engine, objects, tensors)
+    try:
+        _run(engine, "save", lambda group: dcp.save({}, storage_writer=CheckedWriter(tmp, info), planner=planner,
+                                                     process_group=group, no_dist=group is None))
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    finally:
+        if planner.stream is not None:
+            planner.stream.close()
+    outcome = None
+    if rank == 0:
+        try:
+            os.replace(tmp, path)
+            fsync_dir(path.parent)
+        except OSError as err:
+            shutil.rmtree(tmp, ignore_errors=True)
+            outcome = CheckpointWriteError(f"checkpoint: cannot rename {tmp} to {path}: {err.strerror}", str(path),
+                                           err.errno or 0)
+    outcome = _agree(engine, outcome, "checkpoint rename")
+    if outcome is not None:
+        raise outcome
+    engine.last_checkpoint_read_bytes = planner.stream.read_bytes if planner.stream is not None else 0
+    return path
+
+
+def load_checkpoint(engine, path: str | os.PathLike) -> Any:
+    """Read directory `path` into the engine (every page, the step counts, RNG, loss scale) on every rank; returns
+    the `extra` it was saved with. The checkpoint may come from any rank count, page size or placement."""
+    engine._check_alive()
+    _at_step_boundary(engine, "load_checkpoint")
+    path = Path(path).expanduser().absolute()
+    engine.flush()  # staleness 1: no pending update may land on top of the loaded state
+    rank = engine.ownership.rank
+    if not (path / ".metadata").is_file():
+        raise CheckpointCorruptError(f"checkpoint: {path} is not a complete checkpoint (no .metadata)", str(path))
+    reader = CheckedReader(path)
+    buffers = {f"buffer.{k}": v for k, v in _persistent_buffers(engine.model).items()}
+    planner = PageLoadPlanner(engine, [ENGINE, EXTRA, RNG], buffers)
+    try:
+        _run(engine, "load", lambda group: dcp.load({}, storage_reader=reader, planner=planner, process_group=group,
+                                                     no_dist=group is None))
+    finally:
+        planner.release_all()
+    state = planner.objects.get(ENGINE)
+    if state is None:
+        raise CheckpointCorruptError(f"checkpoint: {path} holds no {ENGINE} record", str(path))
+    saved_world = int(state["world_size"])
+    rng = planner.objects.get(f"{RNG}{rank % saved_world}")
+    if rng is not None:
+        set_rng_state(rng)
+    apply_engine_state(engine, state)
+    return planner.objects.get(EXTRA)
+
+
+def _at_step_boundary(engine, what: str) -> None:
+    driver = engine.driver
+    if driver.micro or driver.grads_final:
+        raise CheckpointError(f"{what}: called between backward() and step() ({driver.micro} micro-batches taken); "
+                              f"call it between steps")
+
+
+def _agree(engine, outcome, what: str):
+    """Rank 0's outcome (None or an error) on every rank."""
+    if engine.collectives is None:
+        return outcome
+    return engine.collectives.broadcast_object(outcome, 0, what)
+
+
+def _run(engine, what: str, fn) -> None:
+    """A DCP save or load on the checkpoint group; a failure on any rank is the same typed error on every rank."""
+    group = engine.collectives.side_group() if engine.collectives is not None else None
+    try:
+        with warnings.catch_warnings():  # one process: DCP warns that it assumes so, which is what we ask for
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            fn(group)
+    except CheckpointException as exc:
+        failed_rank, (error, _trace) = min(exc.failures.items())
+        raise _typed(error, failed_rank, engine.collectives is not None) from None
+    except (AngelError, KeyboardInterrupt):
+        raise
+    except Exception as exc:  # a collective's own error: a peer died or hung
+        raise CheckpointError(f"checkpoint {what} on rank {engine.ownership.rank}: {type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+
+
+def _typed(error: BaseException, rank: int, distributed: bool) -> CheckpointError:
+    prefix = f"rank {rank}: " if distributed else ""
+    if isinstance(error, CheckpointWriteError):
+        return CheckpointWriteError(f"{prefix}{error}", error.path, error.errno)
+    if isinstance(error, CheckpointError):
+        return type(error)(f"{prefix}{error}", error.path)
+    if isinstance(error, FileNotFoundError):
+        return CheckpointCorruptError(f"{prefix}checkpoint file missing: {error.filename}", str(error.filename))
+    if isinstance(error, OSError):
+        return CheckpointWriteError(f"{prefix}checkpoint I/O failed: {error.filename}: {error.strerror}",
+                                    str(error.filename or ""), error.errno or 0)
+    return CheckpointError(f"{prefix}{type(error).__name__}: {error}")
+
+
+# ---------------------------------------------------------------------------------------------------- the records
+def engine_state(engine, lagging: bool) -> dict:
+    opt = engine.optimizer
+    scaler = engine.loss_scaler
+    return {"format": 1, "steps_done": engine._steps_done, "schedule_on": engine._schedule.on,
+            "step_count": opt.step_count, "slot_steps": dict(opt.slot_steps), "lr": opt.lr, "betas": opt.betas,
+            "eps": opt.eps, "weight_decay": opt.weight_decay,
+            "loss_scaler": scaler.state_dict() if scaler is not None else None, "params_lag_master": lagging,
+            "world_size": engine.mesh.world_size, "zero": engine.ownership.stage,
+            "page_bytes": engine.layout.page_bytes, "layout": engine.layout.fingerprint()}
+
+
+def apply_engine_state(engine, state: dict) -> None:
+    opt = engine.optimizer
+    steps = state["slot_steps"]
+    unknown = sorted(set(opt.slot_steps) - set(steps))
+    if unknown:
+        raise CheckpointError(f"checkpoint: no optimizer step count for {unknown[:4]} (another model's checkpoint?)")
+    for name in opt.slot_steps:
+        opt.slot_steps[name] = int(steps[name])
+    opt.step_count = int(state["step_count"])
+    opt.lr, opt.betas = float(state["lr"]), tuple(float(b) for b in state["betas"])
+    opt.eps, opt.weight_decay = float(state["eps"]), float(state["weight_decay"])
+    engine._steps_done = engine.failure.steps_done = int(state["steps_done"])
+    engine._schedule.on = bool(state["schedule_on"])
+    engine._schedule.apply(opt, engine._steps_done)
+    if engine.loss_scaler is not None and state["loss_scaler"] is not None:
+        engine.loss_scaler.load_state_dict(state["loss_scaler"])
+    delayed = engine.delayed
+    if state["params_lag_master"]:
+        if delayed is not None:  # the next step computes with the param pages and publishes the masters then
+            delayed.unpublished = {i for i in opt.local_indices}
+        else:  # this job does not delay: its parameters are the masters now
+            copy_masters_into_params(engine.scheduler, engine.pages, engine.layout, engine.ownership)
+    engine.data_parallel.params_updated()  # gathered copies (ZeRO-3) and replicas refreshed from the owners
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
