@@ -33,7 +33,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from angel_ptm.checkpoint.planners import PageLoadPlanner, PageSavePlanner
-from angel_ptm.checkpoint.storage import CheckedReader, CheckedWriter, fsync_dir
+from angel_ptm.checkpoint.storage import CheckedReader, CheckedWriter, fault, fsync_dir
 from angel_ptm.errors import AngelError, CheckpointCorruptError, CheckpointError, CheckpointWriteError
 from angel_ptm.state_dict import _persistent_buffers
 from angel_ptm.step import copy_masters_into_params
@@ -94,6 +94,7 @@ def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None) -> Path:
     outcome = None
     if rank == 0:
         try:
+            fault("before-rename")
             os.replace(tmp, path)
             fsync_dir(path.parent)
         except OSError as err:
@@ -118,6 +119,7 @@ def load_checkpoint(engine, path: str | os.PathLike) -> Any:
     if not (path / ".metadata").is_file():
         raise CheckpointCorruptError(f"checkpoint: {path} is not a complete checkpoint (no .metadata)", str(path))
     reader = CheckedReader(path)
+    reader.read_metadata()  # checked here: a corrupt .metadata is a typed error naming it
     buffers = {f"buffer.{k}": v for k, v in _persistent_buffers(engine.model).items()}
     planner = PageLoadPlanner(engine, [ENGINE, EXTRA, RNG], buffers)
     try:

@@ -10,8 +10,8 @@ for a bytes item). The writer records each item's CRC-32; the coordinator writes
 fsynced, then the directory. A reader verifies the manifest, `.metadata`, and every item it reads against them,
 so a torn, truncated or bit-flipped file is a CheckpointCorruptError naming it, never wrong values.
 
-`FAULT`: a test hook called at named points of a save ("item-written", "before-metadata"), so a test can kill
-the process (or raise ENOSPC) exactly there.
+`FAULT`: a test hook called at named points of a save ("item-written", "before-metadata", "before-rename"), so a
+test can kill the process (or raise ENOSPC) exactly there.
 """
 
 from __future__ import annotations
@@ -183,6 +183,8 @@ class CheckedReader(FileSystemReader):
                       for offset, length, crc in items}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """`.metadata`, checked against the manifest (callers read it once before DCP does: DCP takes a failure
+        here for a missing global file and falls back to per-rank ones)."""
         path = Path(self.path) / METADATA
         try:
             body = path.read_bytes()
