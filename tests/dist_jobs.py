@@ -67,6 +67,8 @@ def micro_batches(case: str, count: int):
 
 def config_of(spec: dict, world: int, disk_dir: str) -> dict:
     memory = dict(PLACEMENTS[spec["placement"]], disk_dir=disk_dir, scheduler=spec["scheduler"])
+    if spec.get("page_bytes"):
+        memory["page_bytes"] = spec["page_bytes"]
     cfg = engine_config(memory, spec["clip"], dtype=spec["dtype"], staleness=spec["staleness"])
     cfg["trainer"]["grad_accum"] = spec["accum"]
     cfg["parallel"] = {"zero": spec["zero"], "timeout_s": spec.get("timeout_s", 60), "osdp": spec.get("osdp", False)}
@@ -93,7 +95,10 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
     eager = 0  # page groups updated during the last backward of a step (reduced there first with >1 rank)
     try:
         pages = {kind: sum(1 for p in ps if p is not None and p.home is None) for kind, ps in engine.pages.items()}
-        for step in range(steps):
+        start = 0
+        if spec.get("load"):  # a checkpoint (any rank count, page size): training goes on from its step
+            start = engine.load_checkpoint(spec["load"])["step"]
+        for step in range(start, steps):
             total = 0.0
             for m in range(accum):
                 batch = batches[step * world * accum + rank * accum + m]
@@ -115,12 +120,18 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
             losses.append(engine.mean_over_ranks(total / accum))
             skipped.append(engine.last_step_skipped)
             scales.append(engine.loss_scale)
+            if spec.get("save_at") == step + 1:
+                engine.save_checkpoint(spec["save_to"], extra={"step": step + 1})
         engine.flush()
         stats = engine.memory_stats()
         gatherer = engine.data_parallel.gatherer
-        states = {}
+        states: dict = {}
+        if spec.get("final_states"):  # every kind of every tensor (collective reads), as digests
+            kinds = [k for k in ("param", "master", "exp_avg", "exp_avg_sq") if k in engine.pages]
+            states["final"] = digests({f"{k}.{s.name}": engine.state(k, s.name) for s in engine.layout.slots
+                                       for k in kinds})
         if spec.get("state_dicts"):  # collective reads of sharded pages; digests keep the result small
-            states = {"model": digests(engine.state_dict()),
+            states |= {"model": digests(engine.state_dict()),
                       "optimizer": digests({f"{i}.{k}": v for i, s in engine.optimizer_state_dict()["state"].items()
                                             for k, v in s.items()})}
         return {"losses": losses, "skipped": skipped, "scales": scales, "pages": pages, "moved": stats["moved"],
@@ -134,7 +145,8 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
 
 
 def digests(tensors: dict) -> dict:
-    return {name: hashlib.sha256(torch.as_tensor(t).detach().contiguous().numpy().tobytes()).hexdigest()[:16]
+    return {name: hashlib.sha256(torch.as_tensor(t).detach().contiguous().reshape(-1).view(torch.uint8).numpy()
+                                 .tobytes()).hexdigest()[:16]
             for name, t in tensors.items()}
 
 

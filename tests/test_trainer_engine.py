@@ -46,3 +46,64 @@ def test_the_learning_rate_schedule_reaches_every_page_update(tmp_path, monkeypa
     assert [sorted(used[step]) for step in range(1, 7)] == [[lr] for lr in expected]
     logged = [line["lr"] for line in read_jsonl(tmp_path / "metrics.jsonl") if "loss" in line]
     assert logged == pytest.approx(expected)
+
+
+# --- checkpoints and resume -----------------------------------------------------------------------------------
+def checkpointed(run_dir, steps=10, **checkpoint):
+    config = tiny_config(run_dir, memory=PAGES, trainer={"steps": steps, "eval_every": 0, "device": "cpu"},
+                         checkpoint={"every": 5, **checkpoint})
+    return config
+
+
+def losses_logged(run_dir):
+    return [(line["step"], line["loss"]) for line in read_jsonl(run_dir / "metrics.jsonl") if "loss" in line]
+
+
+def test_sigterm_saves_a_checkpoint_at_the_steps_end_and_train_resume_continues_the_run_exactly(tmp_path):
+    import os
+    import signal
+
+    from angel_ptm import cli
+    from angel_ptm.config import save_config
+    from angel_ptm.engine import initialize
+    from angel_ptm.errors import Terminated
+
+    whole = Trainer(checkpointed(tmp_path / "whole"), progress=False).run()
+    assert [p.name for p in sorted((tmp_path / "whole" / "checkpoints").iterdir())] == ["latest", "step-10",
+                                                                                          "step-5"]
+
+    def signalled(model, cfg, trace=None):  # SIGTERM arrives during step 7's forward
+        engine = initialize(model, cfg, trace=trace)
+        calls = {"n": 0}
+        forward = engine.__call__
+
+        class Engine(type(engine)):
+            def __call__(self, *args, **kwargs):
+                calls["n"] += 1
+                if calls["n"] == 7:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                return forward(*args, **kwargs)
+
+        engine.__class__ = Engine
+        return engine
+
+    run_dir = tmp_path / "stopped"
+    with pytest.raises(Terminated):
+        Trainer(checkpointed(run_dir), engine_factory=signalled, progress=False).run()
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step-7"  # saved after step 7, then stopped
+    assert not any((run_dir / "pages").glob("pages-*"))  # page files removed on the way out
+    save_config(checkpointed(run_dir), run_dir / "config.yaml")  # as the run wrote it
+    assert cli.main(["train", "--resume", str(run_dir), "--no-progress"]) == 0
+    assert losses_logged(run_dir) == [(i + 1, loss) for i, loss in enumerate(whole.losses)]  # each step once
+
+
+def test_a_torchrun_restart_resumes_from_the_latest_checkpoint_by_itself(tmp_path, monkeypatch):
+    whole = Trainer(checkpointed(tmp_path / "whole"), progress=False).run()
+    run_dir = tmp_path / "restarted"
+    Trainer(checkpointed(run_dir), progress=False).run()  # the first attempt was killed saving step 10's checkpoint
+    (run_dir / "checkpoints" / "step-10").rename(run_dir / "checkpoints" / "step-10.tmp")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    again = Trainer(checkpointed(run_dir), progress=False).run()
+    assert again.resumed_from.name == "step-5" and again.start_step == 6
+    assert again.losses == whole.losses[5:]
+    assert losses_logged(run_dir) == [(i + 1, loss) for i, loss in enumerate(whole.losses)]
