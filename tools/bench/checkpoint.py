@@ -1,0 +1,203 @@
+"""Checkpoint benchmark: save and load of a GPT whose states live mostly on disk, against the disk's ceiling.
+
+    python -m tools.bench.checkpoint --dir DIR [--dim 512] [--layers 8] [--page-mib 4] [--device-frac 0.1]
+                                     [--host-frac 0.1] [--repeats 3] [--async-steps 6]
+
+In one run, interleaved round by round so every figure sees the same disk weather:
+- save: `engine.save_checkpoint` (every state kind, streamed page by page from whichever tier holds it, checksummed,
+  fsynced, renamed) -> `save_gbps` = checkpoint bytes / seconds;
+- load: `engine.load_checkpoint` of that checkpoint into the engine, the files first dropped from the page cache
+  (posix_fadvise DONTNEED after fsync: no root needed) -> `load_gbps`;
+- raw: the same number of bytes written by a plain loop of 16 MiB `write`s and one fsync, then read back by
+  16 MiB `read`s after the same DONTNEED -> `raw_write_gbps`, `raw_read_gbps`; `save_ratio` and `load_ratio` are
+  ours over those (goal >= 0.8);
+- RSS: sampled every millisecond during each save; `rss_growth_pages` = (peak - before) / page size (goal <= 4);
+- torch.save: what a plain-torch user does, `torch.save({"model": ..., "optimizer": ...})` of the same tensors
+  held in RAM, fsynced -> `torch_save_s` (and its GB/s);
+- async: `checkpoint.async` is not built yet, so `async_step_slowdown` is null.
+GB/s are 1e9 bytes per second; every figure is the median over `--repeats` rounds. Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+import angel_ptm
+from angel_ptm.models import GPT, GPTConfig
+
+GB = 1e9
+CHUNK = 16 << 20
+
+
+def make_engine(args, disk_dir: str, state_bytes_per_kind: int):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, seq_len=args.seq, n_layer=args.layers, n_head=args.heads, dim=args.dim))
+    states = 4 * state_bytes_per_kind  # param, grad, exp_avg, exp_avg_sq
+    page = args.page_mib << 20
+    config = {"optimizer": {"lr": 1e-4, "weight_decay": 0.1},
+              "memory": {"page_bytes": page, "disk_dir": disk_dir,
+                         "device_budget": max(int(states * args.device_frac), 24 * page),
+                         "host_budget": max(int(states * args.host_frac), 24 * page)},
+              "trainer": {"device": "cpu", "grad_clip": 0}}
+    return angel_ptm.initialize(model, config)
+
+
+def drop_cache(paths) -> None:
+    """Clean pages of these files leave the page cache, so the next read comes from the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def files(directory: Path) -> list[Path]:
+    return [p for p in directory.iterdir() if p.is_file()]
+
+
+def raw_write(path: Path, nbytes: int, buffer: bytes) -> float:
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(buffer[: min(left, len(buffer))])
+        f.flush()
+        os.fsync(f.fileno())
+    return time.perf_counter() - t0
+
+
+def raw_read(path: Path) -> float:
+    drop_cache([path])
+    t0 = time.perf_counter()
+    with open(path, "rb", buffering=0) as f:
+        while f.read(CHUNK):
+            pass
+    return time.perf_counter() - t0
+
+
+class PeakRSS:
+    """The process's peak RSS while active, sampled every millisecond by a thread."""
+
+    def __enter__(self):
+        self.process = psutil.Process()
+        self.before = self.peak = self.process.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self):
+        while not self._stop.wait(0.001):
+            self.peak = max(self.peak, self.process.memory_info().rss)
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.process.memory_info().rss)
+
+
+def torch_save(engine, path: Path) -> tuple[float, int]:
+    """A plain-torch checkpoint of the same states, held in RAM: the model's weights and AdamW's moments."""
+    model = {slot.name: engine.state("param", slot.name) for slot in engine.layout.slots}
+    optim = {slot.name: {"exp_avg": torch.randn(slot.shape), "exp_avg_sq": torch.rand(slot.shape),
+                         "step": torch.tensor(2.0)} for slot in engine.layout.slots}
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        torch.save({"model": model, "optimizer": optim}, f)
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t0
+    return seconds, path.stat().st_size
+
+
+def main(argv=None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", required=True, help="where page files and checkpoints go (an SSD)")
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--page-mib", type=int, default=4)
+    parser.add_argument("--device-frac", type=float, default=0.1, help="share of the states on the device tier")
+    parser.add_argument("--host-frac", type=float, default=0.1, help="share of the states on the host tier")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", action="store_true", help="print only the JSON line")
+    args = parser.parse_args(argv)
+
+    work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
+    try:
+        probe = GPT(GPTConfig(vocab_size=256, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
+                              dim=args.dim))
+        per_kind = sum(p.numel() * 4 for p in probe.parameters())
+        del probe
+        engine = make_engine(args, str(work / "pages"), per_kind)
+        try:
+            x = torch.randint(0, 256, (args.batch, args.seq))
+            for _ in range(2):  # moments nonzero, pages settled on their tiers
+                engine.backward(engine(x, x))
+                engine.step()
+            in_use = engine.memory_stats()["in_use"]
+            saves, loads, writes, reads, growth, torch_s = [], [], [], [], [], []
+            ckpt_bytes = torch_bytes = 0
+            buffer = os.urandom(CHUNK)
+            for r in range(args.repeats):
+                ckpt = work / f"ckpt-{r}"
+                with PeakRSS() as rss:
+                    t0 = time.perf_counter()
+                    engine.save_checkpoint(ckpt, extra={"round": r})
+                    saves.append(time.perf_counter() - t0)
+                growth.append((rss.peak - rss.before) / (args.page_mib << 20))
+                ckpt_bytes = sum(p.stat().st_size for p in files(ckpt))
+                drop_cache(files(ckpt))
+                t0 = time.perf_counter()
+                engine.load_checkpoint(ckpt)
+                loads.append(time.perf_counter() - t0)
+                raw = work / "raw.bin"
+                writes.append(raw_write(raw, ckpt_bytes, buffer))
+                reads.append(raw_read(raw))
+                raw.unlink()
+                seconds, torch_bytes = torch_save(engine, work / "torch.pt")
+                torch_s.append(seconds)
+                (work / "torch.pt").unlink()
+                shutil.rmtree(ckpt)
+        finally:
+            engine.close()
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    med = statistics.median
+    result = {
+        "checkpoint_bytes": ckpt_bytes, "params": per_kind // 4, "page_bytes": args.page_mib << 20,
+        "states_in_use": in_use,
+        "save_s": med(saves), "load_s": med(loads),
+        "save_gbps": ckpt_bytes / med(saves) / GB, "load_gbps": ckpt_bytes / med(loads) / GB,
+        "raw_write_gbps": ckpt_bytes / med(writes) / GB, "raw_read_gbps": ckpt_bytes / med(reads) / GB,
+        "save_ratio": med(writes) / med(saves), "load_ratio": med(reads) / med(loads),
+        "rss_growth_pages": med(growth), "rss_growth_pages_max": max(growth),
+        "torch_save_s": med(torch_s), "torch_save_gbps": torch_bytes / med(torch_s) / GB,
+        "async_step_slowdown": None,
+        "repeats": args.repeats,
+    }
+    if not args.json:
+        for key, value in result.items():
+            print(f"{key:>22}: {value}")
+    print(json.dumps(result))
+    return result
+
+
+if __name__ == "__main__":
+    main()
