@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from angel_ptm.checkpoint.boxes import box_start, flat_boxes
 from angel_ptm.errors import CheckpointError
 from angel_ptm.io.slot_file import aligned_empty
-from angel_ptm.memory import Page, PageLayout, Tier
+from angel_ptm.memory import Page, PageLayout, PageState, Tier
 
 SAVED_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 
@@ -236,7 +236,8 @@ class PageLoadPlanner(LoadPlanner):
         self.engine, self.wanted, self.buffers = engine, wanted, buffers
         self.objects: dict[str, object] = {}
         self.targets: dict[tuple[str, tuple], Run] = {}
-        self._held: dict[int, Page] = {}
+        self._current: Page | None = None  # the page the items now read go into
+        self._filled: set[int] = set()  # pages taken once already (dropped unread then)
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.metadata = metadata
@@ -302,19 +303,32 @@ class PageLoadPlanner(LoadPlanner):
             target = self.buffers[fqn]
         else:
             run = self.targets[(fqn, tuple(read_item.dest_index.offset))]
-            page = self.engine.pages[run.kind][run.page]
-            self.engine.manager.acquire([page], Tier.HOST)  # released dirty once the bytes are in (commit_tensor)
-            self._held[id(read_item)] = page
+            page = self._hold(self.engine.pages[run.kind][run.page])
             target = page.view(run.dtype)[run.offset: run.offset + run.numel].view(run.sizes)
         return narrow_tensor_by_index(target, read_item.dest_offsets, read_item.lengths)
 
+    def _hold(self, page: Page) -> Page:
+        """Page `page` pinned on the host for the items being read into it. The plan lists a page's items
+        together, so one page is held at a time. The checkpoint fills every tensor on it (padding is zero in every
+        page), so a page resting on disk is taken without reading it: discarded, it comes back zeroed."""
+        if self._current is page:
+            return page
+        self.release_all()
+        manager = self.engine.manager
+        if page.id not in self._filled:
+            self._filled.add(page.id)
+            manager.flush([page])
+            if page.state is PageState.DISK and not page.dead:  # its old bytes would be read only to be overwritten
+                manager.discard([page])
+        manager.acquire([page], Tier.HOST)  # a page in memory is written where it is
+        self._current = page
+        return page
+
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        page = self._held.pop(id(read_item), None)
-        if page is not None:
-            self.engine.manager.release([page], dirty=True)
+        """The bytes are in the held page (it is released dirty when the next page is taken)."""
 
     def release_all(self) -> None:
-        """After a failed read: no page stays pinned."""
-        for page in self._held.values():
+        """The held page back to the manager, dirty (after the last item, or a failed read)."""
+        if self._current is not None:
+            page, self._current = self._current, None
             self.engine.manager.release([page], dirty=True)
-        self._held.clear()
