@@ -3,6 +3,7 @@
     angel-ptm train [CONFIG.yaml] [--set section.field=value ...] [--no-progress] [--resume RUN_DIR]
     angel-ptm estimate [CONFIG.yaml] [--set section.field=value ...] [--json]
     angel-ptm viz RUN_DIR [-o REPORT.html] [--chrome-trace PATH]
+    angel-ptm export CHECKPOINT -o MODEL.safetensors [--dtype bfloat16]
 
 With no CONFIG, ``train`` runs the packaged default job (configs/default.yaml: a small GPT on the Python standard
 library's source text, on the CPU, with budgets small enough that pages live on all three tiers). ``estimate``
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_train_command(commands)
     add_estimate_command(commands)
     add_viz_command(commands)
+    add_export_command(commands)
     return parser
 
 
@@ -98,6 +100,20 @@ def add_viz_command(commands: argparse._SubParsersAction) -> None:
     viz.add_argument("--chrome-trace", metavar="PATH",
                      help="the Chrome trace-event JSON (default: RUN_DIR/trace.chrome.json)")
     viz.set_defaults(handler=run_viz)
+
+
+def add_export_command(commands: argparse._SubParsersAction) -> None:
+    export = commands.add_parser(
+        "export", help="consolidated weights of a checkpoint as safetensors",
+        description="Write a checkpoint's weights (the fp32 master where saved) as one safetensors file with "
+                    "model.state_dict()'s names, streaming one tensor at a time; a HuggingFace model's config.json "
+                    "beside it. CHECKPOINT is a checkpoint directory, or a run or checkpoints directory (its newest "
+                    "complete checkpoint).")
+    export.add_argument("checkpoint", metavar="CHECKPOINT")
+    export.add_argument("-o", "--output", required=True, metavar="MODEL.safetensors")
+    export.add_argument("--dtype", choices=("float32", "bfloat16", "float16"),
+                        help="cast floating tensors to this dtype (default: as saved)")
+    export.set_defaults(handler=run_export)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -167,6 +183,26 @@ def resume_config(args: argparse.Namespace):
     config = load_config(source, args.overrides)
     checkpoints = config.checkpoint.dir or str(run_dir / "checkpoints")
     return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(run_dir), resume=checkpoints))
+
+
+def run_export(args: argparse.Namespace) -> int:
+    import torch
+
+    from angel_ptm.checkpoint.directory import Checkpoints
+    from angel_ptm.checkpoint.export import export_weights
+    from angel_ptm.config import format_bytes
+    from angel_ptm.errors import CheckpointError
+
+    source = Path(args.checkpoint).expanduser().absolute()
+    if not (source / ".metadata").is_file():  # a run directory or a directory of checkpoints: the newest one
+        found = Checkpoints(source / "checkpoints").latest() or Checkpoints(source).latest()
+        if found is None:
+            raise CheckpointError(f"export: no complete checkpoint in {source}", str(source))
+        source = found
+    result = export_weights(source, args.output, getattr(torch, args.dtype) if args.dtype else None)
+    print(f"exported {result['tensors']} tensors from {source} to {result['path']} ({format_bytes(result['bytes'])})"
+          + ("; config.json beside it" if result["config"] else ""))
+    return 0
 
 
 def run_estimate(args: argparse.Namespace) -> int:

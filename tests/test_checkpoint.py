@@ -376,3 +376,57 @@ def test_keep_deletes_the_oldest_and_latest_names_the_newest(tmp_path):
         engine.close()
     assert [s for s, _ in ckpts.complete()] == [4, 5]
     assert (ckpts.root / "latest").read_text().strip() == "step-5"
+
+
+# --- export -------------------------------------------------------------------------------------------------------
+def test_export_writes_the_models_state_dict_as_safetensors_tied_weights_and_buffers_included(tmp_path):
+    from safetensors.torch import load_file
+
+    from angel_ptm import cli
+
+    build, _, loss_fn = CASES["gpt"]  # the GPT ties its output projection to the embedding
+    engine = angel_ptm.initialize(build(), config(tmp_path, "a", dtype="bfloat16", staleness=1))
+    try:
+        for batch in batches("gpt", 3):
+            step(engine, loss_fn, batch)
+        engine.save_checkpoint(tmp_path / "run" / "checkpoints" / "step-3", extra={"step": 3})
+        engine.flush()
+        expected = {k: v.clone() for k, v in engine.state_dict().items()}  # fp32 masters
+    finally:
+        engine.close()
+    assert cli.main(["export", str(tmp_path / "run"), "-o", str(tmp_path / "out" / "model.safetensors")]) == 0
+    weights = load_file(tmp_path / "out" / "model.safetensors")
+    assert weights.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(weights[key], value), key
+    plain = build()
+    plain.load_state_dict(weights)  # strict: every key of the plain model
+    assert cli.main(["export", str(tmp_path / "run" / "checkpoints" / "step-3"), "-o",
+                     str(tmp_path / "bf16.safetensors"), "--dtype", "bfloat16"]) == 0
+    assert load_file(tmp_path / "bf16.safetensors")["tok_embeddings.weight"].dtype == torch.bfloat16
+
+
+def test_a_huggingface_models_export_loads_with_from_pretrained(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (2, 16))
+    engine = angel_ptm.initialize(model, config(tmp_path, "a", placement="device"))
+    try:
+        loss = engine(ids, labels=ids).loss
+        engine.backward(loss)
+        engine.step()
+        engine.save_checkpoint(tmp_path / "ckpt")
+        engine.eval()
+        with torch.no_grad():
+            expected = engine(ids).logits
+    finally:
+        engine.close()
+    out = tmp_path / "hf"
+    from angel_ptm.checkpoint.export import export_weights
+
+    assert export_weights(tmp_path / "ckpt", out / "model.safetensors")["config"]
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, expected, atol=1e-5)

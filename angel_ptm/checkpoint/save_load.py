@@ -20,6 +20,7 @@ a failed save removes its `.tmp` on rank 0 and leaves the engine as it was.
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -192,7 +193,35 @@ def engine_state(engine, lagging: bool) -> dict:
             "eps": opt.eps, "weight_decay": opt.weight_decay,
             "loss_scaler": scaler.state_dict() if scaler is not None else None, "params_lag_master": lagging,
             "world_size": engine.mesh.world_size, "zero": engine.ownership.stage,
-            "page_bytes": engine.layout.page_bytes, "layout": engine.layout.fingerprint()}
+            "page_bytes": engine.layout.page_bytes, "layout": engine.layout.fingerprint(),
+            "state_dict_keys": state_dict_keys(engine.model), "hf_config": hf_config(engine.model)}
+
+
+def state_dict_keys(model) -> list[tuple[str, str, str]]:
+    """(key, "param" or "buffer", the tensor's saved name) for every key of `model.state_dict()`, in its order: a
+    parameter shared under two names (tied weights) is saved once, under the first."""
+    canonical = {id(p): n for n, p in model.named_parameters()}
+    keys = []
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        prefix = f"{module_name}." if module_name else ""
+        for leaf, param in module.named_parameters(recurse=False):
+            keys.append((prefix + leaf, "param", canonical[id(param)]))
+        for leaf, buffer in module.named_buffers(recurse=False):
+            if buffer is not None and leaf not in module._non_persistent_buffers_set:
+                keys.append((prefix + leaf, "buffer", prefix + leaf))
+    return list(dict.fromkeys(keys))
+
+
+def hf_config(model) -> dict | None:
+    """A HuggingFace model's config (written as config.json by `angel-ptm export`), else None."""
+    config = getattr(model, "config", None)
+    to_dict = getattr(config, "to_dict", None)
+    if not callable(to_dict):
+        return None
+    try:
+        return json.loads(config.to_json_string()) if hasattr(config, "to_json_string") else to_dict()
+    except (TypeError, ValueError):
+        return None
 
 
 def apply_engine_state(engine, state: dict) -> None:
