@@ -430,3 +430,14 @@ def test_a_huggingface_models_export_loads_with_from_pretrained(tmp_path):
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, expected, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_a_soak_with_ssd_offload_and_frequent_checkpoints_leaks_nothing(tmp_path):
+    """tools/soak.py, shortened: RSS, page files, checkpoints, threads and descriptors stay flat."""
+    sys.path.insert(0, str(TESTS.parent))
+    from tools.soak import run
+
+    result = run(tmp_path, steps=120, every=10, keep=2)
+    assert result["flat"], result
+    assert result["checkpoints"] == 2 and result["page_files_left"] == 0
