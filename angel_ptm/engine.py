@@ -227,12 +227,14 @@ class Engine(StateAccess):
                 self.flush()  # staleness 1: the pending update lands in the weights first
                 values = self.tensors.read_weights
         finally:
+            self._finish_checkpoint()  # a save beside training reads slot files: it ends before they go
             self.data_parallel.close()  # no gather may still be writing into a slot when the pools go
             self.scheduler.close()
             try:
                 self.binder.detach(values)
             finally:
                 self._paging.close()
+
 
 
 def initialize(model: nn.Module, config=None, trace: TraceRecorder | None = None, units: UnitsSpec = None) -> Engine:

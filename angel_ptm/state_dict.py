@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections import namedtuple
 
 import torch
@@ -181,13 +182,29 @@ class StateAccess:
         self.flush()
         load_optimizer_state_dict(self, state_dict)
 
-    def save_checkpoint(self, path, extra=None):
+    pending_checkpoint = None  # a save running beside training (save_checkpoint(..., background=True))
+
+    def save_checkpoint(self, path, extra=None, background: bool = False):
         """The whole training state into checkpoint directory `path` (DCP format, written as `path`.tmp and renamed
-        when complete), on every rank; `extra`: any picklable object, returned by load_checkpoint
-        (angel_ptm/checkpoint)."""
+        when complete), on every rank, between steps; `extra`: any picklable object, returned by load_checkpoint
+        (angel_ptm/checkpoint). Returns the path; with `background`, a PendingSave at once (its `wait()` returns
+        the path): the pages' bytes are taken now and written while training goes on."""
         from angel_ptm.checkpoint import save_checkpoint
 
-        return save_checkpoint(self, path, extra)
+        return save_checkpoint(self, path, extra, background)
+
+    def _finish_checkpoint(self) -> None:
+        """close(): a save beside training reads the slot files, so it ends first; its error becomes a warning
+        (close must go on; wait_for_checkpoint() raises it)."""
+        try:
+            self.wait_for_checkpoint()
+        except Exception as exc:  # noqa: BLE001
+            warnings.warn(f"the checkpoint saved beside training failed: {exc}", stacklevel=3)
+
+    def wait_for_checkpoint(self):
+        """Wait for a save running beside training to complete (its path), raising its error; None without one."""
+        pending, self.pending_checkpoint = self.pending_checkpoint, None
+        return None if pending is None else pending.wait()
 
     def load_checkpoint(self, path):
         """The training state of checkpoint directory `path` (saved by any rank count, page size or placement) into

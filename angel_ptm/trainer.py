@@ -217,11 +217,15 @@ class Trainer:
                 stop = self.signals.requested(collectives) if can_checkpoint else None
                 every = cfg.checkpoint.every
                 if stop is not None or (every and (step % every == 0 or step == tcfg.steps)):
-                    last_checkpoint = checkpoints.save(engine, step, {"step": step})
+                    background = cfg.checkpoint.async_save and stop is None  # a signal's save is the last: waited
+                    saved = checkpoints.save(engine, step, {"step": step}, background=background)
+                    last_checkpoint = saved.path if background else saved
                     if progress:
-                        bar.write(f"step {step}: checkpoint {last_checkpoint}")
+                        bar.write(f"step {step}: checkpoint {last_checkpoint}" + (" (writing)" if background else ""))
                 if stop is not None:
                     raise Terminated(stop) if stop != signal.SIGINT else KeyboardInterrupt()
+            if can_checkpoint:
+                engine.wait_for_checkpoint()  # a checkpoint written beside the last steps is complete (or raises)
 
         return TrainResult(
             steps=tcfg.steps,

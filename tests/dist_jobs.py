@@ -120,8 +120,9 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
             losses.append(engine.mean_over_ranks(total / accum))
             skipped.append(engine.last_step_skipped)
             scales.append(engine.loss_scale)
-            if spec.get("save_at") == step + 1:
-                engine.save_checkpoint(spec["save_to"], extra={"step": step + 1})
+            if spec.get("save_at") == step + 1:  # background: written while the next steps train
+                engine.save_checkpoint(spec["save_to"], extra={"step": step + 1}, background=spec.get("background"))
+        engine.wait_for_checkpoint()
         engine.flush()
         stats = engine.memory_stats()
         gatherer = engine.data_parallel.gatherer

@@ -8,7 +8,6 @@ import math
 import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -441,3 +440,42 @@ def test_a_soak_with_ssd_offload_and_frequent_checkpoints_leaks_nothing(tmp_path
     result = run(tmp_path, steps=120, every=10, keep=2)
     assert result["flat"], result
     assert result["checkpoints"] == 2 and result["page_files_left"] == 0
+
+
+# --- a save beside training ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype,staleness", [("float32", 0), ("bfloat16", 1)])
+def test_a_background_save_holds_exactly_the_state_of_its_step_while_training_goes_on(tmp_path, dtype, staleness,
+                                                                                      monkeypatch):
+    """The save is slowed so that steps 6-8 update (and evict to disk) pages it has not written yet: it must still
+    hold step 5's values (torch's async_save writes values from after the next update: pytorch #144657)."""
+    import time as clock
+
+    from angel_ptm.memory.tiers import DiskTier
+
+    rehomed = []
+    rehome = DiskTier.rehome
+    monkeypatch.setattr(DiskTier, "rehome", lambda self, *a: rehomed.append(a[:2]) or rehome(self, *a))
+
+    build, _, loss_fn = CASES["gpt"]
+    data = batches("gpt")
+    cfg = config(tmp_path, "a", dtype=dtype, staleness=staleness)
+    losses, states = train_with_checkpoint(tmp_path, "gpt", cfg, tmp_path / "sync")
+    engine = angel_ptm.initialize(build(), config(tmp_path, "b", dtype=dtype, staleness=staleness))
+    storage.FAULT = lambda point: clock.sleep(0.01) if point == "item-written" else None
+    try:
+        for s in range(STEPS):
+            step(engine, loss_fn, data[s])
+            if s + 1 == AT:
+                pending = engine.save_checkpoint(tmp_path / "bg", extra={"step": AT}, background=True)
+                assert not pending.done()
+        assert engine.wait_for_checkpoint() == tmp_path / "bg"
+        assert rehomed  # pages written back while the save still held their slots went to other slots
+        assert not engine.manager.disk._held and not engine.manager.disk._orphans  # every held slot released
+        assert final_states(engine).keys() == states.keys()
+    finally:
+        storage.FAULT = None
+        engine.close()
+    resumed, resumed_states = resume_from("gpt", config(tmp_path, "c", dtype=dtype, staleness=staleness),
+                                          tmp_path / "bg")
+    assert resumed == losses[AT:]
+    assert_bitwise(states, resumed_states)

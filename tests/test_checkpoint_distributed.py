@@ -1,5 +1,6 @@
 """Checkpoints on 2 gloo ranks (spawned once for the module): ZeRO-3 resumes bitwise from a checkpoint saved
-mid-run, and checkpoints move between 2 ranks with 64 KiB pages and 1 rank with 16 KiB pages both ways."""
+mid-run (also one written beside training), and checkpoints move between 2 ranks with 64 KiB pages and 1 rank
+with 16 KiB pages both ways."""
 
 from __future__ import annotations
 
@@ -7,9 +8,7 @@ import pytest
 
 from dist_harness import spawn, values
 from dist_jobs import job, train
-from test_engine_equivalence import engine_config
 
-import angel_ptm
 
 STEPS, AT = 10, 5
 
@@ -28,6 +27,8 @@ def ranks(tmp_path_factory):
     one = {"losses": one_rank(tmp, "one", "16KiB", save_to=str(tmp / "one-16k"))}
     jobs = [job("z3", steps=STEPS, save_at=AT, save_to=str(tmp / "z3"), final_states=True),
             job("z3-resumed", steps=STEPS, load=str(tmp / "z3"), final_states=True),
+            job("z3-bg", steps=STEPS, save_at=AT, save_to=str(tmp / "z3-bg"), background=True),
+            job("z3-bg-resumed", steps=STEPS, load=str(tmp / "z3-bg"), final_states=True),
             job("z3-bf16-stale", dtype="bfloat16", staleness=1, steps=STEPS, save_at=AT, save_to=str(tmp / "bf16"),
                 final_states=True),
             job("z3-bf16-stale-resumed", dtype="bfloat16", staleness=1, steps=STEPS, load=str(tmp / "bf16"),
@@ -49,6 +50,17 @@ def test_two_ranks_resume_bitwise_from_a_mid_run_checkpoint(ranks, name):
         assert "error" not in first and "error" not in resumed, (first.get("error"), resumed.get("error"))
         assert resumed["losses"] == first["losses"][AT:]
         assert resumed["states"]["final"] == first["states"]["final"]
+
+
+def test_a_background_save_on_two_ranks_holds_its_steps_state(ranks):
+    """Saved beside steps 6-10 (DCP's collectives on the checkpoint's own group while training's run): resuming
+    from it gives the uninterrupted run's losses and final states bitwise."""
+    _, _, results = ranks
+    for rank in results:
+        assert "error" not in rank["z3-bg"] and "error" not in rank["z3-bg-resumed"], rank["z3-bg-resumed"]
+        assert rank["z3-bg"]["losses"] == rank["z3"]["losses"]
+        assert rank["z3-bg-resumed"]["losses"] == rank["z3"]["losses"][AT:]
+        assert rank["z3-bg-resumed"]["states"]["final"] == rank["z3"]["states"]["final"]
 
 
 def test_a_one_rank_16k_checkpoint_resumes_on_two_ranks_with_64k_pages(ranks):

@@ -6,6 +6,8 @@ the run's losses equal the stand-in's (plain torch AdamW) step for step."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from angel_ptm.lr import lr_at
@@ -107,3 +109,14 @@ def test_a_torchrun_restart_resumes_from_the_latest_checkpoint_by_itself(tmp_pat
     assert again.resumed_from.name == "step-5" and again.start_step == 6
     assert again.losses == whole.losses[5:]
     assert losses_logged(run_dir) == [(i + 1, loss) for i, loss in enumerate(whole.losses)]
+
+
+def test_checkpoints_written_beside_training_resume_exactly(tmp_path):
+    whole = Trainer(checkpointed(tmp_path / "whole"), progress=False).run()
+    run_dir = tmp_path / "async"
+    result = Trainer(checkpointed(run_dir, async_save=True), progress=False).run()
+    assert result.losses == whole.losses and result.last_checkpoint.name == "step-10"
+    (run_dir / "checkpoints" / "step-10").rename(run_dir / "checkpoints" / "step-10.tmp")
+    again = Trainer(checkpointed(run_dir, async_save=True), progress=False)
+    again.config = dataclasses.replace(again.config, run=dataclasses.replace(again.config.run, resume="auto"))
+    assert again.run().losses == whole.losses[5:]

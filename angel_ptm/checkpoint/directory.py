@@ -51,17 +51,17 @@ class Checkpoints:
         done = self.complete()
         return done[-1][1] if done else None
 
-    def save(self, engine, step: int, extra: Any = None) -> Path:
-        """Checkpoint `step` (every rank calls it); then `latest` points at it and the oldest beyond `keep` go."""
-        is_main = engine.ownership.rank == 0
-        if is_main:
+    def save(self, engine, step: int, extra: Any = None, background: bool = False):
+        """Checkpoint `step` (every rank calls it); once complete, `latest` points at it and the oldest beyond
+        `keep` go. Returns the path, or with `background` the PendingSave (save_load.py)."""
+        if engine.ownership.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-        path = save_checkpoint(engine, self.path(step), extra)
-        if is_main:
-            write_durably(self.root / LATEST, f"{path.name}\n".encode())
-            for _, old in self.complete()[: -self.keep]:
-                shutil.rmtree(old, ignore_errors=True)
-        return path
+        return save_checkpoint(engine, self.path(step), extra, background, on_done=self._completed)
+
+    def _completed(self, path: Path) -> None:
+        write_durably(self.root / LATEST, f"{path.name}\n".encode())
+        for _, old in self.complete()[: -self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
 
     def load_latest(self, engine) -> tuple[Any, Path] | None:
         """Load the newest complete checkpoint that reads back whole (a corrupt one is skipped with a warning);

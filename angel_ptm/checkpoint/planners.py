@@ -140,26 +140,77 @@ class PageStream:
         self._ready.clear()
 
 
+class Snapshot:
+    """The saved pages' bytes as they are at the save, for a save that runs beside training (`checkpoint.async_save`):
+    taken on the training thread, read by the checkpoint's thread without touching the manager. A page in memory
+    is copied now (host memory: the in-memory share of the saved pages); a page on disk stays in its slot, held
+    there (DiskTier.hold: not rewritten, not reused) until read, so training goes on and a page written meanwhile
+    gets another slot; a dead page is zeros."""
+
+    def __init__(self, manager, order: list[Page], page_bytes: int):
+        self.disk, self.page_bytes = manager.disk, page_bytes
+        self._entries: dict[int, tuple] = {}
+        self.copied_bytes = self.read_bytes = 0
+        self._scratch: torch.Tensor | None = None
+        self._last: int | None = None  # the page whose bytes the scratch buffer holds
+        for page in order:
+            manager.flush([page])
+            if page.buffer is not None:
+                self._entries[page.id] = ("copy", page.buffer.view(torch.uint8).reshape(-1).to("cpu", copy=True))
+                self.copied_bytes += page_bytes
+            elif page.dead or page.disk_slot is None:
+                self._entries[page.id] = ("zeros",)
+            else:
+                self.disk.hold(page.kind, page.disk_slot)
+                self._entries[page.id] = ("slot", page.kind, page.disk_slot, page.disk_checksum, page.name)
+
+    def get(self, page: Page) -> torch.Tensor:
+        """Page `page`'s bytes at the save (valid until the next page is asked for: a page's items come together)."""
+        if self._last == page.id:
+            return self._scratch
+        entry = self._entries[page.id]
+        if entry[0] == "copy":
+            return entry[1]
+        if entry[0] == "zeros":
+            return torch.zeros(self.page_bytes, dtype=torch.uint8)
+        _, kind, slot, checksum, name = entry
+        if self._scratch is None:
+            self._scratch = aligned_empty(self.page_bytes, "cpu")
+        try:
+            got = self.disk.read(kind, slot, self._scratch).wait()
+        finally:
+            self.disk.release_hold(kind, slot)
+            self._entries[page.id] = ("read",)
+        self._last = page.id
+        if got != checksum:
+            from angel_ptm.errors import ChecksumError
+
+            raise ChecksumError(name, self.disk.path(kind), checksum or 0, got)
+        self.read_bytes += self.page_bytes
+        return self._scratch
+
+    def close(self) -> None:
+        """Release every slot still held (a failed save)."""
+        for page_id, entry in list(self._entries.items()):
+            if entry[0] == "slot":
+                self.disk.release_hold(entry[1], entry[2])
+            self._entries[page_id] = ("read",)
+
+
 class PageSavePlanner(SavePlanner):
     """This rank's owned pages of every saved kind, plus `objects` (fqn -> picklable) as bytes items and
-    `tensors` (fqn -> whole tensor: the model's buffers) written whole."""
+    `tensors` (fqn -> whole tensor: the model's buffers) written whole. The plan (and `order`, the pages in the
+    order its items read them) is made at construction, on the training thread."""
 
     def __init__(self, engine, objects: dict[str, object], tensors: dict[str, torch.Tensor]):
         self.engine, self.objects, self.tensors = engine, objects, tensors
         self.runs: dict[tuple[str, tuple], Run] = {}
-        self.stream: PageStream | None = None
-
-    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
-        self.is_coordinator = is_coordinator
-
-    def create_local_plan(self) -> SavePlan:
-        engine = self.engine
         layout, rank = engine.layout, engine.ownership.rank
         items: list[WriteItem] = [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
                                   for fqn in self.objects]
         for fqn, tensor in self.tensors.items():
             items.append(_tensor_item(fqn, (0,) * tensor.dim(), tuple(tensor.shape), tensor.dtype, tensor.shape))
-        order: list[Page] = []
+        self.order: list[Page] = []
         on_page = segments_by_page(layout)
         for index in range(layout.n_pages):
             if layout.owner(index) != rank:
@@ -172,13 +223,17 @@ class PageSavePlanner(SavePlanner):
                 runs = page_runs(layout, on_page[index], kind, index, engine.tensors.dtype(kind, index))
                 if not runs:
                     continue
-                order.append(page)
+                self.order.append(page)
                 for fqn, offsets, run in runs:
-                    slot = layout.slot(run.name)
                     self.runs[(fqn, offsets)] = run
-                    items.append(_tensor_item(fqn, offsets, run.sizes, run.dtype, slot.shape))
-        self.stream = PageStream(engine.manager, order, layout.page_bytes)
+                    items.append(_tensor_item(fqn, offsets, run.sizes, run.dtype, layout.slot(run.name).shape))
         self.plan = SavePlan(items)
+        self.source = None  # PageStream (a save between steps) or Snapshot (a save beside training)
+
+    def set_up_planner(self, state_dict, storage_meta=None, is_coordinator: bool = False) -> None:
+        self.is_coordinator = is_coordinator
+
+    def create_local_plan(self) -> SavePlan:
         return self.plan
 
     def create_global_plan(self, all_plans: list[SavePlan]):
@@ -206,7 +261,7 @@ class PageSavePlanner(SavePlanner):
         if fqn in self.tensors:
             return self.tensors[fqn].detach().cpu()
         run = self.runs[(fqn, tuple(write_item.index.offset))]
-        raw = self.stream.get(self.engine.pages[run.kind][run.page])
+        raw = self.source.get(self.engine.pages[run.kind][run.page])
         return raw.view(run.dtype)[run.offset: run.offset + run.numel].clone().view(run.sizes)
 
 

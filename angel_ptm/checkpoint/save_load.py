@@ -24,16 +24,19 @@ import json
 import os
 import random
 import shutil
+import threading
+import time
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from angel_ptm.checkpoint.planners import PageLoadPlanner, PageSavePlanner
+from angel_ptm.checkpoint.planners import PageLoadPlanner, PageSavePlanner, PageStream, Snapshot
 from angel_ptm.checkpoint.storage import CheckedReader, CheckedWriter, fault, fsync_dir
 from angel_ptm.errors import AngelError, CheckpointCorruptError, CheckpointError, CheckpointWriteError
 from angel_ptm.state_dict import _persistent_buffers
@@ -42,10 +45,14 @@ from angel_ptm.step import copy_masters_into_params
 ENGINE, EXTRA, RNG = "angel_ptm.engine", "angel_ptm.extra", "angel_ptm.rng."
 
 
-def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None) -> Path:
-    """Write the engine's training state to directory `path` (which must not exist), on every rank."""
+def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None, background: bool = False,
+                    on_done: Callable[[Path], None] | None = None):
+    """Write the engine's training state to directory `path` (which must not exist), on every rank. Returns the
+    path; with `background`, a PendingSave at once: the pages' bytes are taken now (Snapshot) and written by a
+    thread while training goes on. `on_done(path)` runs once the checkpoint is complete (rank 0 only)."""
     engine._check_alive()
     _at_step_boundary(engine, "save_checkpoint")
+    engine.wait_for_checkpoint()  # one save at a time
     path = Path(path).expanduser().absolute()
     rank = engine.ownership.rank
     delayed = engine.delayed
@@ -77,36 +84,95 @@ def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None) -> Path:
     if rank == 0:
         objects[ENGINE] = engine_state(engine, lagging)
         objects[EXTRA] = extra
-        tensors = {f"buffer.{k}": v for k, v in _persistent_buffers(engine.model).items()}
+        tensors = {f"buffer.{k}": v.detach().to("cpu", copy=True)
+                   for k, v in _persistent_buffers(engine.model).items()}
     info = {"world_size": engine.mesh.world_size, "dp": engine.ownership.dp, "zero": engine.ownership.stage,
             "page_bytes": engine.layout.page_bytes, "layout": engine.layout.fingerprint(),
             "steps_done": engine._steps_done}
     planner = PageSavePlanner(engine, objects, tensors)
+    group = engine.collectives.side_group() if engine.collectives is not None else None  # made here: collective
+    if not background:
+        planner.source = PageStream(engine.manager, planner.order, engine.layout.page_bytes)
+        _write(engine, planner, group, tmp, path, info, on_done, agree=lambda o: _agree(engine, o, "checkpoint"))
+        return path
+    planner.source = Snapshot(engine.manager, planner.order, engine.layout.page_bytes)
+    pending = PendingSave(path, planner.source.copied_bytes)
+    agree = (lambda o: o) if group is None else (lambda o: _broadcast_on(group, o))
+    pending.start(lambda: _write(engine, planner, group, tmp, path, info, on_done, agree))
+    engine.pending_checkpoint = pending
+    return pending
+
+
+def _write(engine, planner, group, tmp: Path, path: Path, info: dict, on_done, agree) -> None:
+    """The collective DCP save into `tmp`, then rank 0 renames it to `path` (and runs `on_done`); a failure on
+    any rank removes `tmp` and raises the same typed error on every rank."""
+    rank = engine.ownership.rank
     try:
-        _run(engine, "save", lambda group: dcp.save({}, storage_writer=CheckedWriter(tmp, info), planner=planner,
-                                                     process_group=group, no_dist=group is None))
+        _run(engine, "save", lambda: dcp.save({}, storage_writer=CheckedWriter(tmp, info), planner=planner,
+                                              process_group=group, no_dist=group is None))
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     finally:
-        if planner.stream is not None:
-            planner.stream.close()
+        planner.source.close()
     outcome = None
     if rank == 0:
         try:
             fault("before-rename")
             os.replace(tmp, path)
             fsync_dir(path.parent)
+            if on_done is not None:
+                on_done(path)
         except OSError as err:
             shutil.rmtree(tmp, ignore_errors=True)
             outcome = CheckpointWriteError(f"checkpoint: cannot rename {tmp} to {path}: {err.strerror}", str(path),
                                            err.errno or 0)
-    outcome = _agree(engine, outcome, "checkpoint rename")
+    outcome = agree(outcome)
     if outcome is not None:
         raise outcome
-    engine.last_checkpoint_read_bytes = planner.stream.read_bytes if planner.stream is not None else 0
-    return path
+    engine.last_checkpoint_read_bytes = planner.source.read_bytes
+
+
+def _broadcast_on(group, outcome):
+    """Rank 0's outcome on every rank, over the checkpoint's own group (a save beside training may not use the
+    training's collectives)."""
+    box = [outcome]
+    dist.broadcast_object_list(box, src=dist.get_global_rank(group, 0), group=group)
+    return box[0]
+
+
+class PendingSave:
+    """A checkpoint being written beside training. `wait()` returns its path once complete on every rank, or
+    raises the save's typed error; `done()` says whether it has finished."""
+
+    def __init__(self, path: Path, staged_bytes: int):
+        self.path, self.staged_bytes = path, staged_bytes
+        self.error: BaseException | None = None
+        self.seconds = 0.0
+        self._thread: threading.Thread | None = None
+
+    def start(self, work: Callable[[], None]) -> None:
+        def run():
+            t0 = time.perf_counter()
+            try:
+                work()
+            except BaseException as exc:  # noqa: BLE001 - raised by wait() in the training thread
+                self.error = exc
+            self.seconds = time.perf_counter() - t0
+
+        self._thread = threading.Thread(target=run, name="angel-ptm-checkpoint", daemon=True)
+        self._thread.start()
+
+    def done(self) -> bool:
+        return self._thread is not None and not self._thread.is_alive()
+
+    def wait(self) -> Path:
+        if self._thread is not None:
+            self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.path
 
 
 def load_checkpoint(engine, path: str | os.PathLike) -> Any:
@@ -114,6 +180,7 @@ def load_checkpoint(engine, path: str | os.PathLike) -> Any:
     the `extra` it was saved with. The checkpoint may come from any rank count, page size or placement."""
     engine._check_alive()
     _at_step_boundary(engine, "load_checkpoint")
+    engine.wait_for_checkpoint()
     path = Path(path).expanduser().absolute()
     engine.flush()  # staleness 1: no pending update may land on top of the loaded state
     rank = engine.ownership.rank
@@ -123,9 +190,10 @@ def load_checkpoint(engine, path: str | os.PathLike) -> Any:
     reader.read_metadata()  # checked here: a corrupt .metadata is a typed error naming it
     buffers = {f"buffer.{k}": v for k, v in _persistent_buffers(engine.model).items()}
     planner = PageLoadPlanner(engine, [ENGINE, EXTRA, RNG], buffers)
+    group = engine.collectives.side_group() if engine.collectives is not None else None
     try:
-        _run(engine, "load", lambda group: dcp.load({}, storage_reader=reader, planner=planner, process_group=group,
-                                                     no_dist=group is None))
+        _run(engine, "load", lambda: dcp.load({}, storage_reader=reader, planner=planner, process_group=group,
+                                              no_dist=group is None))
     finally:
         planner.release_all()
     state = planner.objects.get(ENGINE)
@@ -155,11 +223,10 @@ def _agree(engine, outcome, what: str):
 
 def _run(engine, what: str, fn) -> None:
     """A DCP save or load on the checkpoint group; a failure on any rank is the same typed error on every rank."""
-    group = engine.collectives.side_group() if engine.collectives is not None else None
     try:
         with warnings.catch_warnings():  # one process: DCP warns that it assumes so, which is what we ask for
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            fn(group)
+            fn()
     except CheckpointException as exc:
         failed_rank, (error, _trace) = min(exc.failures.items())
         raise _typed(error, failed_rank, engine.collectives is not None) from None

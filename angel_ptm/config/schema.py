@@ -279,6 +279,10 @@ class CheckpointConfig(_Section):
     # SIGTERM or SIGINT: finish the step, save a checkpoint, then exit cleanly (page files removed). false: stop at
     # once, as before (nothing saved).
     on_signal: bool = True
+    # Write the `every`-step checkpoints beside training: the pages in memory are copied at the step's end, those on
+    # disk held in their slots until written (a page written back meanwhile takes another slot), and the next steps
+    # run while a thread writes. The checkpoint still holds exactly that step's state. (`async` is Python's.)
+    async_save: bool = False
 
     def validate(self) -> None:
         self._require("every", self.every >= 0, ">= 0")

@@ -378,6 +378,8 @@ class PageManager(RemotePages):
                 raise BudgetError("disk", self.page_bytes, 0, what=f"evicting page {page.name} (no disk tier)")
             if page.disk_slot is None:
                 page.disk_slot = self.disk.alloc_or_reclaim(page.kind, self.pages)
+            elif self.disk.held(page.kind, page.disk_slot):  # an asynchronous checkpoint still reads the old bytes
+                page.disk_slot, page.disk_version = self.disk.rehome(page.kind, page.disk_slot, self.pages), -1
             page.transition(PageState.TO_DISK)
             handle = self.disk.write(page.kind, page.disk_slot, page.buffer)
             self._begin(Move(page, Tier.HOST, Tier.DISK, handle, None, self._finish_write))

@@ -15,6 +15,7 @@ changes tier without a byte being copied, and each pool still holds exactly `cap
 from __future__ import annotations
 
 import os
+import threading
 from typing import Iterable
 
 import psutil
@@ -129,6 +130,12 @@ class DiskTier:
         self.files: dict[str, SlotFile] = {}
         self._free: dict[str, list[int]] = {}
         self._reserved = 0  # slots reserved on disk, all kinds
+        # Slots an asynchronous checkpoint still has to read (it holds the bytes a page had when the checkpoint was
+        # taken): not written and not reused until released. A page written meanwhile gets another slot; the held
+        # one is freed once released (`_orphans`). Released from the checkpoint's thread, hence the lock.
+        self._held: dict[tuple[str, int], int] = {}
+        self._orphans: set[tuple[str, int]] = set()
+        self._released = threading.Condition()
 
     def _file(self, kind: str) -> SlotFile:
         if kind not in self.files:
@@ -162,15 +169,58 @@ class DiskTier:
 
     def alloc_or_reclaim(self, kind: str, pages: Iterable[Page]) -> int:
         """A slot for `kind`; when the budget is spent, the slot of a clean copy of one of `pages` that also rests
-        on the device or host (that copy only saves a future write, it holds no unique data)."""
+        on the device or host (that copy only saves a future write, it holds no unique data), unless a checkpoint
+        holds it; with none, once an asynchronous checkpoint releases a slot."""
+        while True:
+            try:
+                return self.alloc(kind)
+            except BudgetError:
+                for other in pages:
+                    if (other.kind == kind and other.disk_slot is not None and other.tier in (Tier.DEVICE, Tier.HOST)
+                            and not self.held(kind, other.disk_slot)):
+                        slot, other.disk_slot, other.disk_version = other.disk_slot, None, -1
+                        return slot
+                with self._released:
+                    if not self._held:
+                        raise
+                    self._released.wait()
+
+    # ------------------------------------------------------------------ slots held by an asynchronous checkpoint
+    def hold(self, kind: str, slot: int) -> None:
+        with self._released:
+            self._held[(kind, slot)] = self._held.get((kind, slot), 0) + 1
+
+    def release_hold(self, kind: str, slot: int) -> None:
+        """The checkpoint has read the slot (any thread): written again, or freed if its page moved away."""
+        with self._released:
+            key = (kind, slot)
+            self._held[key] -= 1
+            if not self._held[key]:
+                del self._held[key]
+                if key in self._orphans:
+                    self._orphans.discard(key)
+                    self._free[kind].append(slot)
+            self._released.notify_all()
+
+    def held(self, kind: str, slot: int) -> bool:
+        return (kind, slot) in self._held
+
+    def rehome(self, kind: str, slot: int, pages: Iterable[Page]) -> int:
+        """The slot a page whose slot `slot` is held writes into: a free one (the held slot is freed once
+        released), or, with none left in the budget, `slot` itself once the checkpoint has read it."""
         try:
-            return self.alloc(kind)
-        except BudgetError:
-            for other in pages:
-                if other.kind == kind and other.disk_slot is not None and other.tier in (Tier.DEVICE, Tier.HOST):
-                    slot, other.disk_slot, other.disk_version = other.disk_slot, None, -1
-                    return slot
-            raise
+            new = self.alloc(kind)
+        except BudgetError:  # no room for another slot: this one, once the checkpoint has read it
+            with self._released:
+                while (kind, slot) in self._held:
+                    self._released.wait()
+            return slot
+        with self._released:
+            if (kind, slot) in self._held:
+                self._orphans.add((kind, slot))
+            else:  # released meanwhile
+                self._free[kind].append(slot)
+        return new
 
     def free(self, kind: str, slot: int) -> None:
         self._free[kind].append(slot)

@@ -1,7 +1,7 @@
 """Checkpoint benchmark: save and load of a GPT whose states live mostly on disk, against the disk's ceiling.
 
     python -m tools.bench.checkpoint --dir DIR [--dim 512] [--layers 8] [--page-mib 4] [--device-frac 0.1]
-                                     [--host-frac 0.1] [--repeats 3] [--async-steps 6]
+                                     [--host-frac 0.1] [--repeats 5] [--async-steps 6]
 
 In one run, interleaved round by round so every figure sees the same disk weather:
 - save: `engine.save_checkpoint` (every state kind, streamed page by page from whichever tier holds it, checksummed,
@@ -17,7 +17,9 @@ In one run, interleaved round by round so every figure sees the same disk weathe
   the median, and each round's (the first save also grows the allocator's arenas for the writer thread);
 - torch.save: what a plain-torch user does, `torch.save({"model": ..., "optimizer": ...})` of the same tensors
   held in RAM, fsynced -> `torch_save_s` (and its GB/s);
-- async: `checkpoint.async` is not built yet, so `async_step_slowdown` is null.
+- async: `engine.save_checkpoint(..., background=True)` (`checkpoint.async_save`) while training steps go on:
+  `async_step_slowdown` = the median step while it is written / the median of `--async-steps` steps before and
+  after it (goal <= 1.1), with the steps it spanned, its seconds and the bytes it staged (pages in memory).
 GB/s are 1e9 bytes per second; every figure is the median over `--repeats` rounds, the ratios the median of each
 round's ratio. Last line: one JSON object.
 """
@@ -139,6 +141,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--device-frac", type=float, default=0.1, help="share of the states on the device tier")
     parser.add_argument("--host-frac", type=float, default=0.1, help="share of the states on the host tier")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--async-steps", type=int, default=6,
+                        help="steps timed before and after the save beside training")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
 
@@ -189,6 +193,20 @@ def main(argv=None) -> dict:
                 torch_s.append(seconds)
                 (work / "torch.pt").unlink()
                 shutil.rmtree(ckpt)
+            # A save beside training: step times while it is written against step times without one.
+            def train_step() -> float:
+                t0 = time.perf_counter()
+                engine.backward(engine(x, x))
+                engine.step()
+                return time.perf_counter() - t0
+
+            base = [train_step() for _ in range(args.async_steps)]
+            pending = engine.save_checkpoint(work / "async", background=True)
+            during = []
+            while not pending.done() or not during:
+                during.append(train_step())
+            engine.wait_for_checkpoint()
+            after = [train_step() for _ in range(args.async_steps)]
         finally:
             engine.close()
     finally:
@@ -210,7 +228,10 @@ def main(argv=None) -> dict:
         "load_ratio_io": med([(r + w * b / ckpt_bytes) / l for r, w, b, l in zip(reads, writes, landed, loads)]),
         "rss_growth_pages": med(growth), "rss_growth_pages_each": [round(g, 2) for g in growth],
         "torch_save_s": med(torch_s), "torch_save_gbps": torch_bytes / med(torch_s) / GB,
-        "async_step_slowdown": None,
+        # steps while the background save ran, against the median of the steps before and after it
+        "async_step_slowdown": med(during) / med(base + after), "async_steps_during": len(during),
+        "async_save_s": pending.seconds, "async_staged_bytes": pending.staged_bytes,
+        "step_s": med(base + after),
         "repeats": args.repeats,
     }
     if not args.json:
