@@ -8,7 +8,8 @@ What a checkpoint holds besides the tensors (planners.py), as DCP bytes items:
     angel_ptm.engine      steps taken, per-tensor AdamW step counts, lr and hyperparameters, whether the config's
                           LR schedule drives the lr, the fp16 loss scaler, whether the param pages lag the master
                           (optimizer.staleness 1: update t ran, its parameters are published during step t+1), the
-                          saving job's world size, ZeRO stage, page size and layout fingerprint
+                          saving job's config, world size, ZeRO stage, page size and layout fingerprint, and the
+                          model's state_dict names (and a HuggingFace config) for `angel-ptm export`
     angel_ptm.rng.<R>     rank R's RNG states (torch CPU and CUDA, numpy, python)
     angel_ptm.extra       the caller's picklable object (the trainer's step), returned by load_checkpoint
 
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from angel_ptm.checkpoint.planners import PageLoadPlanner, PageSavePlanner, PageStream, Snapshot
 from angel_ptm.checkpoint.storage import CheckedReader, CheckedWriter, fault, fsync_dir
+from angel_ptm.config.loader import config_to_dict
 from angel_ptm.errors import AngelError, CheckpointCorruptError, CheckpointError, CheckpointWriteError
 from angel_ptm.state_dict import _persistent_buffers
 from angel_ptm.step import copy_masters_into_params
@@ -261,7 +263,8 @@ def engine_state(engine, lagging: bool) -> dict:
             "loss_scaler": scaler.state_dict() if scaler is not None else None, "params_lag_master": lagging,
             "world_size": engine.mesh.world_size, "zero": engine.ownership.stage,
             "page_bytes": engine.layout.page_bytes, "layout": engine.layout.fingerprint(),
-            "state_dict_keys": state_dict_keys(engine.model), "hf_config": hf_config(engine.model)}
+            "state_dict_keys": state_dict_keys(engine.model), "hf_config": hf_config(engine.model),
+            "config": config_to_dict(engine.config)}
 
 
 def state_dict_keys(model) -> list[tuple[str, str, str]]:
