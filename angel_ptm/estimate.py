@@ -254,12 +254,16 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if disk_reserved:  # the path before its space: a file or a read-only mount is named so, not as a budget
         check_disk_dir(disk_dir, create=False)  # DiskDirError; creates nothing
     disk_free = free_disk_bytes(disk_dir) if disk_reserved else None
+    # A checkpoint written beside training holds the disk pages' slots while pages written meanwhile take others:
+    # up to as many again (checkpoint.async_save).
+    slots_needed = disk_reserved * (2 if config.checkpoint.async_save else 1)
     # Every process on this machine reserves its own slots there (disk_dir/rank<R>): the space is theirs together.
-    if disk_free is not None and disk_free < disk_reserved * page_bytes * local_world_size:
-        problems.append(Problem("disk", disk_reserved * page_bytes * local_world_size, disk_free,
-                                f"page files in memory.disk_dir {disk_dir} ({disk_reserved} page slots reserved "
-                                f"up front" + (f" by each of {local_world_size} ranks)" if local_world_size > 1
-                                               else ")")))
+    if disk_free is not None and disk_free < slots_needed * page_bytes * local_world_size:
+        problems.append(Problem("disk", slots_needed * page_bytes * local_world_size, disk_free,
+                                f"page files in memory.disk_dir {disk_dir} ({slots_needed} page slots"
+                                + (" with checkpoint.async_save's second slots" if slots_needed > disk_reserved
+                                   else " reserved up front")
+                                + (f" by each of {local_world_size} ranks)" if local_world_size > 1 else ")")))
     # 2. the largest unit on the device, and (when pages live on disk) the host slots its pages rise through
     if largest * page_bytes > budgets["device"]:
         problems.append(Problem("device", largest * page_bytes, budgets["device"],

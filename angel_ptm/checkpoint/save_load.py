@@ -136,6 +136,15 @@ def _write(engine, planner, group, tmp: Path, path: Path, info: dict, on_done, a
     engine.last_checkpoint_read_bytes = planner.source.read_bytes
 
 
+def _yield_to_training() -> None:
+    """The checkpoint's threads run at the lowest CPU priority (Linux: per thread, inherited by the writer thread
+    it starts): where cores are short, training's threads go first and the save takes the idle time."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+    except (AttributeError, OSError):  # not Linux, or not permitted: the save shares the cores evenly
+        pass
+
+
 def _broadcast_on(group, outcome):
     """Rank 0's outcome on every rank, over the checkpoint's own group (a save beside training may not use the
     training's collectives)."""
@@ -158,6 +167,7 @@ class PendingSave:
         def run():
             t0 = time.perf_counter()
             try:
+                _yield_to_training()
                 work()
             except BaseException as exc:  # noqa: BLE001 - raised by wait() in the training thread
                 self.error = exc

@@ -280,8 +280,9 @@ class CheckpointConfig(_Section):
     # once, as before (nothing saved).
     on_signal: bool = True
     # Write the `every`-step checkpoints beside training: the pages in memory are copied at the step's end, those on
-    # disk held in their slots until written (a page written back meanwhile takes another slot), and the next steps
-    # run while a thread writes. The checkpoint still holds exactly that step's state. (`async` is Python's.)
+    # disk held in their slots until written (a page written back meanwhile takes another slot, beyond the disk
+    # budget if need be: up to twice the disk-resident states), and the next steps run while a thread writes. The
+    # checkpoint still holds exactly that step's state. (`async` is a Python keyword.)
     async_save: bool = False
 
     def validate(self) -> None:

@@ -150,7 +150,7 @@ class DiskTier:
         extra = n_slots - slot_file.n_slots
         if extra <= 0:
             return
-        if self._reserved + extra > self.capacity:
+        if self._reserved + extra > self.capacity + len(self._held):
             raise BudgetError("disk", extra * self.page_bytes, (self.capacity - self._reserved) * self.page_bytes,
                               what=f"{extra} {kind} pages in {self.directory}")
         first_new = slot_file.n_slots
@@ -161,7 +161,9 @@ class DiskTier:
     def alloc(self, kind: str) -> int:
         slot_file = self._file(kind)
         if not self._free[kind]:
-            room = self.capacity - self._reserved
+            # While an asynchronous checkpoint holds slots, pages written meanwhile may take as many slots more:
+            # the checkpoint costs disk space, never a wait (`checkpoint.async_save`: the estimate counts it).
+            room = self.capacity + len(self._held) - self._reserved
             if room <= 0:
                 raise BudgetError("disk", self.page_bytes, 0, what=f"one {kind} page in {self.directory}")
             self.reserve(kind, slot_file.n_slots + min(self.growth_slots, room))
