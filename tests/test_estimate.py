@@ -4,6 +4,8 @@ and against the peaks a short training run records in its trace.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from types import SimpleNamespace
@@ -232,6 +234,16 @@ def test_too_little_free_disk_space_for_the_page_files_is_refused(monkeypatch):
     with pytest.raises(BudgetError) as info:
         estimate_job(job("default")).check()
     assert (info.value.tier, info.value.requested, info.value.available) == ("disk", 240 * MiB, 100 * MiB)
+
+
+def test_checkpoints_written_beside_training_count_a_second_slot_per_disk_page(monkeypatch):
+    monkeypatch.setattr(estimate_module, "free_disk_bytes", lambda path: 300 * MiB)
+    config = job("default")
+    estimate_job(config).check()  # 240 MiB of slots fit in 300
+    config = dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, async_save=True))
+    with pytest.raises(BudgetError, match="checkpoint.async_save") as info:
+        estimate_job(config).check()
+    assert (info.value.tier, info.value.requested, info.value.available) == ("disk", 480 * MiB, 300 * MiB)
 
 
 def test_optimizer_update_needs_four_pages_on_its_tier(tmp_path):
