@@ -5,8 +5,7 @@ time (device <-> host <-> disk); a page whose clean copy is already on disk is d
 Moves are asynchronous (`prefetch` returns a handle); `acquire` pins pages on a tier and waits for them, and
 `release` unpins them. With `zero_copy` and both pools in ordinary CPU memory (a run without CUDA), a page crosses
 between the device and host tiers by trading slots between the pools: no bytes are copied, the budgets hold.
-Every state change is an edge of `page.TRANSITIONS`; a failed move puts the page back where it was, with its data
-untouched, and raises the typed error.
+Every state change is an edge of `page.TRANSITIONS`; a failed move puts the page back where it was, untouched.
 """
 
 from __future__ import annotations
