@@ -33,6 +33,10 @@ def ranks(tmp_path_factory):
             job("z3-host", placement="device+host", steps=STEPS, save_at=AT, save_to=str(tmp / "z3-host"),
                 final_states=True),
             job("z3-host-resumed", placement="device+host", steps=STEPS, load=str(tmp / "z3-host"), final_states=True),
+            job("z3-stale", staleness=1, steps=STEPS, save_at=AT, save_to=str(tmp / "z3-stale"), final_states=True),
+            job("z3-stale-resumed", staleness=1, steps=STEPS, load=str(tmp / "z3-stale"), final_states=True),
+            job("z3-bf16", dtype="bfloat16", steps=STEPS, save_at=AT, save_to=str(tmp / "z3-bf16"), final_states=True),
+            job("z3-bf16-resumed", dtype="bfloat16", steps=STEPS, load=str(tmp / "z3-bf16"), final_states=True),
             job("z3-bg", steps=STEPS, save_at=AT, save_to=str(tmp / "z3-bg"), background=True),
             job("z3-bg-resumed", steps=STEPS, load=str(tmp / "z3-bg"), final_states=True),
             job("z3-bf16-stale", dtype="bfloat16", staleness=1, steps=STEPS, save_at=AT, save_to=str(tmp / "bf16"),
@@ -48,7 +52,7 @@ def ranks(tmp_path_factory):
     return tmp, one, results
 
 
-@pytest.mark.parametrize("name", ["z3", "z3-bf16-stale", "z3-device", "z3-host"])
+@pytest.mark.parametrize("name", ["z3", "z3-stale", "z3-bf16", "z3-bf16-stale", "z3-device", "z3-host"])
 def test_two_ranks_resume_bitwise_from_a_mid_run_checkpoint(ranks, name):
     _, _, results = ranks
     for rank in results:

@@ -81,6 +81,27 @@ def test_the_estimate_for_two_ranks_is_within_10_percent_of_each_ranks_measured_
             assert measured[tier] == pytest.approx(n, rel=0.10), (rank, tier, measured[tier], n)
 
 
+def test_a_torchrun_run_checkpoints_and_resumes_on_one_rank_from_its_two_rank_checkpoint(launched):
+    """2 ranks save at steps 2 and 4 (step 4's save is then torn); `train --resume` on 1 rank with grad_accum 2
+    continues from step 2 and logs the uninterrupted run's losses, each step once."""
+    tmp, _, one, _ = launched
+    run = tmp / "ckpt"
+    two = cli("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+              "-m", "angel_ptm", "train", str(tmp / "job.yaml"), "--no-progress", "--set", f"run.dir={run}",
+              "--set", "checkpoint.every=2")
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-2", "step-4"]
+    (run / "checkpoints" / "step-4").rename(run / "checkpoints" / "step-4.tmp")  # killed while saving step 4
+    resumed = cli("-m", "angel_ptm", "train", "--resume", str(run), "--no-progress", "--set", "trainer.grad_accum=2",
+                  "--set", "parallel.dp=null")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from:" in resumed.stdout and "(step 2)" in resumed.stdout
+    logged = [(r["step"], r["loss"]) for r in metrics(run) if "loss" in r]
+    expected = [(r["step"], r["loss"]) for r in metrics(tmp / "one") if "loss" in r]
+    assert [step for step, _ in logged] == [1, 2, 3, 4]
+    assert [loss for _, loss in logged] == pytest.approx([loss for _, loss in expected], rel=1e-6)
+
+
 def test_a_rank_killed_mid_step_ends_the_other_with_a_collective_error_at_once(tmp_path):
     t0 = time.monotonic()
     results = spawn(2, die_mid_step, (job("die", timeout_s=60), str(tmp_path)), tmp_path, timeout_s=120)
