@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import io
 import math
+import mmap
 from dataclasses import dataclass, replace
 
 import torch
@@ -32,8 +33,7 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from angel_ptm.checkpoint.boxes import box_start, flat_boxes
-from angel_ptm.errors import CheckpointError
-from angel_ptm.io.slot_file import aligned_empty
+from angel_ptm.errors import CheckpointError, ChecksumError
 from angel_ptm.memory import Page, PageLayout, PageState, Tier
 
 SAVED_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
@@ -81,14 +81,23 @@ def held_pages(engine, kind: str) -> list[tuple[int, Page]]:
     return [(i, p) for i, p in enumerate(engine.pages.get(kind, ())) if p is not None and p.home is None]
 
 
+def anonymous_buffer(nbytes: int) -> torch.Tensor:
+    """A page-aligned uint8 CPU tensor over memory of its own (an anonymous mapping), returned to the system as
+    soon as the last tensor viewing it is gone: a save's transient buffers never stay in the allocator's heap (a
+    page-sized buffer from it raises glibc's mmap threshold, and the freed pages then stay resident)."""
+    area = mmap.mmap(-1, nbytes)
+    return torch.frombuffer(area, dtype=torch.uint8)
+
+
 class PageStream:
-    """Pages served in a known order, each copied into one of `depth` scratch buffers; the disk reads of the next
-    pages are in flight while the current one is served. No page changes tier: a device or host page is copied from
-    its buffer, a disk page read from its slot (checked against its checksum), a dead one is zeros."""
+    """Pages served in a known order, with no page changing tier: a page in CPU memory is served as its own buffer
+    (a save between steps: nothing moves it until the save is over), a GPU page copied out, a disk page read from
+    its slot into a buffer of its own (checked against its checksum; the reads of the next `depth - 1` disk pages
+    in flight meanwhile), a dead one is zeros. Items are views of what `get` returns (zero-copy), so a buffer lives
+    exactly as long as the items the writer has not written yet: about `depth` + 1 pages at a time."""
 
     def __init__(self, manager, order: list[Page], page_bytes: int, depth: int = 2):
-        self.manager, self.order, self.depth = manager, order, max(1, depth)
-        self._free = [aligned_empty(page_bytes, "cpu") for _ in range(self.depth)]
+        self.manager, self.order, self.depth, self.page_bytes = manager, order, max(1, depth), page_bytes
         self._ready: dict[int, tuple[torch.Tensor, object]] = {}  # position -> (buffer, disk read or None)
         self._position = {page.id: i for i, page in enumerate(order)}
         self._next = 0  # the next position to start
@@ -96,48 +105,47 @@ class PageStream:
         self.read_bytes = 0
 
     def get(self, page: Page) -> torch.Tensor:
-        """Page `page`'s bytes (valid until the next page is asked for)."""
+        """Page `page`'s bytes, a CPU uint8 tensor."""
         position = self._position[page.id]
         if self._current is not None and self._current[0] == position:
             return self._current[1]
-        if self._current is not None:
-            self._free.append(self._current[1])
-            self._current = None
-        for stale in [p for p in self._ready if p < position]:  # skipped pages: their buffers come back
-            buffer, handle = self._ready.pop(stale)
+        self._current = None
+        for stale in [p for p in self._ready if p < position]:  # skipped pages
+            _, handle = self._ready.pop(stale)
             if handle is not None:
                 handle.wait()
-            self._free.append(buffer)
         self._next = max(self._next, position)
         self._start_until(position)
         buffer, handle = self._ready.pop(position)
         if handle is not None:
             self.manager.disk.check_read(page, handle)
         self._current = (position, buffer)
-        self._start_until(position + self.depth - 1)  # read ahead into the buffers now free
+        self._start_until(position + self.depth - 1)  # read ahead
         return buffer
 
     def _start_until(self, last: int) -> None:
-        while self._next <= min(last, len(self.order) - 1) and self._free:
+        while self._next <= min(last, len(self.order) - 1) and len(self._ready) < self.depth:
             page = self.order[self._next]
-            buffer = self._free.pop()
             self.manager.flush([page])
             handle = None
             if page.buffer is not None:
-                buffer.copy_(page.buffer.view(torch.uint8).reshape(-1))
+                raw = page.buffer.view(torch.uint8).reshape(-1)
+                buffer = raw if raw.device.type == "cpu" else anonymous_buffer(self.page_bytes).copy_(raw)
             elif page.dead or page.disk_slot is None:
-                buffer.zero_()
+                buffer = torch.zeros(self.page_bytes, dtype=torch.uint8)
             else:
+                buffer = anonymous_buffer(self.page_bytes)
                 handle = self.manager.disk.read(page.kind, page.disk_slot, buffer)
                 self.read_bytes += buffer.numel()
             self._ready[self._next] = (buffer, handle)
             self._next += 1
 
     def close(self) -> None:
-        for buffer, handle in self._ready.values():
+        for _, handle in self._ready.values():
             if handle is not None:
                 handle.wait()
         self._ready.clear()
+        self._current = None
 
 
 class Snapshot:
@@ -156,7 +164,8 @@ class Snapshot:
         for page in order:
             manager.flush([page])
             if page.buffer is not None:
-                self._entries[page.id] = ("copy", page.buffer.view(torch.uint8).reshape(-1).to("cpu", copy=True))
+                staged = anonymous_buffer(page_bytes).copy_(page.buffer.view(torch.uint8).reshape(-1))
+                self._entries[page.id] = ("copy", staged)
                 self.copied_bytes += page_bytes
             elif page.dead or page.disk_slot is None:
                 self._entries[page.id] = ("zeros",)
@@ -174,8 +183,7 @@ class Snapshot:
         if entry[0] == "zeros":
             return torch.zeros(self.page_bytes, dtype=torch.uint8)
         _, kind, slot, checksum, name = entry
-        if self._scratch is None:
-            self._scratch = aligned_empty(self.page_bytes, "cpu")
+        self._scratch = anonymous_buffer(self.page_bytes)  # its own: the writer may still hold the last one
         try:
             got = self.disk.read(kind, slot, self._scratch).wait()
         finally:
@@ -183,8 +191,6 @@ class Snapshot:
             self._entries[page.id] = ("read",)
         self._last = page.id
         if got != checksum:
-            from angel_ptm.errors import ChecksumError
-
             raise ChecksumError(name, self.disk.path(kind), checksum or 0, got)
         self.read_bytes += self.page_bytes
         return self._scratch
@@ -262,7 +268,9 @@ class PageSavePlanner(SavePlanner):
             return self.tensors[fqn].detach().cpu()
         run = self.runs[(fqn, tuple(write_item.index.offset))]
         raw = self.source.get(self.engine.pages[run.kind][run.page])
-        return raw.view(run.dtype)[run.offset: run.offset + run.numel].clone().view(run.sizes)
+        # a tensor over exactly the run's bytes (torch.save of a slice would write its whole page), no copy
+        return torch.frombuffer(memoryview(raw.numpy()), dtype=run.dtype, count=run.numel,
+                                offset=run.offset * run.dtype.itemsize).view(run.sizes)
 
 
 def _source(fqn: str, kind: str, name: str, saved: dict, job_has_master: bool) -> str:
