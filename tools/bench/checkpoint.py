@@ -18,8 +18,9 @@ In one run, interleaved round by round so every figure sees the same disk weathe
 - torch.save: what a plain-torch user does, `torch.save({"model": ..., "optimizer": ...})` of the same tensors
   held in RAM, fsynced -> `torch_save_s` (and its GB/s);
 - async: `engine.save_checkpoint(..., background=True)` (`checkpoint.async_save`) while training steps go on:
-  `async_step_slowdown` = the median step while it is written / the median of `--async-steps` steps before and
-  after it (goal <= 1.1), with the steps it spanned, its seconds and the bytes it staged (pages in memory).
+  `async_step_slowdown` = the steps while it is written, plus the time `save_checkpoint` blocked (the snapshot),
+  over as many median steps of the `--async-steps` before and after it (goal <= 1.1), with the steps it spanned,
+  its seconds and the bytes it staged (pages in memory).
 GB/s are 1e9 bytes per second; every figure is the median over `--repeats` rounds, the ratios the median of each
 round's ratio. Last line: one JSON object.
 """
@@ -207,7 +208,9 @@ def main(argv=None) -> dict:
                 return time.perf_counter() - t0
 
             base = [train_step() for _ in range(args.async_steps)]
+            t0 = time.perf_counter()
             pending = engine.save_checkpoint(work / "async", background=True)
+            blocking = time.perf_counter() - t0  # the snapshot, taken before training goes on
             during = []
             while not pending.done() or not during:
                 during.append(train_step())
@@ -235,7 +238,8 @@ def main(argv=None) -> dict:
         "rss_growth_pages": med(growth), "dcp_import_bytes": import_bytes, "rss_growth_pages_each": [round(g, 2) for g in growth],
         "torch_save_s": med(torch_s), "torch_save_gbps": torch_bytes / med(torch_s) / GB,
         # steps while the background save ran, against the median of the steps before and after it
-        "async_step_slowdown": med(during) / med(base + after), "async_steps_during": len(during),
+        "async_step_slowdown": (blocking + sum(during)) / (len(during) * med(base + after)),
+        "async_steps_during": len(during), "async_blocking_s": blocking,
         "async_save_s": pending.seconds, "async_staged_bytes": pending.staged_bytes,
         "step_s": med(base + after),
         "repeats": args.repeats,
