@@ -229,3 +229,24 @@ def resume(rank: int, world: int, spec: dict, tmp: str) -> list:
         return [step(second, s) for s in range(steps, 2 * steps)]
     finally:
         second.close()
+
+
+def die_while_saving(rank: int, world: int, spec: dict, tmp: str) -> dict:
+    """Rank 1 dies (os._exit) after writing its first checkpoint item; the others must raise a typed error, and
+    no checkpoint directory may count as complete."""
+    from angel_ptm.checkpoint import storage
+
+    build, _, loss_fn = CASES[spec["model"]]
+    engine = angel_ptm.initialize(build(), config_of(spec, world, os.path.join(tmp, "die-saving")))
+    batch = micro_batches(spec["model"], world)[rank]
+    engine.backward(loss_fn(engine, *batch))
+    engine.step()
+    if rank == 1:
+        storage.FAULT = lambda point: os._exit(3) if point == "item-written" else None
+    t0 = time.perf_counter()
+    try:
+        engine.save_checkpoint(os.path.join(tmp, "ckpt-dead-peer"), background=spec.get("background", False))
+        engine.wait_for_checkpoint()
+    finally:
+        seconds = time.perf_counter() - t0
+    return {"seconds": seconds}

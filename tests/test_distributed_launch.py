@@ -10,7 +10,7 @@ import time
 import pytest
 
 from dist_harness import free_port, spawn
-from dist_jobs import die_mid_step, job, start_with
+from dist_jobs import die_mid_step, die_while_saving, job, start_with
 
 JOB = """\
 model: {vocab_size: 256, seq_len: 32, n_layer: 2, n_head: 2, dim: 64}
@@ -110,6 +110,17 @@ def test_a_rank_killed_mid_step_ends_the_other_with_a_collective_error_at_once(t
     assert results[0]["message"].startswith("rank 0 of 2: ")
     assert "a peer rank died or hung" in results[0]["message"]
     assert time.monotonic() - t0 < 60  # seen long before parallel.timeout_s
+
+
+@pytest.mark.parametrize("background", [False, True])
+def test_a_rank_killed_while_saving_a_checkpoint_ends_the_other_with_a_checkpoint_error(tmp_path, background):
+    t0 = time.monotonic()
+    results = spawn(2, die_while_saving, (job("die-saving", timeout_s=20, background=background), str(tmp_path)),
+                    tmp_path, timeout_s=120)
+    assert results[1]["type"] == "exited"
+    assert results[0]["type"] == "CheckpointError", results[0]
+    assert time.monotonic() - t0 < 60
+    assert not (tmp_path / "ckpt-dead-peer").exists()  # never renamed from .tmp: no checkpoint counts
 
 
 def test_a_hung_rank_ends_the_other_with_a_collective_error_after_parallel_timeout_s(tmp_path):

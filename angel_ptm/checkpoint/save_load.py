@@ -245,8 +245,10 @@ def _run(engine, what: str, fn) -> None:
     except (AngelError, KeyboardInterrupt):
         raise
     except Exception as exc:  # a collective's own error: a peer died or hung
-        raise CheckpointError(f"checkpoint {what} on rank {engine.ownership.rank}: {type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}") from None
+        detail = str(exc).splitlines()[0] if str(exc) else ""
+        cause = "a collective failed (a peer rank died or hung?): " if engine.collectives is not None else ""
+        raise CheckpointError(f"checkpoint {what} on rank {engine.ownership.rank}: {cause}{type(exc).__name__}: "
+                              f"{detail}") from None
 
 
 def _typed(error: BaseException, rank: int, distributed: bool) -> CheckpointError:
