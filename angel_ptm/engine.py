@@ -130,7 +130,7 @@ class Engine(StateAccess):
         """The model's forward, its inputs on the compute device (angel_ptm/inputs.py)."""
         self._check_alive()
         args, kwargs = to_device((args, kwargs), self.device, self.compute_dtype)
-        with self.binder.saved_tensor_hooks():
+        with self.failure.reads(), self.binder.saved_tensor_hooks():
             return self.model(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor) -> None:
@@ -223,7 +223,7 @@ class Engine(StateAccess):
         self._closed = True
         values = None  # the weights the model keeps: none from a failed engine, or when the last update fails
         try:
-            if self.failure.reason is None:
+            if self.failure.reason is None and self.failure.torn_load is None:
                 self.flush()  # staleness 1: the pending update lands in the weights first
                 values = self.tensors.read_weights
         finally:

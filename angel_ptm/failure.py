@@ -14,15 +14,36 @@ class Failure:
     def __init__(self):
         self.reason: str | None = None  # why the engine refuses every call; None while it is sound
         self.steps_done = 0  # optimizer steps completed, for the reason's text
+        self.torn_load: str | None = None  # why the pages hold part of a checkpoint: only a load may follow
 
-    def check(self) -> None:
+    def check(self, loading: bool = False) -> None:
+        """Raise EngineFailedError if the engine refuses to go on; `loading`: the call is a checkpoint load, which
+        may follow a load that failed part-way (it overwrites every page)."""
         if self.reason is not None:
             raise EngineFailedError(self.reason)
+        if self.torn_load is not None and not loading:
+            raise EngineFailedError(self.torn_load)
+
+    def load_failed(self, path, error: Exception) -> None:
+        """A checkpoint load failed after changing pages: they hold a mix of two states until a load succeeds."""
+        self.torn_load = (f"loading checkpoint {path} failed part-way ({type(error).__name__}: {error}); the pages "
+                          f"hold part of it, so the engine refuses to train until a checkpoint loads completely")
 
     def collective_failed(self, error: Exception) -> None:
         """A collective failed (a peer died or hung): the ranks may be mid-step, and the group is unusable."""
         self.reason = (f"the engine failed at step {self.steps_done} ({type(error).__name__}: {error}); resume "
                        f"every rank from the last checkpoint")
+
+    @contextmanager
+    def reads(self):
+        """Pages read outside a step (the forward): an I/O or checksum error leaves a page unreadable, so the engine
+        refuses to go on."""
+        try:
+            yield
+        except (PageIOError, ChecksumError) as exc:
+            self.reason = (f"the engine failed at step {self.steps_done} reading a page ({type(exc).__name__}: "
+                           f"{exc}); resume from the last checkpoint")
+            raise
 
     @contextmanager
     def step(self, optimizer, delayed):

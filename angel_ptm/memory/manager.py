@@ -10,6 +10,7 @@ Every state change is an edge of `page.TRANSITIONS`; a failed move puts the page
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from typing import Callable, Iterable, Sequence
 
@@ -330,11 +331,7 @@ class PageManager(RemotePages):
             self._wait_move(page)
             page.dead = True
             if page.state not in (PageState.DISK, PageState.REMOTE):
-                src = page.tier
-                self.pools[src].free(page.buffer)
-                page.buffer = None
-                page.transition(PageState.DISK)
-                self._emit("drop", page, src, Tier.DISK)
+                self._drop(page, page.tier)
 
     def _start_up(self, page: Page) -> None:
         """Issue one upward move: disk -> host (read) or host -> device (copy)."""
@@ -365,10 +362,7 @@ class PageManager(RemotePages):
                 page.untouched, page.dead = False, True
                 if page.disk_slot is None and self.disk is not None:
                     page.disk_slot = self.disk.alloc_or_reclaim(page.kind, self.pages)
-            self.pools[src].free(page.buffer)
-            page.buffer = None
-            page.transition(PageState.DISK)
-            self._emit("drop", page, src, Tier.DISK)
+            self._drop(page, src)
         elif src is Tier.DEVICE:
             buffer = self._alloc(Tier.HOST) if wait_for_room else self.pools[Tier.HOST].alloc()
             self._cross(page, Tier.HOST, buffer, wait=wait_for_room)
@@ -379,11 +373,20 @@ class PageManager(RemotePages):
                 page.disk_slot = self.disk.alloc_or_reclaim(page.kind, self.pages)
             elif self.disk.held(page.kind, page.disk_slot):  # an asynchronous checkpoint still reads the old bytes
                 page.disk_slot, page.disk_version = self.disk.rehome(page.kind, page.disk_slot, self.pages), -1
+            if self.disk.adopt(page):  # as loaded from a checkpoint: the slot reads the checkpoint's bytes
+                self._drop(page, src)
+                return
             page.transition(PageState.TO_DISK)
             handle = self.disk.write(page.kind, page.disk_slot, page.buffer)
             self._begin(Move(page, Tier.HOST, Tier.DISK, handle, None, self._finish_write))
         else:
             raise ValueError(f"page {page.name} in state {page.state.name} cannot move down")
+
+    def _drop(self, page: Page, src: Tier) -> None:
+        self.pools[src].free(page.buffer)
+        page.buffer = None
+        page.transition(PageState.DISK)
+        self._emit("drop", page, src, Tier.DISK)
 
     def _candidates(self, tier: Tier) -> list[int]:
         state = RESTING_STATE[tier]
@@ -494,7 +497,11 @@ class PageManager(RemotePages):
                          in_use=self.in_use(), **extra)
 
     def close(self, remove_files: bool = True) -> None:
-        self.flush()
+        """Stop: every move in flight ends first. Its I/O or checksum error no longer matters (no page is read or
+        kept after this), so it does not stop the close: the page files still go."""
+        for page in self.pages:
+            with contextlib.suppress(PageIOError, ChecksumError):
+                self._wait_move(page)
         self.copier.close()
         if self.disk is not None:
             self.disk.close(remove=remove_files)
