@@ -56,7 +56,9 @@ class Checkpoints:
         `keep` go. Returns the path, or with `background` the PendingSave (save_load.py)."""
         if engine.ownership.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
-        return save_checkpoint(engine, self.path(step), extra, background, on_done=self._completed)
+        done = self.complete()  # those that outlive this save: pages still reading another take their bytes
+        kept = [path for _, path in done[max(0, len(done) - self.keep + 1):]] + [self.path(step)]
+        return save_checkpoint(engine, self.path(step), extra, background, on_done=self._completed, kept=kept)
 
     def _completed(self, path: Path) -> None:
         write_durably(self.root / LATEST, f"{path.name}\n".encode())

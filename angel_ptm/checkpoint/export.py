@@ -39,11 +39,10 @@ def read_object(reader: CheckedReader, fqn: str):
     info = metadata.storage_data.get(MetadataIndex(fqn))
     if info is None:
         raise CheckpointCorruptError(f"checkpoint {reader.path}: no '{fqn}' record", str(reader.path))
-    with open(Path(reader.path) / info.relative_path, "rb", buffering=0) as f:
-        return torch.load(io.BytesIO(reader._checked(f, info)), weights_only=False)
+    return torch.load(io.BytesIO(reader.item(info)), weights_only=False)
 
 
-def read_tensor(reader: CheckedReader, fqn: str, files: dict) -> torch.Tensor:
+def read_tensor(reader: CheckedReader, fqn: str) -> torch.Tensor:
     """Tensor `fqn` whole, from every chunk the ranks wrote (each checked)."""
     import io
 
@@ -52,9 +51,7 @@ def read_tensor(reader: CheckedReader, fqn: str, files: dict) -> torch.Tensor:
     out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
     for chunk in md.chunks:
         info = metadata.storage_data[MetadataIndex(fqn, chunk.offsets)]
-        if info.relative_path not in files:
-            files[info.relative_path] = open(Path(reader.path) / info.relative_path, "rb", buffering=0)
-        piece = torch.load(io.BytesIO(reader._checked(files[info.relative_path], info)), weights_only=True)
+        piece = torch.load(io.BytesIO(reader.item(info)), weights_only=True)
         out[tuple(slice(o, o + s) for o, s in zip(chunk.offsets, chunk.sizes))] = piece
     return out
 
@@ -93,13 +90,12 @@ def export_weights(checkpoint: str | os.PathLike, output: str | os.PathLike, dty
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
     output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
-    files: dict = {}
     try:
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(encoded)))
             f.write(encoded)
             for _key, fqn, _shape, out_dtype in plan:
-                tensor = read_tensor(reader, fqn, files).to(out_dtype).contiguous()
+                tensor = read_tensor(reader, fqn).to(out_dtype).contiguous()
                 f.write(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
             f.flush()
             os.fsync(f.fileno())
@@ -112,6 +108,5 @@ def export_weights(checkpoint: str | os.PathLike, output: str | os.PathLike, dty
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"export: cannot write {err.filename or output}: {err.strerror}", str(output)) from None
     finally:
-        for f in files.values():
-            f.close()
+        reader.close()
     return {"tensors": len(plan), "bytes": output.stat().st_size, "path": output, "config": config is not None}

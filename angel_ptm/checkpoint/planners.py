@@ -35,6 +35,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from angel_ptm.checkpoint.boxes import box_start, flat_boxes
 from angel_ptm.errors import CheckpointError, ChecksumError
 from angel_ptm.memory import Page, PageLayout, PageState, Tier
+from angel_ptm.memory.backing import Extent, Source, zero_outside
 
 SAVED_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
 
@@ -184,6 +185,7 @@ class Snapshot:
             return torch.zeros(self.page_bytes, dtype=torch.uint8)
         _, kind, slot, checksum, name = entry
         self._scratch = anonymous_buffer(self.page_bytes)  # its own: the writer may still hold the last one
+        where = self.disk.describe(kind, slot)  # the slot file, or the loaded checkpoint's files it reads
         try:
             got = self.disk.read(kind, slot, self._scratch).wait()
         finally:
@@ -191,7 +193,7 @@ class Snapshot:
             self._entries[page.id] = ("read",)
         self._last = page.id
         if got != checksum:
-            raise ChecksumError(name, self.disk.path(kind), checksum or 0, got)
+            raise ChecksumError(name, where, checksum or 0, got)
         self.read_bytes += self.page_bytes
         return self._scratch
 
@@ -300,7 +302,12 @@ class PageLoadPlanner(LoadPlanner):
         self.objects: dict[str, object] = {}
         self.targets: dict[tuple[str, tuple], Run] = {}
         self._current: Page | None = None  # the page the items now read go into
-        self._filled: set[int] = set()  # pages taken once already (dropped unread then)
+        self.started = False  # whether any page was changed (from the first item read on)
+        # Each filled page's items, and where those copied byte for byte from a file lie (backing.py): a page
+        # placed on disk then needs no write, its slot reads the checkpoint. Kept across holds: a page whose items
+        # come from several files (another rank count) is held once per file.
+        self._items: dict[int, int] = {}
+        self._extents: dict[int, list[Extent]] = {}
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.metadata = metadata
@@ -372,26 +379,57 @@ class PageLoadPlanner(LoadPlanner):
 
     def _hold(self, page: Page) -> Page:
         """Page `page` pinned on the host for the items being read into it. The plan lists a page's items
-        together, so one page is held at a time. The checkpoint fills every tensor on it (padding is zero in every
-        page), so a page resting on disk is taken without reading it: discarded, it comes back zeroed."""
+        together, so one page is held at a time (again for items from another file)."""
         if self._current is page:
             return page
         self.release_all()
-        manager = self.engine.manager
-        if page.id not in self._filled:
-            self._filled.add(page.id)
-            manager.flush([page])
-            if page.state is PageState.DISK and not page.dead:  # its old bytes would be read only to be overwritten
-                manager.discard([page])
-        manager.acquire([page], Tier.HOST)  # a page in memory is written where it is
+        if not self.started:
+            self._clear_targets()
+        self.engine.manager.acquire([page], Tier.HOST)  # a page in memory is written where it is
         self._current = page
+        self._items.setdefault(page.id, 0)
+        self._extents.setdefault(page.id, [])
         return page
+
+    def _clear_targets(self) -> None:
+        """Before the first item: every page the load fills (it fills every tensor on it; padding is zero in
+        every page) is discarded unless it is on the device, where it is written in place. A page resting on disk
+        is then not read only to be overwritten, and one in host memory is not written to disk when the pages
+        filled before it need the room."""
+        self.started = True
+        manager = self.engine.manager
+        pages = {(run.kind, run.page): self.engine.pages[run.kind][run.page] for run in self.targets.values()}
+        manager.flush(list(pages.values()))
+        manager.discard([p for p in pages.values()
+                         if not p.dead and (p.state is PageState.DISK
+                                            or (p.state is PageState.HOST and manager.disk is not None))])
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """The bytes are in the held page (it is released dirty when the next page is taken)."""
+        if read_item.dest_index.fqn not in self.buffers:
+            self._items[self._current.id] += 1
+
+    def loaded_from(self, read_item: ReadItem, target: torch.Tensor, path: str, offset: int, nbytes: int) -> None:
+        """The item just committed into `target` is `nbytes` bytes at `offset` of file `path`, as they are."""
+        page = self._current
+        if read_item.dest_index.fqn in self.buffers or page is None or target.dtype != page.dtype \
+                or not target.is_contiguous():
+            return
+        self._extents[page.id].append(Extent(path, offset, nbytes, target.data_ptr() - page.buffer.data_ptr()))
 
     def release_all(self) -> None:
-        """The held page back to the manager, dirty (after the last item, or a failed read)."""
-        if self._current is not None:
-            page, self._current = self._current, None
-            self.engine.manager.release([page], dirty=True)
+        """The held page back to the manager, dirty (after the last item, or a failed read). When every item
+        on it came byte for byte from a file and the rest is zeros, its source is offered to the disk tier."""
+        if self._current is None:
+            return
+        page, self._current = self._current, None
+        manager = self.engine.manager
+        manager.release([page], dirty=True)
+        disk, items, extents = manager.disk, self._items[page.id], self._extents[page.id]
+        if (disk is None or not items or len(extents) != items or page.buffer is None
+                or page.buffer.device.type != "cpu" or page.state is not PageState.HOST):
+            return
+        extents = tuple(sorted(extents, key=lambda e: e.page_offset))
+        buffer = page.buffer
+        if zero_outside(buffer, extents):
+            disk.offer(page, Source(extents, page.version, disk.engine.checksum(buffer)))

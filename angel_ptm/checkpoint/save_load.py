@@ -48,10 +48,12 @@ ENGINE, EXTRA, RNG = "angel_ptm.engine", "angel_ptm.extra", "angel_ptm.rng."
 
 
 def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None, background: bool = False,
-                    on_done: Callable[[Path], None] | None = None):
+                    on_done: Callable[[Path], None] | None = None, kept: list[Path] | None = None):
     """Write the engine's training state to directory `path` (which must not exist), on every rank. Returns the
     path; with `background`, a PendingSave at once: the pages' bytes are taken now (Snapshot) and written by a
-    thread while training goes on. `on_done(path)` runs once the checkpoint is complete (rank 0 only)."""
+    thread while training goes on. `on_done(path)` runs once the checkpoint is complete (rank 0 only). `kept`:
+    the checkpoints that outlive this save (`on_done` may delete others): disk pages that still read a loaded
+    checkpoint outside them take their bytes into their own slots first."""
     engine._check_alive()
     _at_step_boundary(engine, "save_checkpoint")
     engine.wait_for_checkpoint()  # one save at a time
@@ -81,6 +83,8 @@ def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None, backgrou
     if outcome is not None:
         raise outcome
     engine.manager.flush()  # no move in flight: a page's bytes are where the planner finds them
+    if engine.manager.disk is not None:  # pages that read a checkpoint about to be pruned read their own slots
+        engine.manager.disk.settle(engine.manager.pages, kept)
     objects = {f"{RNG}{rank}": rng_state()}
     tensors = {}
     if rank == 0:
@@ -190,7 +194,7 @@ class PendingSave:
 def load_checkpoint(engine, path: str | os.PathLike) -> Any:
     """Read directory `path` into the engine (every page, the step counts, RNG, loss scale) on every rank; returns
     the `extra` it was saved with. The checkpoint may come from any rank count, page size or placement."""
-    engine._check_alive()
+    engine.failure.check(loading=True)  # a load that failed part-way may be followed by another
     _at_step_boundary(engine, "load_checkpoint")
     engine.wait_for_checkpoint()
     path = Path(path).expanduser().absolute()
@@ -204,18 +208,24 @@ def load_checkpoint(engine, path: str | os.PathLike) -> Any:
     planner = PageLoadPlanner(engine, [ENGINE, EXTRA, RNG], buffers)
     group = engine.collectives.side_group() if engine.collectives is not None else None
     try:
-        _run(engine, "load", lambda: dcp.load({}, storage_reader=reader, planner=planner, process_group=group,
-                                              no_dist=group is None))
-    finally:
-        planner.release_all()
-    state = planner.objects.get(ENGINE)
-    if state is None:
-        raise CheckpointCorruptError(f"checkpoint: {path} holds no {ENGINE} record", str(path))
-    saved_world = int(state["world_size"])
-    rng = planner.objects.get(f"{RNG}{rank % saved_world}")
-    if rng is not None:
-        set_rng_state(rng)
-    apply_engine_state(engine, state)
+        try:
+            _run(engine, "load", lambda: dcp.load({}, storage_reader=reader, planner=planner, process_group=group,
+                                                  no_dist=group is None))
+        finally:
+            planner.release_all()
+        state = planner.objects.get(ENGINE)
+        if state is None:
+            raise CheckpointCorruptError(f"checkpoint: {path} holds no {ENGINE} record", str(path))
+        saved_world = int(state["world_size"])
+        rng = planner.objects.get(f"{RNG}{rank % saved_world}")
+        if rng is not None:
+            set_rng_state(rng)
+        apply_engine_state(engine, state)
+    except BaseException as exc:
+        if planner.started:  # pages hold part of this checkpoint: nothing trains on them
+            engine.failure.load_failed(path, exc)
+        raise
+    engine.failure.torn_load = None
     return planner.objects.get(EXTRA)
 
 

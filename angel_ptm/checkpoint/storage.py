@@ -20,9 +20,12 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
+import mmap
 import os
 import pickle
 import queue
+import sys
 import threading
 import zlib
 from pathlib import Path
@@ -31,7 +34,7 @@ from typing import Any, Callable
 import torch
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
@@ -56,6 +59,7 @@ class _CheckedInfo(_StorageInfo):
     torch's own _StorageInfo, so any DCP reader reads it)."""
 
     crc: int = 0
+    dense: bool = False  # a tensor whose one storage is exactly its elements in row-major order
 
 
 def fsync_dir(path: Path) -> None:
@@ -114,14 +118,17 @@ class CheckedWriter(FileSystemWriter):
         """One item, serialized as FileSystemWriter serializes it, straight into the file through its CRC-32."""
         offset = stream.tell()
         sink = CrcWriter(stream)
+        dense = False
         if isinstance(data, io.BytesIO):
             sink.write(data.getbuffer())
         else:
+            dense = bool(sys.byteorder == "little" and data.is_contiguous() and not data.storage_offset()
+                         and data.untyped_storage().nbytes() == data.numel() * data.element_size())
             with no_zip_crc():  # the manifest's CRC-32 covers these bytes already
                 torch.save(data, sink)
         length = stream.tell() - offset
         results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                   storage_data=_CheckedInfo(name, offset, length, crc=sink.crc)))
+                                   storage_data=_CheckedInfo(name, offset, length, crc=sink.crc, dense=dense)))
         fault("item-written")
 
 
@@ -135,7 +142,8 @@ class CheckedWriter(FileSystemWriter):
             for result in rank_results:
                 info = result.storage_data
                 storage[result.index] = _StorageInfo(info.relative_path, info.offset, info.length)
-                crcs.setdefault(info.relative_path, []).append([info.offset, info.length, info.crc])
+                crcs.setdefault(info.relative_path, []).append([info.offset, info.length, info.crc]
+                                                               + ([1] if info.dense else []))
         metadata.version = "1.0.0"
         metadata.storage_data = storage
         metadata.storage_meta = StorageMeta(checkpoint_id=str(directory), save_id=self.save_id)
@@ -223,9 +231,11 @@ class CheckedReader(FileSystemReader):
     def __init__(self, path: str | os.PathLike):
         super().__init__(path)
         self.manifest = read_manifest(Path(path))
-        self._crcs = {(name, offset): (length, crc) for name, items in self.manifest["files"].items()
-                      for offset, length, crc in items}
+        # (file, offset) -> (length, CRC-32, dense: the item's tensor bytes lie in it as they are in memory)
+        self._crcs = {(name, entry[0]): (entry[1], entry[2], len(entry) > 3 and bool(entry[3]))
+                      for name, items in self.manifest["files"].items() for entry in items}
         self._metadata: Metadata | None = None
+        self._files: dict[str, _MappedFile] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """`.metadata`, checked against the manifest (callers read it once before DCP does: DCP takes a failure
@@ -248,60 +258,183 @@ class CheckedReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """The items in plan order (the planner lists them page by page, so it fills one page at a time): a reader
-        thread reads and checks each item's bytes, at most `QUEUE` items ahead of this thread, which unpacks them
-        into the planner's tensors."""
-        files: dict[str, Any] = {}
-        items = iter(plan.items)
+        """The items in plan order (the planner lists them page by page, so it fills one page at a time). The files
+        are mapped, not read: the kernel reads the next READ_AHEAD bytes of items ahead (WILLNEED), a checker thread
+        checks each item's CRC-32 in the mapping, at most `QUEUE` items ahead of this thread, which copies the
+        item's elements from the mapping into the planner's tensors (one copy, page cache to page) and then lets
+        the mapping's pages go (the RSS does not grow with the checkpoint)."""
+        items = plan.items
+        position = advised = 0  # the next item to check; the first not yet announced to the kernel
 
-        def read_next():
-            req = next(items, None)
-            if req is None:
+        def check_next():
+            nonlocal position, advised
+            if position == len(items):
                 return None
-            sinfo = self.storage_data[req.storage_index]
-            if sinfo.relative_path not in files:
-                files[sinfo.relative_path] = open(Path(self.path) / sinfo.relative_path, "rb", buffering=0)
-            return req, self._checked(files[sinfo.relative_path], sinfo)
+            req = items[position]
+            position += 1
+            ahead = 0
+            while advised < len(items) and (advised < position or ahead < READ_AHEAD):
+                info = self.storage_data[items[advised].storage_index]
+                if advised >= position:
+                    ahead += info.length
+                self._mapped(info.relative_path).advise(info.offset, info.length)
+                advised += 1
+            return req, self.item(self.storage_data[req.storage_index])
 
         try:
-            with Prefetcher(read_next) as items_read:
+            with Prefetcher(check_next) as items_read:
                 for req, data in items_read:
+                    sinfo = self.storage_data[req.storage_index]
                     if req.type == LoadItemType.BYTE_IO:
                         planner.load_bytes(req, io.BytesIO(data))
-                        continue
-                    tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-                    tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
-                    target = planner.resolve_tensor(req).detach()
-                    if target.size() != tensor.size():
-                        raise CheckpointCorruptError(f"checkpoint {self.path}: item {req.storage_index.fqn} holds "
-                                                     f"{tuple(tensor.size())}, the plan expects "
-                                                     f"{tuple(target.size())}")
-                    target.copy_(tensor)
-                    planner.commit_tensor(req, target)
-        except FileNotFoundError as err:
-            raise CheckpointCorruptError(f"checkpoint {self.path}: {err.filename} is missing",
-                                         str(err.filename)) from None
+                    else:
+                        self._unpack(req, sinfo, data, planner)
+                    del data
+                    self._mapped(sinfo.relative_path).done(sinfo.offset, sinfo.length)
         finally:
-            for f in files.values():
-                f.close()
+            self.close()
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _checked(self, file, sinfo) -> bytes:
-        """The item's bytes, read whole and checked (at most a page and torch.save's header)."""
+    def _unpack(self, req, sinfo, data: memoryview, planner) -> None:
+        """One tensor item into the planner's target: its elements straight from `data` when the writer marked
+        it dense (and the planner told where they lie in the file), else through torch.load."""
+        loaded, where = self._dense(req, sinfo, data)
+        if loaded is None:
+            loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        tensor = narrow_tensor_by_index(loaded, req.storage_offsets, req.lengths)
+        target = planner.resolve_tensor(req).detach()
+        if target.size() != tensor.size():
+            raise CheckpointCorruptError(f"checkpoint {self.path}: item {req.storage_index.fqn} holds "
+                                         f"{tuple(tensor.size())}, the plan expects {tuple(target.size())}")
+        target.copy_(tensor)
+        planner.commit_tensor(req, target)
+        note = getattr(planner, "loaded_from", None)
+        if note is not None and where is not None and tensor.is_contiguous():  # the bytes lie as they are in the file
+            note(req, target, str(Path(self.path).absolute() / sinfo.relative_path),
+                 sinfo.offset + where + tensor.data_ptr() - loaded.data_ptr(), tensor.numel() * tensor.element_size())
+
+    def _mapped(self, relative_path: str) -> "_MappedFile":
+        mapped = self._files.get(relative_path)
+        if mapped is None:
+            path = Path(self.path) / relative_path
+            try:
+                mapped = self._files[relative_path] = _MappedFile(path)
+            except FileNotFoundError:
+                raise CheckpointCorruptError(f"checkpoint {self.path}: {path} is missing", str(path)) from None
+            except OSError as err:
+                raise CheckpointCorruptError(f"checkpoint {self.path}: cannot read {path}: {err.strerror}",
+                                             str(path)) from None
+        return mapped
+
+    def item(self, sinfo) -> memoryview:
+        """An item's bytes (in the file's mapping), checked against the manifest: CheckpointCorruptError naming the
+        file if they are missing or do not match."""
         path = Path(self.path) / sinfo.relative_path
         expected = self._crcs.get((sinfo.relative_path, sinfo.offset))
-        data = os.pread(file.fileno(), sinfo.length, sinfo.offset)
-        if expected is None or len(data) != sinfo.length or expected[0] != sinfo.length:
+        mapped = self._mapped(sinfo.relative_path)
+        if expected is None or expected[0] != sinfo.length or sinfo.offset + sinfo.length > mapped.size:
             raise CheckpointCorruptError(f"checkpoint {self.path}: {path} is truncated or does not match the "
                                          f"manifest (item at byte {sinfo.offset}, {sinfo.length} bytes)", str(path))
+        data = mapped.view[sinfo.offset: sinfo.offset + sinfo.length]
         if zlib.crc32(data) != expected[1]:
             raise CheckpointCorruptError(f"checkpoint {self.path}: {path} fails its checksum at byte "
                                          f"{sinfo.offset} ({sinfo.length} bytes)", str(path))
         return data
 
+    def close(self) -> None:
+        """Unmap the files read (a mapping still viewed by a tensor goes when that tensor does)."""
+        for mapped in self._files.values():
+            mapped.close()
+        self._files.clear()
 
+    def _dense(self, req, sinfo, data: bytearray) -> tuple[torch.Tensor | None, int | None]:
+        """The item's tensor over `data`'s own bytes (no unpickling, no copy) when its writer marked it dense, and
+        where those bytes begin in `data`; (None, None) otherwise (torch.load reads it)."""
+        entry = self._crcs.get((sinfo.relative_path, sinfo.offset))
+        saved = self._metadata.state_dict_metadata.get(req.storage_index.fqn) if self._metadata else None
+        if entry is None or not entry[2] or sys.byteorder != "little" or not isinstance(saved,
+                                                                                       TensorStorageMetadata):
+            return None, None
+        offsets = tuple(req.storage_index.offset or ())
+        sizes = next((tuple(c.sizes) for c in saved.chunks if tuple(c.offsets) == offsets), None)
+        if sizes is None:
+            return None, None
+        dtype = saved.properties.dtype
+        numel = math.prod(sizes)
+        start = _record_start(data, numel * dtype.itemsize)
+        if start is None:
+            return None, None
+        tensor = torch.frombuffer(data, dtype=dtype, count=numel, offset=start) if numel else \
+            torch.empty(0, dtype=dtype)
+        return tensor.view(sizes), start
+
+
+class _MappedFile:
+    """A checkpoint file mapped read-only (private: nothing is ever written through it)."""
+
+    def __init__(self, path: Path):
+        with open(path, "rb", buffering=0) as f:
+            self.size = os.fstat(f.fileno()).st_size
+            self.map = mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_COPY) if self.size else None
+        self.view = memoryview(self.map) if self.map is not None else memoryview(b"")
+
+    def advise(self, offset: int, length: int) -> None:
+        """The kernel starts reading these bytes now."""
+        if self.map is not None and hasattr(mmap, "MADV_WILLNEED") and offset + length <= self.size:
+            start = offset - offset % mmap.PAGESIZE
+            self.map.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
+
+    def done(self, offset: int, length: int) -> None:
+        """These bytes are read: their pages leave this process (they stay in the page cache)."""
+        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
+        end = min(offset + length, self.size) // mmap.PAGESIZE * mmap.PAGESIZE
+        if self.map is not None and hasattr(mmap, "MADV_DONTNEED") and end > start:
+            self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def close(self) -> None:
+        for thing in (self.view, self.map):
+            try:
+                if thing is not None:
+                    thing.release() if isinstance(thing, memoryview) else thing.close()
+            except BufferError:  # a tensor still views it: unmapped once that tensor is gone
+                pass
+
+
+def _u(data, at: int, size: int) -> int:
+    return int.from_bytes(data[at: at + size], "little")
+
+
+def _record_start(data: memoryview, nbytes: int) -> int | None:
+    """Where the one storage record of `data` (a tensor torch.save wrote: a zip archive, records stored
+    uncompressed) begins, if it holds `nbytes` bytes; None otherwise (torch.load then reads it). Reads the zip's
+    central directory (torch writes sizes after each record's data, not in its local header)."""
+    tail = bytes(data[max(0, len(data) - (1 << 16) - 22):])
+    end = tail.rfind(b"PK\x05\x06")
+    if end < 0 or end + 22 > len(tail):
+        return None
+    entries, position = _u(tail, end + 10, 2), _u(tail, end + 16, 4)
+    if position == 0xFFFFFFFF:
+        return None  # zip64: more than a page
+    found = None
+    for _ in range(entries):
+        entry = bytes(data[position: position + 46])
+        if len(entry) < 46 or entry[:4] != b"PK\x01\x02":
+            return None
+        name_len, extra_len, comment_len = _u(entry, 28, 2), _u(entry, 30, 2), _u(entry, 32, 2)
+        name = bytes(data[position + 46: position + 46 + name_len])
+        if b"/data/" in name:
+            local = _u(entry, 42, 4)
+            if (found is not None or _u(entry, 10, 2) != 0 or _u(entry, 20, 4) != nbytes
+                    or _u(entry, 24, 4) != nbytes or bytes(data[local: local + 4]) != b"PK\x03\x04"):
+                return None
+            found = local + 30 + _u(data, local + 26, 2) + _u(data, local + 28, 2)
+        position += 46 + name_len + extra_len + comment_len
+    return found if found is not None and found + nbytes <= len(data) else None
+
+
+READ_AHEAD = 32 << 20  # bytes of items a load asks the kernel to read ahead of the one being read
 QUEUE = 1  # items waiting between the two threads of a save or a load (each at most a page)
 
 

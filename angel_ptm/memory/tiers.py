@@ -23,6 +23,7 @@ import torch
 
 from angel_ptm.errors import BudgetError, ChecksumError, PageIOError
 from angel_ptm.io.slot_file import ALIGNMENT, SlotFile, aligned_empty
+from angel_ptm.memory.backing import BackedReader, Source, SourceFiles
 from angel_ptm.memory.device import pin_host_memory
 from angel_ptm.memory.page import Page, Tier
 
@@ -136,6 +137,12 @@ class DiskTier:
         self._held: dict[tuple[str, int], int] = {}
         self._orphans: set[tuple[str, int]] = set()
         self._released = threading.Condition()
+        # Slots whose bytes lie in a loaded checkpoint's files, nothing written (backing.py), and the sources the
+        # loader offered for pages not yet evicted (page id -> Source).
+        self.sources = SourceFiles()
+        self._reader = BackedReader(self.sources, lambda buffer: self.engine.checksum(buffer))
+        self._backed: dict[tuple[str, int], Source] = {}
+        self._offers: dict[int, Source] = {}
 
     def _file(self, kind: str) -> SlotFile:
         if kind not in self.files:
@@ -181,6 +188,7 @@ class DiskTier:
                     if (other.kind == kind and other.disk_slot is not None and other.tier in (Tier.DEVICE, Tier.HOST)
                             and not self.held(kind, other.disk_slot)):
                         slot, other.disk_slot, other.disk_version = other.disk_slot, None, -1
+                        self._unback(kind, slot)
                         return slot
                 with self._released:
                     if not self._held:
@@ -201,6 +209,7 @@ class DiskTier:
                 del self._held[key]
                 if key in self._orphans:
                     self._orphans.discard(key)
+                    self._unback_locked(kind, slot)
                     self._free[kind].append(slot)
             self._released.notify_all()
 
@@ -221,23 +230,108 @@ class DiskTier:
             if (kind, slot) in self._held:
                 self._orphans.add((kind, slot))
             else:  # released meanwhile
+                self._unback_locked(kind, slot)
                 self._free[kind].append(slot)
         return new
 
     def free(self, kind: str, slot: int) -> None:
+        self._unback(kind, slot)
         self._free[kind].append(slot)
 
     def write(self, kind: str, slot: int, buffer: torch.Tensor):
+        self._unback(kind, slot)
         return self.files[kind].write(slot, buffer)
 
     def read(self, kind: str, slot: int, buffer: torch.Tensor):
+        with self._released:
+            source = self._backed.get((kind, slot))
+        if source is not None:
+            return self._reader.submit(source, buffer)
         return self.files[kind].read(slot, buffer)
 
     def check_read(self, page: Page, handle) -> None:
         """Wait for a read of `page`'s slot: its bytes must have the checksum recorded when they were written."""
         checksum = handle.wait()
         if checksum != page.disk_checksum:
-            raise ChecksumError(page.name, self.path(page.kind), page.disk_checksum or 0, checksum)
+            raise ChecksumError(page.name, self.describe(page.kind, page.disk_slot), page.disk_checksum or 0,
+                                checksum)
+
+    # ------------------------------------------------------------------ slots backed by a loaded checkpoint
+    def offer(self, page: Page, source: Source) -> None:
+        """`page` (at `source.version`) holds exactly `source`'s bytes: when it leaves the host unchanged, its slot
+        may point at them instead of being written (`adopt`)."""
+        self.sources.ref(source.paths)
+        old = self._offers.pop(page.id, None)
+        if old is not None:
+            self.sources.unref(old.paths)
+        self._offers[page.id] = source
+
+    def adopt(self, page: Page) -> bool:
+        """Make `page.disk_slot` (free to write, the page's version unchanged since its offer) its clean disk copy
+        by pointing it at the offered source; False (and the offer dropped) when there is none or it is stale."""
+        source = self._offers.pop(page.id, None)
+        if source is None:
+            return False
+        if source.version != page.version:
+            self.sources.unref(source.paths)
+            return False
+        with self._released:
+            self._unback_locked(page.kind, page.disk_slot)
+            self._backed[(page.kind, page.disk_slot)] = source  # the offer's file references pass to the slot
+        page.disk_checksum, page.disk_version = source.checksum, page.version
+        return True
+
+    def backing(self, kind: str, slot: int | None) -> Source | None:
+        """The checkpoint bytes slot `slot` reads, or None when it reads its own file."""
+        return self._backed.get((kind, slot))
+
+    @property
+    def backed_slots(self) -> int:
+        return len(self._backed)
+
+    def settle(self, pages, keep=None) -> int:
+        """Forget backed slots that no page in `pages` reads any more (its page moved on: the slot is rewritten
+        before it is read again). With `keep` (directories), the bytes of every backed slot still read whose files
+        lie outside them are copied into the slot itself, and such offers dropped: no page then needs a checkpoint
+        file outside `keep` (one about to be pruned). Returns how many slots were written."""
+        readers = {(p.kind, p.disk_slot) for p in pages
+                   if p.disk_slot is not None and not p.dead and p.disk_version == p.version}
+        with self._released:
+            todo = [key for key in self._backed if key not in self._held]
+        prefixes = None if keep is None else tuple(os.path.join(os.path.abspath(k), "") for k in keep)
+
+        def outside(source: Source) -> bool:
+            return prefixes is not None and any(not path.startswith(prefixes) for path in source.paths)
+
+        for page_id in [i for i, source in self._offers.items() if outside(source)]:
+            self.sources.unref(self._offers.pop(page_id).paths)
+        scratch, written = None, 0
+        for kind, slot in todo:
+            source = self._backed[(kind, slot)]
+            if (kind, slot) not in readers:
+                self._unback(kind, slot)
+            elif outside(source):
+                scratch = aligned_empty(self.page_bytes) if scratch is None else scratch
+                checksum = self._reader.submit(source, scratch).wait()
+                if checksum != source.checksum:
+                    raise ChecksumError(f"{kind} slot {slot}", self.describe(kind, slot), source.checksum, checksum)
+                self.write(kind, slot, scratch).wait()
+                written += 1
+        return written
+
+    def describe(self, kind: str, slot: int | None) -> str:
+        """Where slot `slot`'s bytes are read from: the slot file, or the checkpoint files backing it."""
+        source = self._backed.get((kind, slot))
+        return ", ".join(sorted(source.paths)) if source is not None else self.path(kind)
+
+    def _unback(self, kind: str, slot: int) -> None:
+        with self._released:
+            self._unback_locked(kind, slot)
+
+    def _unback_locked(self, kind: str, slot: int) -> None:
+        source = self._backed.pop((kind, slot), None)
+        if source is not None:
+            self.sources.unref(source.paths)
 
     def path(self, kind: str) -> str:
         return self._file(kind).path
@@ -252,5 +346,9 @@ class DiskTier:
         return (self._reserved - free) * self.page_bytes
 
     def close(self, remove: bool = False) -> None:
+        self._reader.close()
+        self._offers.clear()
+        self._backed.clear()
+        self.sources.close()
         for slot_file in self.files.values():
             slot_file.close(remove=remove)
