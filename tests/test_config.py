@@ -340,3 +340,10 @@ def test_osdp_needs_zero_3_and_staleness_0(tmp_path):
     config = {"parallel": {"osdp": True}, "optimizer": {"staleness": 1}, "memory": {"disk_dir": str(tmp_path)}}
     with pytest.raises(ConfigValueError, match=r"^parallel\.osdp: true needs optimizer\.staleness 0"):
         angel_ptm.initialize(nn.Linear(4, 4), config)
+
+
+def test_checkpoint_async_is_another_spelling_of_async_save():
+    assert load_config({"checkpoint": {"async": True}}).checkpoint.async_save is True
+    assert load_config(None, ["checkpoint.async=true"]).checkpoint.async_save is True
+    with pytest.raises(ConfigError, match="checkpoint.async and checkpoint.async_save"):
+        load_config({"checkpoint": {"async": True, "async_save": False}})

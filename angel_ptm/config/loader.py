@@ -134,6 +134,7 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     if not sep or not key:
         raise ConfigError(f"override {override!r}: expected SECTION.FIELD=VALUE, e.g. optimizer.lr=3e-4")
     section, dot, name = key.partition(".")
+    name = ALIASES.get(section, {}).get(name, name)
     if not dot:
         if section in section_classes():
             raise ConfigError(f"override {override!r}: name a field of {section}, e.g. {_field_keys(section)[0]}=...")
@@ -161,7 +162,13 @@ def _build_config(raw: Mapping[str, Any]) -> Config:
     for section in raw:
         if section not in section_classes():
             raise _unknown_key(str(section))
-        for name in _section_settings(raw, section):
+        settings = _section_settings(raw, section)
+        for alias, name in ALIASES.get(section, {}).items():
+            if alias in settings:
+                if name in settings:
+                    raise ConfigError(f"{section}.{alias} and {section}.{name} are the same key: give one")
+                settings[name] = settings.pop(alias)
+        for name in settings:
             if name not in field_types(section_classes()[section]):
                 raise _unknown_key(f"{section}.{name}")
     sections = {
@@ -172,6 +179,11 @@ def _build_config(raw: Mapping[str, Any]) -> Config:
     config = Config(**sections)
     config.given_sections = frozenset(sections)  # what the source spelled out (the engine's lr_schedule rule)
     return config
+
+
+# Other spellings of a key: `checkpoint.async` (the name users know from torch's async_save) is `async_save`, which
+# a Python field can be named.
+ALIASES = {"checkpoint": {"async": "async_save"}}
 
 
 def _section_settings(raw: Any, section: str) -> dict[str, Any]:
