@@ -21,7 +21,6 @@ import dataclasses
 import io
 import json
 import math
-import mmap
 import os
 import pickle
 import queue
@@ -40,6 +39,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from angel_ptm.checkpoint.mapped import MappedFile, record_start
 from angel_ptm.errors import CheckpointCorruptError, CheckpointWriteError
 
 MANIFEST = "angel_ptm.json"
@@ -235,7 +235,7 @@ class CheckedReader(FileSystemReader):
         self._crcs = {(name, entry[0]): (entry[1], entry[2], len(entry) > 3 and bool(entry[3]))
                       for name, items in self.manifest["files"].items() for entry in items}
         self._metadata: Metadata | None = None
-        self._files: dict[str, _MappedFile] = {}
+        self._files: dict[str, MappedFile] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """`.metadata`, checked against the manifest (callers read it once before DCP does: DCP takes a failure
@@ -315,12 +315,12 @@ class CheckedReader(FileSystemReader):
             note(req, target, str(Path(self.path).absolute() / sinfo.relative_path),
                  sinfo.offset + where + tensor.data_ptr() - loaded.data_ptr(), tensor.numel() * tensor.element_size())
 
-    def _mapped(self, relative_path: str) -> "_MappedFile":
+    def _mapped(self, relative_path: str) -> "MappedFile":
         mapped = self._files.get(relative_path)
         if mapped is None:
             path = Path(self.path) / relative_path
             try:
-                mapped = self._files[relative_path] = _MappedFile(path)
+                mapped = self._files[relative_path] = MappedFile(path)
             except FileNotFoundError:
                 raise CheckpointCorruptError(f"checkpoint {self.path}: {path} is missing", str(path)) from None
             except OSError as err:
@@ -363,75 +363,12 @@ class CheckedReader(FileSystemReader):
             return None, None
         dtype = saved.properties.dtype
         numel = math.prod(sizes)
-        start = _record_start(data, numel * dtype.itemsize)
+        start = record_start(data, numel * dtype.itemsize)
         if start is None:
             return None, None
         tensor = torch.frombuffer(data, dtype=dtype, count=numel, offset=start) if numel else \
             torch.empty(0, dtype=dtype)
         return tensor.view(sizes), start
-
-
-class _MappedFile:
-    """A checkpoint file mapped read-only (private: nothing is ever written through it)."""
-
-    def __init__(self, path: Path):
-        with open(path, "rb", buffering=0) as f:
-            self.size = os.fstat(f.fileno()).st_size
-            self.map = mmap.mmap(f.fileno(), self.size, access=mmap.ACCESS_COPY) if self.size else None
-        self.view = memoryview(self.map) if self.map is not None else memoryview(b"")
-
-    def advise(self, offset: int, length: int) -> None:
-        """The kernel starts reading these bytes now."""
-        if self.map is not None and hasattr(mmap, "MADV_WILLNEED") and offset + length <= self.size:
-            start = offset - offset % mmap.PAGESIZE
-            self.map.madvise(mmap.MADV_WILLNEED, start, offset + length - start)
-
-    def done(self, offset: int, length: int) -> None:
-        """These bytes are read: their pages leave this process (they stay in the page cache)."""
-        start = -(-offset // mmap.PAGESIZE) * mmap.PAGESIZE
-        end = min(offset + length, self.size) // mmap.PAGESIZE * mmap.PAGESIZE
-        if self.map is not None and hasattr(mmap, "MADV_DONTNEED") and end > start:
-            self.map.madvise(mmap.MADV_DONTNEED, start, end - start)
-
-    def close(self) -> None:
-        for thing in (self.view, self.map):
-            try:
-                if thing is not None:
-                    thing.release() if isinstance(thing, memoryview) else thing.close()
-            except BufferError:  # a tensor still views it: unmapped once that tensor is gone
-                pass
-
-
-def _u(data, at: int, size: int) -> int:
-    return int.from_bytes(data[at: at + size], "little")
-
-
-def _record_start(data: memoryview, nbytes: int) -> int | None:
-    """Where the one storage record of `data` (a tensor torch.save wrote: a zip archive, records stored
-    uncompressed) begins, if it holds `nbytes` bytes; None otherwise (torch.load then reads it). Reads the zip's
-    central directory (torch writes sizes after each record's data, not in its local header)."""
-    tail = bytes(data[max(0, len(data) - (1 << 16) - 22):])
-    end = tail.rfind(b"PK\x05\x06")
-    if end < 0 or end + 22 > len(tail):
-        return None
-    entries, position = _u(tail, end + 10, 2), _u(tail, end + 16, 4)
-    if position == 0xFFFFFFFF:
-        return None  # zip64: more than a page
-    found = None
-    for _ in range(entries):
-        entry = bytes(data[position: position + 46])
-        if len(entry) < 46 or entry[:4] != b"PK\x01\x02":
-            return None
-        name_len, extra_len, comment_len = _u(entry, 28, 2), _u(entry, 30, 2), _u(entry, 32, 2)
-        name = bytes(data[position + 46: position + 46 + name_len])
-        if b"/data/" in name:
-            local = _u(entry, 42, 4)
-            if (found is not None or _u(entry, 10, 2) != 0 or _u(entry, 20, 4) != nbytes
-                    or _u(entry, 24, 4) != nbytes or bytes(data[local: local + 4]) != b"PK\x03\x04"):
-                return None
-            found = local + 30 + _u(data, local + 26, 2) + _u(data, local + 28, 2)
-        position += 46 + name_len + extra_len + comment_len
-    return found if found is not None and found + nbytes <= len(data) else None
 
 
 READ_AHEAD = 32 << 20  # bytes of items a load asks the kernel to read ahead of the one being read

@@ -1,0 +1,135 @@
+"""Disk pages backed by the checkpoint they were loaded from (memory/backing.py): a load writes no page files,
+the slots read the checkpoint's bytes (checked), survive its deletion, go back to page files when written or
+before `Checkpoints` prunes the checkpoint, and resume stays exact."""
+
+from __future__ import annotations
+
+import shutil
+import time as clock
+
+import pytest
+
+import angel_ptm
+from angel_ptm.checkpoint import storage
+from angel_ptm.checkpoint.directory import Checkpoints
+from angel_ptm.errors import ChecksumError, EngineFailedError
+from angel_ptm.memory.tiers import DiskTier
+
+from test_checkpoint import (AT, CASES, STEPS, assert_bitwise, batches, config, final_states, resume_from,
+                             scrambled, step, train_with_checkpoint)
+
+
+def loaded_with_page_writes_counted(tmp_path, monkeypatch, case="gpt", dtype="float32", page_bytes="4KiB",
+                                    saved_page_bytes="4KiB"):
+    """Train 10 steps checkpointing at 5, then a fresh engine (device+host+disk) loads it; page-file writes
+    during the load are counted. Returns (engine, losses, states, writes)."""
+    cfg = config(tmp_path, "a", dtype=dtype, page_bytes=saved_page_bytes)
+    losses, states = train_with_checkpoint(tmp_path, case, cfg, tmp_path / "ckpt")
+    writes = []
+    write = DiskTier.write
+    monkeypatch.setattr(DiskTier, "write", lambda self, kind, slot, buf: writes.append(kind) or write(self, kind,
+                                                                                                       slot, buf))
+    engine = angel_ptm.initialize(scrambled(CASES[case][0]),
+                                  config(tmp_path, "b", dtype=dtype, page_bytes=page_bytes))
+    writes.clear()  # those of its start
+    assert engine.load_checkpoint(tmp_path / "ckpt") == {"step": AT}
+    return engine, losses, states, writes
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_load_writes_no_page_files_its_disk_pages_read_the_checkpoint_and_resume_stays_exact(tmp_path, monkeypatch,
+                                                                                              dtype):
+    engine, losses, states, writes = loaded_with_page_writes_counted(tmp_path, monkeypatch, dtype=dtype)
+    try:
+        disk = engine.manager.disk
+        assert writes == [] and disk.backed_slots > 0
+        loss_fn, data = CASES["gpt"][2], batches("gpt")
+        assert [step(engine, loss_fn, data[s]) for s in range(AT, STEPS)] == losses[AT:]
+        assert_bitwise(states, final_states(engine))
+        assert writes  # updated pages are written to their slots as ever
+    finally:
+        engine.close()
+    assert disk.sources.open_files == 0
+
+
+@pytest.mark.parametrize("saved,loaded", [("8KiB", "4KiB"), ("4KiB", "8KiB")])
+def test_a_load_at_another_page_size_backs_what_it_can_and_stays_exact(tmp_path, monkeypatch, saved, loaded):
+    """A page gathers pieces of several saved pages, or a saved box is cut over two pages (a piece that is not
+    contiguous in the file is written to the page's slot as ever)."""
+    engine, losses, states, writes = loaded_with_page_writes_counted(tmp_path, monkeypatch, page_bytes=loaded,
+                                                                     saved_page_bytes=saved)
+    try:
+        loss_fn, data = CASES["gpt"][2], batches("gpt")
+        assert engine.manager.disk.backed_slots > 0
+        resumed = [step(engine, loss_fn, data[s]) for s in range(AT, STEPS)]
+        assert resumed == pytest.approx(losses[AT:], rel=1e-6)
+    finally:
+        engine.close()
+
+
+def test_the_loaded_checkpoint_may_be_deleted_and_a_save_right_after_the_load_is_exact(tmp_path, monkeypatch):
+    engine, losses, states, _writes = loaded_with_page_writes_counted(tmp_path, monkeypatch)
+    try:
+        disk = engine.manager.disk
+        backed = disk.backed_slots
+        engine.save_checkpoint(tmp_path / "again", extra={"step": AT})  # pages go on reading the loaded one
+        assert disk.backed_slots == backed > 0
+        ckpts = Checkpoints(tmp_path / "ckpts", keep=1)  # this save prunes it: the pages copy its bytes first
+        ckpts.save(engine, AT, {"step": AT})
+        assert disk.backed_slots == 0 and disk.sources.open_files == 0
+        shutil.rmtree(tmp_path / "ckpt")
+        loss_fn, data = CASES["gpt"][2], batches("gpt")
+        assert [step(engine, loss_fn, data[s]) for s in range(AT, STEPS)] == losses[AT:]
+    finally:
+        engine.close()
+    resumed, resumed_states = resume_from("gpt", config(tmp_path, "c"), tmp_path / "again")
+    assert resumed == losses[AT:]
+    assert_bitwise(states, resumed_states)
+
+
+def test_a_deleted_checkpoint_still_serves_its_pages_and_a_damaged_one_is_a_checksum_error(tmp_path, monkeypatch):
+    engine, losses, _states, _writes = loaded_with_page_writes_counted(tmp_path, monkeypatch)
+    shutil.rmtree(tmp_path / "ckpt")  # unlinked: the open descriptors still read the bytes
+    loss_fn, data = CASES["gpt"][2], batches("gpt")
+    try:
+        assert step(engine, loss_fn, data[AT]) == losses[AT]
+    finally:
+        engine.close()
+    engine, losses, _states, _writes = loaded_with_page_writes_counted(tmp_path / "2", monkeypatch)
+    try:
+        disk = engine.manager.disk
+        sources = [disk.backing(p.kind, p.disk_slot) for p in engine.manager.pages]
+        extents = [e for source in sources if source is not None for e in source.extents]
+        for victim in {e.path for e in extents}:  # flipped in place: the open descriptors see it
+            with open(victim, "r+b") as handle:
+                raw = bytearray(handle.read())
+                for e in extents:
+                    if e.path == victim:
+                        raw[e.offset + e.nbytes // 2] ^= 0x08
+                handle.seek(0)
+                handle.write(raw)
+        with pytest.raises(ChecksumError, match=r"\.distcp"):
+            step(engine, loss_fn, data[AT])
+        with pytest.raises(EngineFailedError):
+            engine.zero_grad()
+    finally:
+        engine.close()
+
+
+def test_a_background_save_right_after_a_load_holds_the_loaded_state(tmp_path, monkeypatch):
+    """Its held slots are backed by the loaded checkpoint while the steps beside it rewrite those pages."""
+    engine, losses, states, _writes = loaded_with_page_writes_counted(tmp_path, monkeypatch)
+    loss_fn, data = CASES["gpt"][2], batches("gpt")
+    storage.FAULT = lambda point: clock.sleep(0.01) if point == "item-written" else None
+    try:
+        backed = engine.manager.disk.backed_slots
+        engine.save_checkpoint(tmp_path / "bg", extra={"step": AT}, background=True)
+        assert [step(engine, loss_fn, data[s]) for s in range(AT, STEPS)] == losses[AT:]
+        assert engine.wait_for_checkpoint() == tmp_path / "bg"
+        assert backed > 0
+    finally:
+        storage.FAULT = None
+        engine.close()
+    resumed, resumed_states = resume_from("gpt", config(tmp_path, "c"), tmp_path / "bg")
+    assert resumed == losses[AT:]
+    assert_bitwise(states, resumed_states)
