@@ -336,6 +336,19 @@ void register_aio(py::module_& m) {
         },
         py::arg("buffer"), py::arg("nbytes"), py::call_guard<py::gil_scoped_release>(),
         "CRC32C page checksum over 1 MiB blocks (the same value the engine computes).");
+    m.def(
+        "crc32c",
+        [](py::buffer data, uint32_t value) {
+            py::buffer_info info = data.request();  // held (and the buffer with it) while the GIL is released
+            if (info.ndim != 1 || info.strides[0] != info.itemsize)
+                throw py::value_error("crc32c: a contiguous one-dimensional buffer is needed");
+            const auto* bytes = static_cast<const uint8_t*>(info.ptr);
+            size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+            py::gil_scoped_release release;
+            return angel::crc32c_extend(value, bytes, nbytes);
+        },
+        py::arg("data"), py::arg("value") = 0,
+        "CRC-32C (Castagnoli) of a buffer's bytes, continuing from `value` (as zlib.crc32 continues CRC-32).");
     m.attr("CHECKSUM_BLOCK") = angel::kChecksumBlock;
     m.def("crc32c_impl", &angel::crc32c_impl_name);
 }

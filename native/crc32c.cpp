@@ -91,12 +91,14 @@ bool has_sse42() {
 
 }  // namespace
 
-uint32_t crc32c(const uint8_t* data, size_t n) {
+uint32_t crc32c_extend(uint32_t crc, const uint8_t* data, size_t n) {
 #ifdef ANGEL_X86
-    if (has_sse42()) return ~crc32c_hw(~0u, data, n);
+    if (has_sse42()) return ~crc32c_hw(~crc, data, n);
 #endif
-    return ~crc32c_soft(~0u, data, n);
+    return ~crc32c_soft(~crc, data, n);
 }
+
+uint32_t crc32c(const uint8_t* data, size_t n) { return crc32c_extend(0, data, n); }
 
 void crc32c_blocks(const uint8_t* data, size_t n, uint32_t* out) {
     size_t n_blocks = (n + kChecksumBlock - 1) / kChecksumBlock;

@@ -483,3 +483,55 @@ def test_a_background_save_holds_exactly_the_state_of_its_step_while_training_go
     assert resumed == losses[AT:]
     assert_bitwise(states, resumed_states)
 
+
+
+# --- item checksums and write-back -----------------------------------------------------------------------------------
+def test_crc32c_native_and_python_agree_with_the_standard_check_value():
+    from angel_ptm.io import checksums
+
+    data = bytes(range(256)) * 37 + b"tail"
+    assert checksums.crc32c_python(b"123456789") == 0xE3069283  # RFC 3720's check value
+    assert checksums.crc32c(b"123456789") == 0xE3069283
+    assert checksums.crc32c(data) == checksums.crc32c_python(data)
+    assert checksums.crc32c(data[1000:], checksums.crc32c(data[:1000])) == checksums.crc32c(data)
+    floats = torch.arange(100, dtype=torch.float32).numpy()
+    assert checksums.crc32c(floats) == checksums.crc32c(floats.tobytes())
+    with pytest.raises(KeyError, match="crc32c"):
+        checksums.function("md5")
+
+
+@pytest.mark.parametrize("written,read", [("crc32", "crc32"), ("crc32c", "python")])
+def test_a_checkpoint_is_checked_with_the_checksum_its_manifest_names(tmp_path, monkeypatch, written, read):
+    """Each checksum kind round-trips and still catches a flipped bit: zlib's CRC-32 (a build without the native
+    extension writes it; manifests before "item_checksum" imply it), and native CRC-32C checked by the pure-Python
+    fallback. The file is written in 8 KiB chunks (items span chunks)."""
+    from angel_ptm.io import checksums
+
+    monkeypatch.setattr("angel_ptm.io.stream.CHUNK", 8 << 10)
+    monkeypatch.setattr(checksums, "PREFERRED", written)
+    losses, states = train_with_checkpoint(tmp_path, "mlp", config(tmp_path, "a"), tmp_path / "ckpt")
+    assert storage.read_manifest(tmp_path / "ckpt")["item_checksum"] == written
+    if read == "python":
+        monkeypatch.setitem(checksums.ALGORITHMS, "crc32c", checksums.crc32c_python)
+    resumed, resumed_states = resume_from("mlp", config(tmp_path, "b"), tmp_path / "ckpt")
+    assert resumed == losses[AT:]
+    assert_bitwise(states, resumed_states)
+    victim = tmp_path / "ckpt" / "__0_0.distcp"
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    engine = angel_ptm.initialize(scrambled(CASES["mlp"][0]), config(tmp_path, "c"))
+    try:
+        with pytest.raises(CheckpointCorruptError, match="fails its checksum"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+    finally:
+        engine.close()
+
+
+def test_a_manifest_naming_an_unknown_checksum_is_a_typed_error(tmp_path, monkeypatch):
+    train_with_checkpoint(tmp_path, "mlp", config(tmp_path, "a"), tmp_path / "ckpt")
+    manifest = storage.read_manifest(tmp_path / "ckpt")
+    manifest["item_checksum"] = "sha0"
+    (tmp_path / "ckpt" / storage.MANIFEST).write_bytes(storage.seal(manifest))
+    with pytest.raises(CheckpointCorruptError, match="unknown checksum 'sha0'"):
+        storage.CheckedReader(tmp_path / "ckpt")

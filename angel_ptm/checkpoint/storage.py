@@ -5,8 +5,10 @@
 
 A rank writes one file, `__<rank>_0.distcp`, its items in the order the planner lists them (page order, so each
 page is read once), each item serialized as FileSystemWriter serializes it (`torch.save` of the chunk, raw bytes
-for a bytes item). The writer records each item's CRC-32; the coordinator writes them into the manifest,
-`angel_ptm.json` (with the CRC-32 of `.metadata` and of itself), then `.metadata` last by rename. Files are
+for a bytes item). The writer records each item's checksum (CRC-32C from the native extension, zlib's CRC-32
+without it: the manifest's "item_checksum" names it); the coordinator writes them into the manifest,
+`angel_ptm.json` (with the CRC-32 of `.metadata` and of itself), then `.metadata` last by rename. A rank's file
+is written through io/stream.py's SequentialWriter (O_DIRECT chunks written while the next fills). Files are
 fsynced, then the directory. A reader verifies the manifest, `.metadata`, and every item it reads against them,
 so a torn, truncated or bit-flipped file is a CheckpointCorruptError naming it, never wrong values.
 
@@ -40,7 +42,9 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from angel_ptm.checkpoint.mapped import MappedFile, record_start
-from angel_ptm.errors import CheckpointCorruptError, CheckpointWriteError
+from angel_ptm.errors import CheckpointCorruptError, CheckpointWriteError, PageIOError
+from angel_ptm.io import checksums
+from angel_ptm.io.stream import SequentialWriter
 
 MANIFEST = "angel_ptm.json"
 METADATA = ".metadata"
@@ -55,7 +59,7 @@ def fault(point: str) -> None:
 
 @dataclasses.dataclass
 class _CheckedInfo(_StorageInfo):
-    """A written item's place and its CRC-32 (the coordinator moves the CRC into the manifest: `.metadata` holds
+    """A written item's place and its checksum (the coordinator moves the CRC into the manifest: `.metadata` holds
     torch's own _StorageInfo, so any DCP reader reads it)."""
 
     crc: int = 0
@@ -82,12 +86,13 @@ def write_durably(path: Path, data: bytes) -> None:
 
 
 class CheckedWriter(FileSystemWriter):
-    """FileSystemWriter's layout, written in the planner's order with a CRC-32 per item. `info`: JSON-able facts
+    """FileSystemWriter's layout, written in the planner's order with a checksum per item. `info`: JSON-able facts
     of the save the coordinator puts in the manifest (step, world size, layout)."""
 
     def __init__(self, path: str | os.PathLike, info: dict | None = None):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
         self.info = info or {}
+        self.checksum = checksums.PREFERRED  # the items' checksum, named in the manifest
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         """The items in plan order into one file: this thread resolves them (a page read, the item's elements
@@ -96,28 +101,29 @@ class CheckedWriter(FileSystemWriter):
         path = Path(self.path) / name
         results: list[WriteResult] = []
         try:
-            with open(path, "wb") as stream, Pipeline(lambda job: self._write(stream, name, *job)) as pipe:
-                for item in plan.items:
-                    data = planner.resolve_data(item)
-                    if item.type != WriteItemType.BYTE_IO:
-                        data = data.detach().cpu()
-                    pipe.put((item, data, results))
-                    del data  # the writer holds it until written: at most QUEUE + 1 items exist at once
-                pipe.drain()
-                stream.flush()
-                os.fsync(stream.fileno())
-        except OSError as err:
-            raise CheckpointWriteError(f"checkpoint: cannot write {path}: {err.strerror or err}", str(path),
+            with SequentialWriter(path) as stream:
+                crc = checksums.function(self.checksum)
+                with Pipeline(lambda job: self._write(stream, crc, name, *job)) as pipe:
+                    for item in plan.items:
+                        data = planner.resolve_data(item)
+                        if item.type != WriteItemType.BYTE_IO:
+                            data = data.detach().cpu()
+                        pipe.put((item, data, results))
+                        del data  # the writer holds it until written: at most QUEUE + 1 items exist at once
+                    pipe.drain()
+        except (OSError, PageIOError) as err:
+            detail = err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+            raise CheckpointWriteError(f"checkpoint: cannot write {path}: {detail}", str(path),
                                        err.errno or 0) from None
         future: Future[list[WriteResult]] = Future()
         future.set_result(results)
         return future
 
     @staticmethod
-    def _write(stream, name: str, item, data, results: list) -> None:
-        """One item, serialized as FileSystemWriter serializes it, straight into the file through its CRC-32."""
+    def _write(stream, crc, name: str, item, data, results: list) -> None:
+        """One item, serialized as FileSystemWriter serializes it, straight into the file through its checksum."""
         offset = stream.tell()
-        sink = CrcWriter(stream)
+        sink = CrcWriter(stream, crc)
         dense = False
         if isinstance(data, io.BytesIO):
             sink.write(data.getbuffer())
@@ -155,6 +161,7 @@ class CheckedWriter(FileSystemWriter):
                 f.flush()
                 os.fsync(f.fileno())
             manifest = {"format": FORMAT, "info": self.info, "metadata_crc": zlib.crc32(body),
+                        "item_checksum": self.checksum,
                         "files": {name: sorted(items) for name, items in sorted(crcs.items())}}
             write_durably(directory / MANIFEST, seal(manifest))
             fault("before-metadata")
@@ -183,17 +190,18 @@ def no_zip_crc():
 
 
 class CrcWriter(io.RawIOBase):
-    """A write-only stream into `raw` that keeps the CRC-32 of what passed."""
+    """A write-only stream into `raw` that keeps the checksum (`function(data, value)`, zlib.crc32 by default)
+    of what passed."""
 
-    def __init__(self, raw):
+    def __init__(self, raw, function=zlib.crc32):
         super().__init__()
-        self.raw, self.crc = raw, 0
+        self.raw, self.function, self.crc = raw, function, 0
 
     def writable(self) -> bool:
         return True
 
     def write(self, b) -> int:
-        self.crc = zlib.crc32(b, self.crc)
+        self.crc = self.function(b, self.crc)
         return self.raw.write(b)
 
     def close(self) -> None:  # the file stays open for the next item
@@ -226,12 +234,17 @@ def read_manifest(directory: Path) -> dict:
 
 
 class CheckedReader(FileSystemReader):
-    """FileSystemReader that checks `.metadata` and every item it reads against the manifest's CRC-32s."""
+    """FileSystemReader that checks `.metadata` and every item it reads against the manifest's checksums."""
 
     def __init__(self, path: str | os.PathLike):
         super().__init__(path)
         self.manifest = read_manifest(Path(path))
-        # (file, offset) -> (length, CRC-32, dense: the item's tensor bytes lie in it as they are in memory)
+        # (file, offset) -> (length, checksum, dense: the item's tensor bytes lie in it as they are in memory)
+        try:  # manifests before "item_checksum" used zlib's CRC-32
+            self._checksum = checksums.function(self.manifest.get("item_checksum", "crc32"))
+        except KeyError as err:
+            raise CheckpointCorruptError(f"checkpoint {path}: {MANIFEST}: {err.args[0]}",
+                                         str(Path(path) / MANIFEST)) from None
         self._crcs = {(name, entry[0]): (entry[1], entry[2], len(entry) > 3 and bool(entry[3]))
                       for name, items in self.manifest["files"].items() for entry in items}
         self._metadata: Metadata | None = None
@@ -338,7 +351,7 @@ class CheckedReader(FileSystemReader):
             raise CheckpointCorruptError(f"checkpoint {self.path}: {path} is truncated or does not match the "
                                          f"manifest (item at byte {sinfo.offset}, {sinfo.length} bytes)", str(path))
         data = mapped.view[sinfo.offset: sinfo.offset + sinfo.length]
-        if zlib.crc32(data) != expected[1]:
+        if self._checksum(data) != expected[1]:
             raise CheckpointCorruptError(f"checkpoint {self.path}: {path} fails its checksum at byte "
                                          f"{sinfo.offset} ({sinfo.length} bytes)", str(path))
         return data
@@ -399,6 +412,7 @@ class Pipeline:
                     self.work(job)
                 except BaseException as exc:  # noqa: BLE001 - raised in the caller's thread
                     self.error = exc
+            del job  # not held while the next is awaited: its data may be the last view of a page buffer
 
     def put(self, job) -> None:
         self._raise()

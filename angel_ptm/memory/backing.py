@@ -64,6 +64,7 @@ class SourceFiles:
     def __init__(self):
         self._fds: dict[str, list[int]] = {}  # path -> [fd, references]
         self._lock = threading.Lock()
+        self._closing: list[threading.Thread] = []
 
     def ref(self, paths) -> None:
         with self._lock:
@@ -83,8 +84,17 @@ class SourceFiles:
                 entry = self._fds[path]
                 entry[1] -= 1
                 if not entry[1]:
-                    os.close(entry[0])
                     del self._fds[path]
+                    self._close_later(entry[0])
+
+    def _close_later(self, fd: int) -> None:
+        """Closed by a thread of its own (there is one per checkpoint file, once): the last descriptor of a
+        deleted (pruned) checkpoint file frees its blocks on close, ~60 ms for 300 MB here, which is no reason for
+        a step or a save to wait."""
+        self._closing = [t for t in self._closing if t.is_alive()]
+        thread = threading.Thread(target=os.close, args=(fd,), name="angel-ptm-backed-close", daemon=True)
+        thread.start()
+        self._closing.append(thread)
 
     def fd(self, path: str) -> int:
         with self._lock:
@@ -99,6 +109,9 @@ class SourceFiles:
             for fd, _refs in self._fds.values():
                 os.close(fd)
             self._fds.clear()
+            closing, self._closing = self._closing, []
+        for thread in closing:
+            thread.join()
 
 
 class BackedRead:

@@ -1,0 +1,135 @@
+"""A file written front to back through a few aligned chunks, each written by an I/O engine's thread while the
+caller fills the next: how a checkpoint file is written.
+
+    with SequentialWriter(path) as out:    # out.write(bytes-like), out.tell(); leaving the block without an
+        torch.save(item, out)              # error makes the file whole and durable (`finish`)
+
+O_DIRECT where the filesystem allows it: no copy into the page cache, no dirty-page throttling, nothing of the
+page cache (training's page files) pushed out, and the disk writes while the next chunk is produced. Measured
+here (16 MiB writes of 304 MiB, then fsync): O_DIRECT 2.2-2.7 GB/s in every round; buffered writes 0.4-3.0, the
+same with 32 MiB handed to the disk at a time. The last chunk is written padded to the alignment, then the file
+is truncated to its length. Where O_DIRECT is refused (tmpfs), buffered writes, each `KICK` bytes handed to the
+disk at once (posix_fadvise DONTNEED starts their writeback), so the closing fsync finds little left.
+
+Memory: `depth` chunks of `chunk` bytes (2 x 1 MiB), whatever the file's size (2 x 2 MiB wrote 2.9 GB/s here,
+2 x 1 MiB 2.5: more than a save, bound by its page reads and serialization, needs).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from angel_ptm.errors import PageIOError
+from angel_ptm.io.engine import create_engine
+from angel_ptm.io.slot_file import ALIGNMENT, aligned_empty, open_direct
+
+CHUNK = 1 << 20
+DEPTH = 2
+KICK = 32 << 20
+
+
+class SequentialWriter:
+    """Write-only, sequential; `write` raises PageIOError (DiskFullError on ENOSPC) naming the file, from the
+    chunk that failed; `finish` makes the file whole (length, fsync); `close` (also on error) only releases."""
+
+    def __init__(self, path: str | os.PathLike, chunk: int | None = None, depth: int = DEPTH):
+        chunk = CHUNK if chunk is None else chunk
+        if chunk % ALIGNMENT or depth < 1:
+            raise ValueError(f"chunk must be a multiple of {ALIGNMENT} bytes and depth >= 1, got {chunk}, {depth}")
+        self.path, self.chunk = str(path), chunk
+        self.fd, self.direct = open_direct(self.path)
+        self.engine = create_engine(threads=depth, queue_depth=depth)
+        self._buffers = [aligned_empty(chunk, huge=False) for _ in range(depth)]
+        self._arrays = [b.numpy() for b in self._buffers]
+        self._handles: list = [None] * depth
+        self._k = self._fill = 0  # the chunk being filled, and how far
+        self._written = 0  # where the chunk being filled starts in the file
+        self._kicked = 0
+        self._closed = False
+        os.ftruncate(self.fd, 0)  # a file of that name (a leftover) holds nothing of ours
+
+    def __enter__(self) -> "SequentialWriter":
+        return self
+
+    def __exit__(self, kind, value, traceback) -> None:
+        try:
+            if kind is None:
+                self.finish()
+        finally:
+            self.close()
+
+    def tell(self) -> int:
+        return self._written + self._fill
+
+    def writable(self) -> bool:
+        return True
+
+    def flush(self) -> None:  # chunks go to the disk when full; `finish` writes the rest
+        pass
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        total, done = len(view), 0
+        while done < total:
+            n = min(total - done, self.chunk - self._fill)
+            self._arrays[self._k][self._fill: self._fill + n] = np.frombuffer(view[done: done + n], np.uint8)
+            self._fill += n
+            done += n
+            if self._fill == self.chunk:
+                self._submit()
+        return total
+
+    def _submit(self) -> None:
+        """The chunk being filled goes to the disk (padded to the alignment: only the last is partial); the next
+        buffer is waited for."""
+        k, fill = self._k, self._fill
+        padded = -(-fill // ALIGNMENT) * ALIGNMENT
+        if padded > fill:
+            self._buffers[k][fill:padded].zero_()
+        self._handles[k] = self.engine.submit_write(self.fd, self._buffers[k][:padded], self._written,
+                                                    path=self.path, checksum=False)
+        self._written += fill
+        self._k, self._fill = (k + 1) % len(self._buffers), 0
+        self._wait(self._k)
+        if not self.direct and self._written - self._kicked >= KICK and hasattr(os, "posix_fadvise"):
+            self._wait_all()
+            os.posix_fadvise(self.fd, self._kicked, self._written - self._kicked, os.POSIX_FADV_DONTNEED)
+            self._kicked = self._written
+
+    def _wait(self, k: int) -> None:
+        handle, self._handles[k] = self._handles[k], None
+        if handle is not None:
+            handle.wait()
+
+    def _wait_all(self) -> None:
+        for k in range(len(self._handles)):
+            self._wait(k)
+
+    def finish(self) -> None:
+        """Every byte written, the file cut to its length and fsynced."""
+        if self._fill:
+            self._submit()
+        self._wait_all()
+        try:
+            os.ftruncate(self.fd, self._written)
+            os.fsync(self.fd)
+        except OSError as err:
+            raise PageIOError(f"cannot finish {self.path}: {err.strerror}", errno=err.errno or 0,
+                              path=self.path) from None
+
+    def close(self) -> None:
+        """Waits for the writes in flight (their errors are not raised here: `write` or `finish` raised one
+        already, or the file is being abandoned) and releases the file, the engine and the buffers."""
+        if self._closed:
+            return
+        self._closed = True
+        for k in range(len(self._handles)):
+            try:
+                self._wait(k)
+            except PageIOError:
+                pass
+        self.engine.close()
+        os.close(self.fd)
+        self._buffers = self._arrays = []
