@@ -22,6 +22,7 @@ from __future__ import annotations
 import io
 import math
 import mmap
+import time
 from dataclasses import dataclass, replace
 
 import torch
@@ -99,24 +100,39 @@ def _views(buffer: torch.Tensor) -> int | None:
 
 class BufferPool:
     """Page-sized anonymous buffers (`anonymous_buffer`), each handed out again once given back and no tensor
-    views it any more (the writer wrote its items): a fresh mapping costs ~2.5 ms a 4 MiB page here in faults
-    and zeroing, a reused one nothing. Holds no more buffers than were ever in use at once."""
+    views it any more (the writer wrote its items): a fresh mapping costs ~1-2.5 ms a 4 MiB page here in faults
+    and zeroing, a reused one nothing. With `cap`, a `take` while `cap` buffers are out waits (up to `patience`
+    seconds, then makes one more) for the writer to finish with one: the writer is the slower side of a save, so
+    waiting costs it nothing and the save's memory stays at `cap` pages."""
 
-    def __init__(self, nbytes: int):
-        self.nbytes = nbytes
+    def __init__(self, nbytes: int, cap: int | None = None, patience: float = 1.0):
+        self.nbytes, self.cap, self.patience = nbytes, cap, patience
         self._back: list[tuple[torch.Tensor, int]] = []  # (buffer, its count of views when only it existed)
         self._made: dict[int, int] = {}  # id(buffer) -> that count, for buffers handed out
+        self._count = 0  # buffers made and not dropped
 
-    def take(self) -> torch.Tensor:
+    def _free(self) -> torch.Tensor | None:
         for i, (buffer, alone) in enumerate(self._back):
             if _views(buffer) == alone:
                 del self._back[i]
                 self._made[id(buffer)] = alone
                 return buffer
+        return None
+
+    def take(self) -> torch.Tensor:
+        buffer = self._free()
+        if buffer is None and self.cap is not None and self._back and self._count >= self.cap:
+            deadline = time.monotonic() + self.patience
+            while buffer is None and time.monotonic() < deadline:
+                time.sleep(0.0002)
+                buffer = self._free()
+        if buffer is not None:
+            return buffer
         buffer = anonymous_buffer(self.nbytes)
         alone = _views(buffer)
         if alone is not None:
             self._made[id(buffer)] = alone
+            self._count += 1
         return buffer
 
     def give_back(self, buffer: torch.Tensor) -> None:
@@ -128,6 +144,7 @@ class BufferPool:
     def clear(self) -> None:
         self._back.clear()
         self._made.clear()
+        self._count = 0
 
 
 class PageStream:
@@ -143,7 +160,7 @@ class PageStream:
         self._position = {page.id: i for i, page in enumerate(order)}
         self._next = 0  # the next position to start
         self._current: tuple[int, torch.Tensor] | None = None
-        self._pool = BufferPool(page_bytes)
+        self._pool = BufferPool(page_bytes, cap=self.depth + 1)  # the ones this holds, one the writer holds
         self.read_bytes = 0
 
     def get(self, page: Page) -> torch.Tensor:

@@ -41,7 +41,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from angel_ptm.checkpoint.mapped import MappedFile, record_start
+from angel_ptm.checkpoint.files import CheckpointFile, ReadAhead, record_start
 from angel_ptm.errors import CheckpointCorruptError, CheckpointWriteError, PageIOError
 from angel_ptm.io import checksums
 from angel_ptm.io.stream import SequentialWriter
@@ -248,7 +248,7 @@ class CheckedReader(FileSystemReader):
         self._crcs = {(name, entry[0]): (entry[1], entry[2], len(entry) > 3 and bool(entry[3]))
                       for name, items in self.manifest["files"].items() for entry in items}
         self._metadata: Metadata | None = None
-        self._files: dict[str, MappedFile] = {}
+        self._files: dict[str, CheckpointFile] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """`.metadata`, checked against the manifest (callers read it once before DCP does: DCP takes a failure
@@ -271,48 +271,61 @@ class CheckedReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """The items in plan order (the planner lists them page by page, so it fills one page at a time). The files
-        are mapped, not read: the kernel reads the next READ_AHEAD bytes of items ahead (WILLNEED), a checker thread
-        checks each item's CRC-32 in the mapping, at most `QUEUE` items ahead of this thread, which copies the
-        item's elements from the mapping into the planner's tensors (one copy, page cache to page) and then lets
-        the mapping's pages go (the RSS does not grow with the checkpoint)."""
+        """The items in plan order (the planner lists them page by page, so it fills one page at a time), read
+        with pread while the kernel reads the next READ_AHEAD bytes of items ahead (WILLNEED). A dense item that
+        fills its target whole is read straight into the target (one copy, page cache to page: no mapping, no
+        unpickling) and checked there; any other item is read whole, checked, then unpacked. Every byte is
+        checked against the manifest before the load counts; a mismatch is a CheckpointCorruptError naming the
+        file (the planner's pages then hold part of it: the engine refuses to train on them)."""
         items = plan.items
-        position = advised = 0  # the next item to check; the first not yet announced to the kernel
-
-        def check_next():
-            nonlocal position, advised
-            if position == len(items):
-                return None
-            req = items[position]
-            position += 1
-            ahead = 0
-            while advised < len(items) and (advised < position or ahead < READ_AHEAD):
-                info = self.storage_data[items[advised].storage_index]
-                if advised >= position:
-                    ahead += info.length
-                self._mapped(info.relative_path).advise(info.offset, info.length)
-                advised += 1
-            return req, self.item(self.storage_data[req.storage_index])
-
+        infos = [self.storage_data[req.storage_index] for req in items]
         try:
-            with Prefetcher(check_next) as items_read:
-                for req, data in items_read:
-                    sinfo = self.storage_data[req.storage_index]
+            ranges = [(self._file(info.relative_path), info.offset, info.length) for info in infos]
+            with ReadAhead(ranges, READ_AHEAD) as ahead:
+                for position, (req, sinfo) in enumerate(zip(items, infos)):
+                    ahead.reached(position)
                     if req.type == LoadItemType.BYTE_IO:
-                        planner.load_bytes(req, io.BytesIO(data))
-                    else:
-                        self._unpack(req, sinfo, data, planner)
-                    del data
-                    self._mapped(sinfo.relative_path).done(sinfo.offset, sinfo.length)
+                        planner.load_bytes(req, io.BytesIO(self.item(sinfo)))
+                    elif not self._read_in_place(req, sinfo, planner):
+                        self._unpack(req, sinfo, self.item(sinfo), planner)
         finally:
             self.close()
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _unpack(self, req, sinfo, data: memoryview, planner) -> None:
-        """One tensor item into the planner's target: its elements straight from `data` when the writer marked
-        it dense (and the planner told where they lie in the file), else through torch.load."""
+    def _read_in_place(self, req, sinfo, planner) -> bool:
+        """A dense item whose elements fill the planner's target exactly (same dtype and shape, contiguous, in
+        CPU memory) read from the file into the target and checked there; False (nothing read) otherwise."""
+        entry = self._checked_entry(sinfo)
+        sizes, dtype = self._saved_chunk(req)
+        if not entry[2] or sizes is None or any(req.storage_offsets) or tuple(req.lengths) != sizes:
+            return False
+        target = planner.resolve_tensor(req).detach()
+        nbytes = math.prod(sizes) * dtype.itemsize
+        if (target.dtype != dtype or tuple(target.size()) != sizes or not target.is_contiguous()
+                or target.device.type != "cpu" or not nbytes):
+            return False
+        file = self._file(sinfo.relative_path)
+        start = record_start(lambda at, n: file.read(sinfo.offset + at, n), sinfo.length, nbytes)
+        if start is None:
+            return False
+        view = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        file.readinto(view, sinfo.offset + start)
+        crc = self._checksum(file.read(sinfo.offset, start))
+        crc = self._checksum(view, crc)
+        crc = self._checksum(file.read(sinfo.offset + start + nbytes, sinfo.length - start - nbytes), crc)
+        if crc != entry[1]:
+            raise self._corrupt(sinfo)
+        planner.commit_tensor(req, target)
+        note = getattr(planner, "loaded_from", None)
+        if note is not None:  # the bytes lie as they are in the file
+            note(req, target, file.path, sinfo.offset + start, nbytes)
+        return True
+
+    def _unpack(self, req, sinfo, data: bytearray, planner) -> None:
+        """One tensor item (its checked bytes) into the planner's target: its elements straight from `data` when
+        the writer marked it dense, else through torch.load."""
         loaded, where = self._dense(req, sinfo, data)
         if loaded is None:
             loaded = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
@@ -325,58 +338,69 @@ class CheckedReader(FileSystemReader):
         planner.commit_tensor(req, target)
         note = getattr(planner, "loaded_from", None)
         if note is not None and where is not None and tensor.is_contiguous():  # the bytes lie as they are in the file
-            note(req, target, str(Path(self.path).absolute() / sinfo.relative_path),
+            note(req, target, self._file(sinfo.relative_path).path,
                  sinfo.offset + where + tensor.data_ptr() - loaded.data_ptr(), tensor.numel() * tensor.element_size())
 
-    def _mapped(self, relative_path: str) -> "MappedFile":
-        mapped = self._files.get(relative_path)
-        if mapped is None:
-            path = Path(self.path) / relative_path
+    def _file(self, relative_path: str) -> CheckpointFile:
+        file = self._files.get(relative_path)
+        if file is None:
+            path = Path(self.path).absolute() / relative_path
             try:
-                mapped = self._files[relative_path] = MappedFile(path)
+                file = self._files[relative_path] = CheckpointFile(path)
             except FileNotFoundError:
                 raise CheckpointCorruptError(f"checkpoint {self.path}: {path} is missing", str(path)) from None
             except OSError as err:
                 raise CheckpointCorruptError(f"checkpoint {self.path}: cannot read {path}: {err.strerror}",
                                              str(path)) from None
-        return mapped
+        return file
 
-    def item(self, sinfo) -> memoryview:
-        """An item's bytes (in the file's mapping), checked against the manifest: CheckpointCorruptError naming the
-        file if they are missing or do not match."""
+    def _corrupt(self, sinfo) -> CheckpointCorruptError:
         path = Path(self.path) / sinfo.relative_path
-        expected = self._crcs.get((sinfo.relative_path, sinfo.offset))
-        mapped = self._mapped(sinfo.relative_path)
-        if expected is None or expected[0] != sinfo.length or sinfo.offset + sinfo.length > mapped.size:
+        return CheckpointCorruptError(f"checkpoint {self.path}: {path} fails its checksum at byte {sinfo.offset} "
+                                      f"({sinfo.length} bytes)", str(path))
+
+    def _checked_entry(self, sinfo) -> tuple:
+        """The manifest's (length, checksum, dense) of an item, which must lie whole in its file."""
+        entry = self._crcs.get((sinfo.relative_path, sinfo.offset))
+        if entry is None or entry[0] != sinfo.length or sinfo.offset + sinfo.length > self._file(
+                sinfo.relative_path).size:
+            path = Path(self.path) / sinfo.relative_path
             raise CheckpointCorruptError(f"checkpoint {self.path}: {path} is truncated or does not match the "
                                          f"manifest (item at byte {sinfo.offset}, {sinfo.length} bytes)", str(path))
-        data = mapped.view[sinfo.offset: sinfo.offset + sinfo.length]
-        if self._checksum(data) != expected[1]:
-            raise CheckpointCorruptError(f"checkpoint {self.path}: {path} fails its checksum at byte "
-                                         f"{sinfo.offset} ({sinfo.length} bytes)", str(path))
+        return entry
+
+    def item(self, sinfo) -> bytearray:
+        """An item's bytes, checked against the manifest: CheckpointCorruptError naming the file if they are
+        missing or do not match."""
+        entry = self._checked_entry(sinfo)
+        data = self._file(sinfo.relative_path).read(sinfo.offset, sinfo.length)
+        if self._checksum(data) != entry[1]:
+            raise self._corrupt(sinfo)
         return data
 
     def close(self) -> None:
-        """Unmap the files read (a mapping still viewed by a tensor goes when that tensor does)."""
-        for mapped in self._files.values():
-            mapped.close()
+        for file in self._files.values():
+            file.close()
         self._files.clear()
+
+    def _saved_chunk(self, req) -> tuple[tuple | None, torch.dtype | None]:
+        """The sizes and dtype of the saved chunk an item holds, if the metadata says (None, None otherwise)."""
+        saved = self._metadata.state_dict_metadata.get(req.storage_index.fqn) if self._metadata else None
+        if sys.byteorder != "little" or not isinstance(saved, TensorStorageMetadata):
+            return None, None
+        offsets = tuple(req.storage_index.offset or ())
+        sizes = next((tuple(c.sizes) for c in saved.chunks if tuple(c.offsets) == offsets), None)
+        return sizes, saved.properties.dtype
 
     def _dense(self, req, sinfo, data: bytearray) -> tuple[torch.Tensor | None, int | None]:
         """The item's tensor over `data`'s own bytes (no unpickling, no copy) when its writer marked it dense, and
         where those bytes begin in `data`; (None, None) otherwise (torch.load reads it)."""
         entry = self._crcs.get((sinfo.relative_path, sinfo.offset))
-        saved = self._metadata.state_dict_metadata.get(req.storage_index.fqn) if self._metadata else None
-        if entry is None or not entry[2] or sys.byteorder != "little" or not isinstance(saved,
-                                                                                       TensorStorageMetadata):
+        sizes, dtype = self._saved_chunk(req)
+        if entry is None or not entry[2] or sizes is None:
             return None, None
-        offsets = tuple(req.storage_index.offset or ())
-        sizes = next((tuple(c.sizes) for c in saved.chunks if tuple(c.offsets) == offsets), None)
-        if sizes is None:
-            return None, None
-        dtype = saved.properties.dtype
         numel = math.prod(sizes)
-        start = record_start(data, numel * dtype.itemsize)
+        start = record_start(lambda at, n: data[at: at + n], len(data), numel * dtype.itemsize)
         if start is None:
             return None, None
         tensor = torch.frombuffer(data, dtype=dtype, count=numel, offset=start) if numel else \
@@ -385,7 +409,7 @@ class CheckedReader(FileSystemReader):
 
 
 READ_AHEAD = 32 << 20  # bytes of items a load asks the kernel to read ahead of the one being read
-QUEUE = 1  # items waiting between the two threads of a save or a load (each at most a page)
+QUEUE = 1  # items waiting between the two threads of a save (each at most a page)
 
 
 class Pipeline:
@@ -431,49 +455,3 @@ class Pipeline:
         if self.thread.is_alive():
             self.jobs.put(None)
             self.thread.join()
-
-
-class Prefetcher:
-    """Iterates `produce()` (None: the end) run by a thread at most QUEUE results ahead; its error is raised
-    where the result would have been."""
-
-    def __init__(self, produce: Callable):
-        self.produce = produce
-        self.results: queue.Queue = queue.Queue(maxsize=QUEUE)
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, name="angel-ptm-checkpoint-reader", daemon=True)
-
-    def __enter__(self) -> "Prefetcher":
-        self.thread.start()
-        return self
-
-    def _run(self) -> None:
-        try:
-            while not self.stop.is_set():
-                result = self.produce()
-                self._put(("item", result) if result is not None else ("end", None))
-                if result is None:
-                    return
-        except BaseException as exc:  # noqa: BLE001 - raised in the consumer's thread
-            self._put(("error", exc))
-
-    def _put(self, entry) -> None:
-        while not self.stop.is_set():
-            try:
-                self.results.put(entry, timeout=0.1)
-                return
-            except queue.Full:
-                continue
-
-    def __iter__(self):
-        while True:
-            tag, value = self.results.get()
-            if tag == "end":
-                return
-            if tag == "error":
-                raise value
-            yield value
-
-    def __exit__(self, *exc) -> None:
-        self.stop.set()
-        self.thread.join()
