@@ -535,3 +535,49 @@ def test_a_manifest_naming_an_unknown_checksum_is_a_typed_error(tmp_path, monkey
     (tmp_path / "ckpt" / storage.MANIFEST).write_bytes(storage.seal(manifest))
     with pytest.raises(CheckpointCorruptError, match="unknown checksum 'sha0'"):
         storage.CheckedReader(tmp_path / "ckpt")
+
+
+def test_a_saves_page_buffers_are_reused_once_unviewed_and_capped(monkeypatch):
+    from angel_ptm.checkpoint import planners
+
+    if planners._views(torch.empty(1)) is None:
+        pytest.skip("this torch does not count a storage's users: buffers are never reused")
+    pool = planners.BufferPool(8192, cap=2, patience=0.05)
+    a, b = pool.take(), pool.take()
+    item = a[100:200].view(torch.int32)  # the writer still holds an item of `a`
+    pool.give_back(a)
+    pool.give_back(b)
+    assert pool.take() is b  # `a` is still viewed
+    del item
+    assert pool.take() is a
+    pool.give_back(a)
+    held = a[:8]
+    started = __import__("time").monotonic()
+    c = pool.take()  # cap reached and `a` still viewed: waits `patience`, then makes one more
+    assert c is not a and __import__("time").monotonic() - started >= 0.05
+    del held
+
+
+def test_read_ahead_advises_in_order_within_its_window_and_stops(tmp_path):
+    from angel_ptm.checkpoint.files import CheckpointFile, ReadAhead
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(100))
+    file = CheckpointFile(path)
+    seen = []
+    file.advise = lambda offset, length: seen.append(offset)
+    ranges = [(file, 10 * i, 10) for i in range(10)]
+    clock = __import__("time")
+
+    def settles_at(expected):
+        deadline = clock.monotonic() + 5
+        while len(seen) < len(expected) and clock.monotonic() < deadline:
+            clock.sleep(0.005)
+        clock.sleep(0.02)  # and goes no further
+        assert seen == expected
+
+    with ReadAhead(ranges, window=25) as ahead:
+        settles_at([0, 10, 20, 30])  # the current range, then whole ranges until 25 bytes lie beyond it
+        ahead.reached(5)
+        settles_at([10 * i for i in range(9)])
+    file.close()
