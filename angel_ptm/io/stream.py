@@ -34,8 +34,8 @@ class SequentialWriter:
     """Write-only, sequential; `write` raises PageIOError (DiskFullError on ENOSPC) naming the file, from the
     chunk that failed; `finish` makes the file whole (length, fsync); `close` (also on error) only releases."""
 
-    def __init__(self, path: str | os.PathLike, chunk: int | None = None, depth: int = DEPTH):
-        chunk = CHUNK if chunk is None else chunk
+    def __init__(self, path: str | os.PathLike, chunk: int | None = None, depth: int | None = None):
+        chunk, depth = CHUNK if chunk is None else chunk, DEPTH if depth is None else depth
         if chunk % ALIGNMENT or depth < 1:
             raise ValueError(f"chunk must be a multiple of {ALIGNMENT} bytes and depth >= 1, got {chunk}, {depth}")
         self.path, self.chunk = str(path), chunk
