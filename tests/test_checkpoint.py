@@ -408,6 +408,46 @@ def test_export_writes_the_models_state_dict_as_safetensors_tied_weights_and_buf
     assert load_file(tmp_path / "bf16.safetensors")["tok_embeddings.weight"].dtype == torch.bfloat16
 
 
+class WithEmptyTensors(nn.Module):
+    """A model with a parameter and a buffer that have no elements (they lie on no page)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Linear(4, 4)
+        self.unused = nn.Parameter(torch.zeros(0, 4))
+        self.register_buffer("empty", torch.zeros(0))
+
+    def forward(self, x):
+        return self.body(x).square().mean() + self.unused.sum()
+
+
+def test_tensors_without_elements_round_trip_and_export_with_their_shapes(tmp_path):
+    from safetensors.torch import load_file
+
+    from angel_ptm.checkpoint.export import export_weights
+
+    torch.manual_seed(0)
+    engine = angel_ptm.initialize(WithEmptyTensors(), config(tmp_path, "a"))
+    x = torch.randn(3, 4)
+    try:
+        engine.backward(engine(x))
+        engine.step()
+        engine.save_checkpoint(tmp_path / "ckpt")
+        expected = {k: v.clone() for k, v in engine.state_dict().items()}
+    finally:
+        engine.close()
+    fresh = angel_ptm.initialize(WithEmptyTensors(), config(tmp_path, "b"))
+    try:
+        fresh.load_checkpoint(tmp_path / "ckpt")
+        assert all(torch.equal(v, expected[k]) for k, v in fresh.state_dict().items())
+    finally:
+        fresh.close()
+    export_weights(tmp_path / "ckpt", tmp_path / "w.safetensors")
+    weights = load_file(tmp_path / "w.safetensors")
+    assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in expected.items()}
+    WithEmptyTensors().load_state_dict(weights)
+
+
 def test_a_huggingface_models_export_loads_with_from_pretrained(tmp_path):
     transformers = pytest.importorskip("transformers")
     cfg = transformers.GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=64, n_positions=32)

@@ -92,6 +92,9 @@ def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None, backgrou
         objects[EXTRA] = extra
         tensors = {f"buffer.{k}": v.detach().to("cpu", copy=True)
                    for k, v in _persistent_buffers(engine.model).items()}
+        # A tensor with no elements lies on no page: its shape and dtype are kept as an empty item, for export.
+        tensors.update({f"param.{name}": torch.empty(param.shape, dtype=param.dtype)
+                        for name, param in engine.model.named_parameters() if param.numel() == 0})
     info = {"world_size": engine.mesh.world_size, "dp": engine.ownership.dp, "zero": engine.ownership.stage,
             "page_bytes": engine.layout.page_bytes, "layout": engine.layout.fingerprint(),
             "steps_done": engine._steps_done}
