@@ -95,7 +95,10 @@ def _views(buffer: torch.Tensor) -> int | None:
     """How many tensors view `buffer`'s memory (torch's count of its storage's users), None where this torch
     does not say."""
     count = getattr(torch._C, "_storage_Use_Count", None)
-    return None if count is None else count(buffer.untyped_storage()._cdata)
+    try:
+        return None if count is None else int(count(buffer.untyped_storage()._cdata))
+    except (TypeError, AttributeError, RuntimeError):  # a private call another torch may change
+        return None
 
 
 class BufferPool:

@@ -40,7 +40,11 @@ class SequentialWriter:
             raise ValueError(f"chunk must be a multiple of {ALIGNMENT} bytes and depth >= 1, got {chunk}, {depth}")
         self.path, self.chunk = str(path), chunk
         self.fd, self.direct = open_direct(self.path)
-        self.engine = create_engine(threads=depth, queue_depth=depth)
+        try:
+            self.engine = create_engine(threads=depth, queue_depth=depth)
+        except BaseException:
+            os.close(self.fd)
+            raise
         self._buffers = [aligned_empty(chunk, huge=False) for _ in range(depth)]
         self._arrays = [b.numpy() for b in self._buffers]
         self._handles: list = [None] * depth
