@@ -486,33 +486,56 @@ def test_a_soak_with_ssd_offload_and_frequent_checkpoints_leaks_nothing(tmp_path
 
 
 # --- a save beside training ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("dtype,staleness", [("float32", 0), ("bfloat16", 1)])
+@pytest.mark.parametrize("dtype,staleness,slowed", [("float32", 0, "sleeps"), ("bfloat16", 1, "sleeps"),
+                                                    ("float32", 1, "paced")])
 def test_a_background_save_holds_exactly_the_state_of_its_step_while_training_goes_on(tmp_path, dtype, staleness,
-                                                                                      monkeypatch):
-    """The save is slowed so that steps 6-8 update (and evict to disk) pages it has not written yet: it must still
-    hold step 5's values (torch's async_save writes values from after the next update: pytorch #144657)."""
+                                                                                      slowed, monkeypatch):
+    """The save is slowed (a sleep after each item, or `checkpoint.async_max_gbps` at 1 MB/s in 16 KiB chunks) so
+    that steps 6-8 update (and evict to disk) pages it has not written yet: it must still hold step 5's values
+    (torch's async_save writes values from after the next update: pytorch #144657)."""
     import time as clock
 
     from angel_ptm.memory.tiers import DiskTier
 
-    rehomed = []
-    rehome = DiskTier.rehome
+    from angel_ptm.errors import BudgetError
+
+    rehomed, refused = [], []
+    rehome, alloc = DiskTier.rehome, DiskTier.alloc
     monkeypatch.setattr(DiskTier, "rehome", lambda self, *a: rehomed.append(a[:2]) or rehome(self, *a))
+
+    def counted_alloc(self, kind):
+        try:
+            return alloc(self, kind)
+        except BudgetError:
+            refused.append(kind)  # in rehome: training would wait for the checkpoint to read a slot
+            raise
+
+    monkeypatch.setattr(DiskTier, "alloc", counted_alloc)
 
     build, _, loss_fn = CASES["gpt"]
     data = batches("gpt")
     cfg = config(tmp_path, "a", dtype=dtype, staleness=staleness)
     losses, states = train_with_checkpoint(tmp_path, "gpt", cfg, tmp_path / "sync")
-    engine = angel_ptm.initialize(build(), config(tmp_path, "b", dtype=dtype, staleness=staleness))
-    storage.FAULT = lambda point: clock.sleep(0.01) if point == "item-written" else None
+    cfg = config(tmp_path, "b", dtype=dtype, staleness=staleness)
+    if slowed == "paced":
+        cfg["checkpoint"] = {"async_max_gbps": 0.001}
+        monkeypatch.setattr("angel_ptm.io.stream.CHUNK", 16 << 10)
+    else:
+        storage.FAULT = lambda point: clock.sleep(0.01) if point == "item-written" else None
+    engine = angel_ptm.initialize(build(), cfg)
     try:
         for s in range(STEPS):
             step(engine, loss_fn, data[s])
             if s + 1 == AT:
+                started = clock.monotonic()
                 pending = engine.save_checkpoint(tmp_path / "bg", extra={"step": AT}, background=True)
                 assert not pending.done()
         assert engine.wait_for_checkpoint() == tmp_path / "bg"
+        if slowed == "paced":  # its file's bytes at no more than 1e6 a second
+            written = (tmp_path / "bg" / "__0_0.distcp").stat().st_size
+            assert clock.monotonic() - started >= (written - (16 << 10)) / 1e6
         assert rehomed  # pages written back while the save still held their slots went to other slots
+        assert not refused  # ... always at once: training never waited for the checkpoint
         assert not engine.manager.disk._held and not engine.manager.disk._orphans  # every held slot released
         assert final_states(engine).keys() == states.keys()
     finally:

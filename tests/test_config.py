@@ -347,3 +347,10 @@ def test_checkpoint_async_is_another_spelling_of_async_save():
     assert load_config(None, ["checkpoint.async=true"]).checkpoint.async_save is True
     with pytest.raises(ConfigError, match="checkpoint.async and checkpoint.async_save"):
         load_config({"checkpoint": {"async": True, "async_save": False}})
+
+
+def test_checkpoint_async_max_gbps_is_positive_or_null():
+    assert load_config({"checkpoint": {"async_max_gbps": 0.5}}).checkpoint.async_max_gbps == 0.5
+    assert load_config(None).checkpoint.async_max_gbps is None
+    with pytest.raises(ConfigError, match="checkpoint.async_max_gbps"):
+        load_config({"checkpoint": {"async_max_gbps": 0}})

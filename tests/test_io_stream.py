@@ -59,3 +59,13 @@ def test_a_full_disk_is_a_disk_full_error_naming_the_file_and_nothing_waits_fore
     assert info.value.errno == errno.ENOSPC
     with pytest.raises(ValueError, match="multiple of 4096"):
         SequentialWriter(tmp_path / "odd", chunk=1000)
+
+
+def test_a_paced_writer_takes_at_least_its_bytes_over_its_rate(tmp_path):
+    import time
+
+    started = time.monotonic()
+    with SequentialWriter(tmp_path / "paced", chunk=8192, max_bytes_per_s=1e6) as out:
+        out.write(b"\0" * 100_000)
+    assert time.monotonic() - started >= 0.1 - 1e-3
+    assert (tmp_path / "paced").stat().st_size == 100_000

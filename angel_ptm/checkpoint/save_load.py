@@ -107,17 +107,21 @@ def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None, backgrou
     planner.source = Snapshot(engine.manager, planner.order, engine.layout.page_bytes)
     pending = PendingSave(path, planner.source.copied_bytes)
     agree = (lambda o: o) if group is None else (lambda o: _broadcast_on(group, o))
-    pending.start(lambda: _write(engine, planner, group, tmp, path, info, on_done, agree))
+    gbps = engine.config.checkpoint.async_max_gbps
+    pending.start(lambda: _write(engine, planner, group, tmp, path, info, on_done, agree,
+                                 gbps * 1e9 if gbps else None))
     engine.pending_checkpoint = pending
     return pending
 
 
-def _write(engine, planner, group, tmp: Path, path: Path, info: dict, on_done, agree) -> None:
+def _write(engine, planner, group, tmp: Path, path: Path, info: dict, on_done, agree,
+           max_bytes_per_s: float | None = None) -> None:
     """The collective DCP save into `tmp`, then rank 0 renames it to `path` (and runs `on_done`); a failure on
     any rank removes `tmp` and raises the same typed error on every rank."""
     rank = engine.ownership.rank
     try:
-        _run(engine, "save", lambda: dcp.save({}, storage_writer=CheckedWriter(tmp, info), planner=planner,
+        _run(engine, "save", lambda: dcp.save({}, storage_writer=CheckedWriter(tmp, info, max_bytes_per_s),
+                                              planner=planner,
                                               process_group=group, no_dist=group is None))
     except BaseException:
         if rank == 0:

@@ -284,10 +284,15 @@ class CheckpointConfig(_Section):
     # budget if need be: up to twice the disk-resident states), and the next steps run while a thread writes. The
     # checkpoint still holds exactly that step's state. (`async` is a Python keyword.)
     async_save: bool = False
+    # A save beside training writes at most this many GB/s (1e9 bytes; null: as fast as it can). Where training
+    # pages to the same disk, a paced save takes longer but slows each step less.
+    async_max_gbps: Optional[float] = None
 
     def validate(self) -> None:
         self._require("every", self.every >= 0, ">= 0")
         self._require("keep", self.keep >= 1, ">= 1")
+        if self.async_max_gbps is not None:
+            self._require("async_max_gbps", self.async_max_gbps > 0, "> 0 or null")
 
 
 @dataclass

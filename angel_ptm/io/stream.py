@@ -11,6 +11,8 @@ same with 32 MiB handed to the disk at a time. The last chunk is written padded 
 is truncated to its length. Where O_DIRECT is refused (tmpfs), buffered writes, each `KICK` bytes handed to the
 disk at once (posix_fadvise DONTNEED starts their writeback), so the closing fsync finds little left.
 
+`max_bytes_per_s` paces the writes (a save beside training: `checkpoint.async_max_gbps`).
+
 Memory: `depth` chunks of `chunk` bytes (2 x 1 MiB), whatever the file's size (2 x 2 MiB wrote 2.9 GB/s here,
 2 x 1 MiB 2.5: more than a save, bound by its page reads and serialization, needs).
 """
@@ -18,6 +20,7 @@ Memory: `depth` chunks of `chunk` bytes (2 x 1 MiB), whatever the file's size (2
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 
@@ -34,7 +37,8 @@ class SequentialWriter:
     """Write-only, sequential; `write` raises PageIOError (DiskFullError on ENOSPC) naming the file, from the
     chunk that failed; `finish` makes the file whole (length, fsync); `close` (also on error) only releases."""
 
-    def __init__(self, path: str | os.PathLike, chunk: int | None = None, depth: int | None = None):
+    def __init__(self, path: str | os.PathLike, chunk: int | None = None, depth: int | None = None,
+                 max_bytes_per_s: float | None = None):
         chunk, depth = CHUNK if chunk is None else chunk, DEPTH if depth is None else depth
         if chunk % ALIGNMENT or depth < 1:
             raise ValueError(f"chunk must be a multiple of {ALIGNMENT} bytes and depth >= 1, got {chunk}, {depth}")
@@ -52,6 +56,8 @@ class SequentialWriter:
         self._written = 0  # where the chunk being filled starts in the file
         self._kicked = 0
         self._closed = False
+        self.max_bytes_per_s = max_bytes_per_s  # pacing: a chunk waits until the rate allows its bytes
+        self._started = time.monotonic()
         os.ftruncate(self.fd, 0)  # a file of that name (a leftover) holds nothing of ours
 
     def __enter__(self) -> "SequentialWriter":
@@ -89,6 +95,10 @@ class SequentialWriter:
         """The chunk being filled goes to the disk (padded to the alignment: only the last is partial); the next
         buffer is waited for."""
         k, fill = self._k, self._fill
+        if self.max_bytes_per_s:
+            delay = self._started + (self._written + fill) / self.max_bytes_per_s - time.monotonic()
+            if delay > 0:
+                time.sleep(delay)
         padded = -(-fill // ALIGNMENT) * ALIGNMENT
         if padded > fill:
             self._buffers[k][fill:padded].zero_()

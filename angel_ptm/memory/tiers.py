@@ -135,6 +135,7 @@ class DiskTier:
         # taken): not written and not reused until released. A page written meanwhile gets another slot; the held
         # one is freed once released (`_orphans`). Released from the checkpoint's thread, hence the lock.
         self._held: dict[tuple[str, int], int] = {}
+        self._held_peak = 0  # the most slots held at once since none was (the files may grow by that many)
         self._orphans: set[tuple[str, int]] = set()
         self._released = threading.Condition()
         # Slots whose bytes lie in a loaded checkpoint's files, nothing written (backing.py), and the sources the
@@ -157,7 +158,7 @@ class DiskTier:
         extra = n_slots - slot_file.n_slots
         if extra <= 0:
             return
-        if self._reserved + extra > self.capacity + len(self._held):
+        if self._reserved + extra > self.capacity + self._held_peak:
             raise BudgetError("disk", extra * self.page_bytes, (self.capacity - self._reserved) * self.page_bytes,
                               what=f"{extra} {kind} pages in {self.directory}")
         first_new = slot_file.n_slots
@@ -170,10 +171,16 @@ class DiskTier:
         if not self._free[kind]:
             # While an asynchronous checkpoint holds slots, pages written meanwhile may take as many slots more:
             # the checkpoint costs disk space, never a wait (`checkpoint.async_save`: the estimate counts it).
-            room = self.capacity + len(self._held) - self._reserved
-            if room <= 0:
+            # Slots in use stay within the budget plus the slots held now; the files grow at most by the most
+            # held at once (what the estimate counts). Beyond the budget one slot at a time: a kind's spare slots
+            # there (orphans freed as the checkpoint reads them) are room another kind cannot use.
+            with self._released:
+                held, peak = len(self._held), self._held_peak
+            in_use = self._reserved - sum(len(free) for free in self._free.values())
+            if in_use >= self.capacity + held or self._reserved >= self.capacity + peak:
                 raise BudgetError("disk", self.page_bytes, 0, what=f"one {kind} page in {self.directory}")
-            self.reserve(kind, slot_file.n_slots + min(self.growth_slots, room))
+            within = self.capacity - self._reserved
+            self.reserve(kind, slot_file.n_slots + (min(self.growth_slots, within) if within > 0 else 1))
         return self._free[kind].pop()
 
     def alloc_or_reclaim(self, kind: str, pages: Iterable[Page]) -> int:
@@ -199,6 +206,7 @@ class DiskTier:
     def hold(self, kind: str, slot: int) -> None:
         with self._released:
             self._held[(kind, slot)] = self._held.get((kind, slot), 0) + 1
+            self._held_peak = max(self._held_peak, len(self._held))
 
     def release_hold(self, kind: str, slot: int) -> None:
         """The checkpoint has read the slot (any thread): written again, or freed if its page moved away."""
@@ -211,6 +219,8 @@ class DiskTier:
                     self._orphans.discard(key)
                     self._unback_locked(kind, slot)
                     self._free[kind].append(slot)
+                if not self._held:
+                    self._held_peak = 0
             self._released.notify_all()
 
     def held(self, kind: str, slot: int) -> bool:

@@ -1,7 +1,7 @@
 """Checkpoint benchmark: save and load of a GPT whose states live mostly on disk, against the disk's ceiling.
 
     python -m tools.bench.checkpoint --dir DIR [--dim 512] [--layers 8] [--page-mib 4] [--device-frac 0.1]
-                                     [--host-frac 0.1] [--repeats 5] [--async-steps 6]
+                                     [--host-frac 0.1] [--repeats 5] [--async-steps 6] [--async-gbps G]
 
 In one run, interleaved round by round so every figure sees the same disk weather:
 - save: `engine.save_checkpoint` (every state kind, streamed page by page from whichever tier holds it, checksummed,
@@ -23,7 +23,7 @@ In one run, interleaved round by round so every figure sees the same disk weathe
 - async: `engine.save_checkpoint(..., background=True)` (`checkpoint.async_save`) while training steps go on:
   `async_step_slowdown` = the steps while it is written, plus the time `save_checkpoint` blocked (the snapshot),
   over as many median steps of the `--async-steps` before and after it (goal <= 1.1), with the steps it spanned,
-  its seconds and the bytes it staged (pages in memory).
+  its seconds and the bytes it staged (pages in memory); `--async-gbps` paces it (`checkpoint.async_max_gbps`).
 GB/s are 1e9 bytes per second; every figure is the median over `--repeats` rounds, the ratios the median of each
 round's ratio. Last line: one JSON object.
 """
@@ -61,7 +61,8 @@ def make_engine(args, disk_dir: str, state_bytes_per_kind: int):
               "memory": {"page_bytes": page, "disk_dir": disk_dir,
                          "device_budget": max(int(states * args.device_frac), 24 * page),
                          "host_budget": max(int(states * args.host_frac), 24 * page)},
-              "trainer": {"device": "cpu", "grad_clip": 0}}
+              "trainer": {"device": "cpu", "grad_clip": 0},
+              "checkpoint": {"async_max_gbps": args.async_gbps}}
     return angel_ptm.initialize(model, config)
 
 
@@ -165,6 +166,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--async-steps", type=int, default=6,
                         help="steps timed before and after the save beside training")
+    parser.add_argument("--async-gbps", type=float, default=None,
+                        help="checkpoint.async_max_gbps for the save beside training (default: unpaced)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
 
@@ -275,7 +278,7 @@ def main(argv=None) -> dict:
         "torch_save_s": med(torch_s), "torch_save_gbps": torch_bytes / med(torch_s) / GB,
         # steps while the background save ran, against the median of the steps before and after it
         "async_step_slowdown": (blocking + sum(during)) / (len(during) * med(base + after)),
-        "async_steps_during": len(during), "async_blocking_s": blocking,
+        "async_steps_during": len(during), "async_max_gbps": args.async_gbps, "async_blocking_s": blocking,
         "async_save_s": pending.seconds, "async_staged_bytes": pending.staged_bytes,
         "step_s": med(base + after),
         "repeats": args.repeats,
