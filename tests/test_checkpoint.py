@@ -601,11 +601,11 @@ def test_a_manifest_naming_an_unknown_checksum_is_a_typed_error(tmp_path, monkey
 
 
 def test_a_saves_page_buffers_are_reused_once_unviewed_and_capped(monkeypatch):
-    from angel_ptm.checkpoint import planners
+    from angel_ptm.checkpoint import buffers
 
-    if planners._views(torch.empty(1)) is None:
+    if buffers._views(torch.empty(1)) is None:
         pytest.skip("this torch does not count a storage's users: buffers are never reused")
-    pool = planners.BufferPool(8192, cap=2, patience=0.05)
+    pool = buffers.BufferPool(8192, cap=2, patience=0.05)
     a, b = pool.take(), pool.take()
     item = a[100:200].view(torch.int32)  # the writer still holds an item of `a`
     pool.give_back(a)
