@@ -566,12 +566,16 @@ def test_crc32c_native_and_python_agree_with_the_standard_check_value():
 @pytest.mark.parametrize("written,read", [("crc32", "crc32"), ("crc32c", "python")])
 def test_a_checkpoint_is_checked_with_the_checksum_its_manifest_names(tmp_path, monkeypatch, written, read):
     """Each checksum kind round-trips and still catches a flipped bit: zlib's CRC-32 (a build without the native
-    extension writes it; manifests before "item_checksum" imply it), and native CRC-32C checked by the pure-Python
-    fallback. The file is written in 8 KiB chunks (items span chunks)."""
+    extension writes it, through the thread engine; manifests before "item_checksum" imply it), and native CRC-32C
+    checked by the pure-Python fallback. The file is written in 8 KiB chunks (items span chunks)."""
     from angel_ptm.io import checksums
 
     monkeypatch.setattr("angel_ptm.io.stream.CHUNK", 8 << 10)
     monkeypatch.setattr(checksums, "PREFERRED", written)
+    if written == "crc32":  # as a build without the native extension writes: the thread engine, zlib's CRC-32
+        from angel_ptm.io import engine as io_engine, stream
+
+        monkeypatch.setattr(stream, "create_engine", lambda **kw: io_engine.create_engine(backend="python", **kw))
     losses, states = train_with_checkpoint(tmp_path, "mlp", config(tmp_path, "a"), tmp_path / "ckpt")
     assert storage.read_manifest(tmp_path / "ckpt")["item_checksum"] == written
     if read == "python":
