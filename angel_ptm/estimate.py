@@ -45,6 +45,7 @@ from angel_ptm.memory.placement import (CREATION_ORDER, Problem, StartPlacement,
                                         device_reserve_pages, disk_reservations, place_pages, staging_host_pages,
                                         update_tier)
 from angel_ptm.memory.disk_dir import check_disk_dir
+from angel_ptm.memory.store import PageKind
 from angel_ptm.models import GPT, build_model, estimate_activation_bytes
 from angel_ptm.parallel.grad_sync import reduction_buffer_bytes
 from angel_ptm.parallel.ownership import (Ownership, gather_capacity, gather_reserve, min_gather_device_pages,
@@ -104,6 +105,7 @@ class Estimate:
     osdp_groups: int = 0  # parallel.osdp: page groups that may be kept replicated (parallel/ownership.osdp_replicable)
     gather_pages: int = 0  # ZeRO-3: device slots those groups take at most
     collective_bytes: dict = field(default_factory=dict)  # per step, bytes this rank hands to each collective
+    checkpoint_staging_bytes: int = 0  # checkpoint.async_save: host RAM a save beside training copies pages into
 
     @property
     def fits(self) -> bool:
@@ -165,6 +167,9 @@ class Estimate:
         lines.append(f"  pinned host memory {format_bytes(self.pinned_host_bytes)}; host RAM needed "
                      f"{format_bytes(self.host_ram_needed)} of {format_bytes(self.host_ram_available)} available"
                      + (" on this machine" if self.gpu_memory_given else ""))
+        if self.checkpoint_staging_bytes:
+            lines.append(f"  of which {format_bytes(self.checkpoint_staging_bytes)}: checkpoint.async_save's copy of "
+                         f"the saved pages in memory, while a checkpoint is written beside training")
         lines.append(f"  page files in {self.disk_dir}: {format_bytes(self.tiers['disk'].pool)} reserved up front")
         header = f"  {'tier':<7}{'needed':>12}{'budget':>12}{'expected peak':>15}{'available':>12}  fits"
         lines += ["", header]
@@ -290,7 +295,12 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     activation = activation_bytes(model, config)
     pools = {tier: slots[tier] * page_bytes for tier in ("device", "host")}
     buffers = reduction_buffer_bytes(own.dp, own.stage, page_bytes)  # on the device with NCCL, in RAM on a CPU
-    host_ram = pools["host"] + (0 if device.type == "cuda" else pools["device"] + (activation or 0) + buffers)
+    # A checkpoint written beside training copies the saved pages resting in memory (both pools) into host RAM at
+    # the step's end, held while it writes (checkpoint.async_save; checkpoint/planners.py: Snapshot).
+    saved = sum(counts[kind] for kind in kinds if PageKind(kind).checkpointed) * page_bytes
+    staged = min(saved, pools["device"] + pools["host"]) if config.checkpoint.async_save else 0
+    host_ram = (pools["host"] + staged
+                + (0 if device.type == "cuda" else pools["device"] + (activation or 0) + buffers))
     device_memory = pools["device"] + (activation or 0) + buffers
     if gpu_free is not None and device_memory > gpu_free:
         problems.append(Problem("device", device_memory, gpu_free,
@@ -301,6 +311,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if host_ram > ram_available:
         problems.append(Problem("host", host_ram, ram_available,
                                 "the page pools" + ("" if device.type == "cuda" else " and activations")
+                                + (f", checkpoint.async_save's copy of the saved pages in memory "
+                                   f"({format_bytes(staged)})" if staged else "")
                                 + " in available RAM"))
 
     # ZeRO-3: the other ranks' pages of the gathered groups, as many as the gatherer keeps (or the model has)
@@ -335,7 +347,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         gpu_memory_given=gpu_memory is not None,
         zero=own.stage, largest_unit_groups=chain_groups, gather_groups=gather_groups, gather_pages=gather_pages,
         osdp_groups=osdp_replicable(gather_groups, chain_groups) if own.gathers and config.parallel.osdp else 0,
-        collective_bytes=collective_bytes(own, layout, page_bytes),
+        collective_bytes=collective_bytes(own, layout, page_bytes), checkpoint_staging_bytes=staged,
     )
 
 

@@ -246,6 +246,27 @@ def test_checkpoints_written_beside_training_count_a_second_slot_per_disk_page(m
     assert (info.value.tier, info.value.requested, info.value.available) == ("disk", 480 * MiB, 300 * MiB)
 
 
+def test_checkpoints_written_beside_training_count_their_copy_of_the_pages_in_memory(monkeypatch):
+    """The save's snapshot copies the saved pages (not gradients) resting in the device and host pools into host
+    RAM: the estimate adds the smaller of those pools and those pages, and refuses what RAM cannot hold."""
+    config = job("default")
+    plain = estimate_job(config)
+    background = estimate_job(dataclasses.replace(
+        config, checkpoint=dataclasses.replace(config.checkpoint, async_save=True)))
+    pools = plain.tiers["device"].pool + plain.tiers["host"].pool
+    saved = sum(n for kind, n in plain.kind_bytes.items() if kind != "grad")
+    assert plain.checkpoint_staging_bytes == 0
+    assert background.checkpoint_staging_bytes == min(pools, saved) > 0
+    assert background.host_ram_needed == plain.host_ram_needed + background.checkpoint_staging_bytes
+    assert "checkpoint.async_save's copy" in background.format_table()
+    monkeypatch.setattr(estimate_module.psutil, "virtual_memory",
+                        lambda: SimpleNamespace(available=plain.host_ram_needed))
+    estimate_job(config).check()  # exactly fits without the copy
+    with pytest.raises(BudgetError, match="checkpoint.async_save's copy of the saved pages"):
+        estimate_job(dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint,
+                                                                                async_save=True))).check()
+
+
 def test_optimizer_update_needs_four_pages_on_its_tier(tmp_path):
     # Three Linear(64, 64) units of 2 pages each (a 16 KiB weight, a page for its bias): 6 pages per kind.
     config = load_config(None, ["memory.page_bytes=16KiB", "memory.device_budget=48KiB", "memory.host_budget=48KiB",

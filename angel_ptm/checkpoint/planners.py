@@ -35,9 +35,10 @@ from angel_ptm.checkpoint.boxes import box_start, flat_boxes
 from angel_ptm.checkpoint.buffers import BufferPool, anonymous_buffer
 from angel_ptm.errors import CheckpointError, ChecksumError
 from angel_ptm.memory import Page, PageLayout, PageState, Tier
+from angel_ptm.memory.store import PageKind
 from angel_ptm.memory.backing import Extent, Source, zero_outside
 
-SAVED_KINDS = ("param", "master", "exp_avg", "exp_avg_sq")
+SAVED_KINDS = tuple(kind.value for kind in PageKind if kind.checkpointed)  # param, master, exp_avg, exp_avg_sq
 
 
 @dataclass(frozen=True)

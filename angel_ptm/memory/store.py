@@ -42,6 +42,11 @@ class PageKind(str, enum.Enum):
         """Read and written only by the optimizer (what ZeRO-1 shards)."""
         return self in (PageKind.MASTER, PageKind.EXP_AVG, PageKind.EXP_AVG_SQ)
 
+    @property
+    def checkpointed(self) -> bool:
+        """Saved by a checkpoint: every kind but gradients (none is pending between steps)."""
+        return self is not PageKind.GRAD
+
 
 class PageStore(Mapping):
     def __init__(self, pages: dict[PageKind, list[Page | None]], home: Callable[[str, int], int]):
