@@ -1,0 +1,115 @@
+"""Checkpoint I/O pieces: item checksums by the name the manifest gives (native CRC-32C, zlib CRC-32, the
+pure-Python fallback), the save's buffer pool, the load's read-ahead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import angel_ptm
+from angel_ptm.checkpoint import storage
+from angel_ptm.errors import CheckpointCorruptError
+
+from test_checkpoint import AT, CASES, assert_bitwise, config, resume_from, scrambled, train_with_checkpoint
+
+
+# --- item checksums and write-back -----------------------------------------------------------------------------------
+def test_crc32c_native_and_python_agree_with_the_standard_check_value():
+    from angel_ptm.io import checksums
+
+    data = bytes(range(256)) * 37 + b"tail"
+    assert checksums.crc32c_python(b"123456789") == 0xE3069283  # RFC 3720's check value
+    assert checksums.crc32c(b"123456789") == 0xE3069283
+    assert checksums.crc32c(data) == checksums.crc32c_python(data)
+    assert checksums.crc32c(data[1000:], checksums.crc32c(data[:1000])) == checksums.crc32c(data)
+    floats = torch.arange(100, dtype=torch.float32).numpy()
+    assert checksums.crc32c(floats) == checksums.crc32c(floats.tobytes())
+    with pytest.raises(KeyError, match="crc32c"):
+        checksums.function("md5")
+
+
+@pytest.mark.parametrize("written,read", [("crc32", "crc32"), ("crc32c", "python")])
+def test_a_checkpoint_is_checked_with_the_checksum_its_manifest_names(tmp_path, monkeypatch, written, read):
+    """Each checksum kind round-trips and still catches a flipped bit: zlib's CRC-32 (a build without the native
+    extension writes it, through the thread engine; manifests before "item_checksum" imply it), and native CRC-32C
+    checked by the pure-Python fallback. The file is written in 8 KiB chunks (items span chunks)."""
+    from angel_ptm.io import checksums
+
+    monkeypatch.setattr("angel_ptm.io.stream.CHUNK", 8 << 10)
+    monkeypatch.setattr(checksums, "PREFERRED", written)
+    if written == "crc32":  # as a build without the native extension writes: the thread engine, zlib's CRC-32
+        from angel_ptm.io import engine as io_engine, stream
+
+        monkeypatch.setattr(stream, "create_engine", lambda **kw: io_engine.create_engine(backend="python", **kw))
+    losses, states = train_with_checkpoint(tmp_path, "mlp", config(tmp_path, "a"), tmp_path / "ckpt")
+    assert storage.read_manifest(tmp_path / "ckpt")["item_checksum"] == written
+    if read == "python":
+        monkeypatch.setitem(checksums.ALGORITHMS, "crc32c", checksums.crc32c_python)
+    resumed, resumed_states = resume_from("mlp", config(tmp_path, "b"), tmp_path / "ckpt")
+    assert resumed == losses[AT:]
+    assert_bitwise(states, resumed_states)
+    victim = tmp_path / "ckpt" / "__0_0.distcp"
+    raw = bytearray(victim.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    victim.write_bytes(bytes(raw))
+    engine = angel_ptm.initialize(scrambled(CASES["mlp"][0]), config(tmp_path, "c"))
+    try:
+        with pytest.raises(CheckpointCorruptError, match="fails its checksum"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+    finally:
+        engine.close()
+
+
+def test_a_manifest_naming_an_unknown_checksum_is_a_typed_error(tmp_path, monkeypatch):
+    train_with_checkpoint(tmp_path, "mlp", config(tmp_path, "a"), tmp_path / "ckpt")
+    manifest = storage.read_manifest(tmp_path / "ckpt")
+    manifest["item_checksum"] = "sha0"
+    (tmp_path / "ckpt" / storage.MANIFEST).write_bytes(storage.seal(manifest))
+    with pytest.raises(CheckpointCorruptError, match="unknown checksum 'sha0'"):
+        storage.CheckedReader(tmp_path / "ckpt")
+
+
+def test_a_saves_page_buffers_are_reused_once_unviewed_and_capped(monkeypatch):
+    from angel_ptm.checkpoint import buffers
+
+    if buffers._views(torch.empty(1)) is None:
+        pytest.skip("this torch does not count a storage's users: buffers are never reused")
+    pool = buffers.BufferPool(8192, cap=2, patience=0.05)
+    a, b = pool.take(), pool.take()
+    item = a[100:200].view(torch.int32)  # the writer still holds an item of `a`
+    pool.give_back(a)
+    pool.give_back(b)
+    assert pool.take() is b  # `a` is still viewed
+    del item
+    assert pool.take() is a
+    pool.give_back(a)
+    held = a[:8]
+    started = __import__("time").monotonic()
+    c = pool.take()  # cap reached and `a` still viewed: waits `patience`, then makes one more
+    assert c is not a and __import__("time").monotonic() - started >= 0.05
+    del held
+
+
+def test_read_ahead_advises_in_order_within_its_window_and_stops(tmp_path):
+    from angel_ptm.checkpoint.files import CheckpointFile, ReadAhead
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(100))
+    file = CheckpointFile(path)
+    seen = []
+    file.advise = lambda offset, length: seen.append(offset)
+    ranges = [(file, 10 * i, 10) for i in range(10)]
+    clock = __import__("time")
+
+    def settles_at(expected):
+        deadline = clock.monotonic() + 5
+        while len(seen) < len(expected) and clock.monotonic() < deadline:
+            clock.sleep(0.005)
+        clock.sleep(0.02)  # and goes no further
+        assert seen == expected
+
+    with ReadAhead(ranges, window=25) as ahead:
+        settles_at([0, 10, 20, 30])  # the current range, then whole ranges until 25 bytes lie beyond it
+        ahead.reached(5)
+        settles_at([10 * i for i in range(9)])
+    file.close()
