@@ -19,16 +19,20 @@
 
 from __future__ import annotations
 
+import logging
 from contextlib import contextmanager
 from typing import Callable
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 
 from angel_ptm import guard
 from angel_ptm.errors import ParameterAccessError
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
 from angel_ptm.units import PagingUnit, unit_pages
+
+log = logging.getLogger("angel_ptm")
 
 
 class PackedPageTensor:
@@ -124,12 +128,23 @@ class ParamBinder:
         self._overflow: torch.Tensor | None = None  # a bool tensor on the device: no sync per gradient
         self._placeholders = {id(p): guard.placeholder(p, device) for p in model.parameters()}
         self._state_dict_bound: dict[int, list[nn.Parameter]] = {}
+        self._recomputed: list[PagingUnit] = []  # units whose forward is recomputed in backward
 
     # ------------------------------------------------------------------ wiring
-    def attach(self) -> None:
+    def attach(self, recompute: bool = False) -> None:
+        """Hooks on the model; with `recompute` (activations.checkpoint: full), every unit but the root recomputes
+        its forward in backward."""
+        config = getattr(self.model, "config", None)
+        if recompute and getattr(config, "use_cache", False):  # a HuggingFace model: as its own checkpointing does
+            log.warning("activations.checkpoint full: the model's config.use_cache set to False (a recomputed "
+                        "layer would fill its key/value cache again)")
+            config.use_cache = False
         for unit in self.units:
             self._handles.append(unit.module.register_forward_pre_hook(self._unit_pre_hook(unit)))
             self._handles.append(unit.module.register_forward_hook(self._unit_post_hook(unit), always_call=True))
+            if recompute and unit.parent is not None:
+                self._recomputed.append(unit)
+                unit.module.forward = self._checkpointed_forward(unit, unit.module.forward)
         for module in self.model.modules():
             if any(True for _ in module.parameters(recurse=False)):
                 self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
@@ -146,6 +161,9 @@ class ParamBinder:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for unit in self._recomputed:
+            del unit.module.forward  # the class's forward again
+        self._recomputed.clear()
         if values is not None:
             for param in self.model.parameters():
                 guard.release(param, values(self.slots[id(param)]))
@@ -217,6 +235,36 @@ class ParamBinder:
         if gather_into is not None:
             gather_into[flat.untyped_storage().data_ptr()] = slot
         return flat.view(slot.shape)
+
+    # ------------------------------------------------------------------ recomputation (activations.checkpoint)
+    def _checkpointed_forward(self, unit: PagingUnit, forward: Callable):
+        """`unit`'s forward under torch.utils.checkpoint: in the engine's forward it runs as ever (its parameters
+        bound by its pre-hook) and autograd keeps only its inputs; in backward it runs again with its parameters
+        bound to copies of their values, brought from their pages for that alone, so the recomputed saved tensors
+        view no page (the pages may move before backward uses them)."""
+
+        def run(*args, **kwargs):
+            if self._hooks_on:
+                return forward(*args, **kwargs)
+            pages = self.unit_pages[id(unit)]
+            self.param_access.acquire(pages, Tier.DEVICE, label=f"recompute:{unit.name}")
+            try:
+                for param in unit.params:
+                    guard.bind(param, self._param_view(self.slots[id(param)]).clone())
+            finally:
+                self.param_access.release(pages)
+            try:
+                return forward(*args, **kwargs)
+            finally:
+                for param in unit.params:
+                    guard.unbind(param, self._placeholders[id(param)])
+
+        def checkpointed(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+
+        return checkpointed
 
     # ------------------------------------------------------------------ state dicts
     def _before_state_dict(self, module: nn.Module, _prefix, _keep_vars) -> None:

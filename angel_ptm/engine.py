@@ -98,7 +98,7 @@ class Engine(StateAccess):
         self._closed = False
         self._steps_done = 0
         self._schedule = ConfigSchedule(config)  # applied on step(); set_lr turns it off
-        self.binder.attach()
+        self.binder.attach(recompute=config.activations.checkpoint == "full")
         tcfg = config.trainer
         # fp16: loss scaling. The binder notes inf/NaN gradients as they land; no page may be updated before the
         # whole backward is known to be clean, so fp16 never updates during backward.

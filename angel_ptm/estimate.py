@@ -411,7 +411,8 @@ def activation_bytes(model: nn.Module, config: Config) -> Optional[int]:
     dtype = compute_dtype(config)  # mixed precision: the model runs in it (the engine converts the parameters)
     dtype_bytes = dtype.itemsize if dtype is not None else next(
         (p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
-    return estimate_activation_bytes(model.cfg, config.data.batch_size, dtype_bytes)
+    return estimate_activation_bytes(model.cfg, config.data.batch_size, dtype_bytes,
+                                     recompute=config.activations.checkpoint == "full")
 
 
 def free_disk_bytes(path: str) -> int:

@@ -73,6 +73,8 @@ def config_of(spec: dict, world: int, disk_dir: str) -> dict:
     cfg["trainer"]["grad_accum"] = spec["accum"]
     cfg["parallel"] = {"zero": spec["zero"], "timeout_s": spec.get("timeout_s", 60), "osdp": spec.get("osdp", False)}
     cfg["optimizer"].update(spec.get("optimizer", {}))
+    if spec.get("activations"):
+        cfg["activations"] = {"checkpoint": spec["activations"]}
     return cfg
 
 

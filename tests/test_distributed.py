@@ -25,6 +25,7 @@ JOBS = (
                                                                     placement="device+host")]
     + [job(f"zero{z}-branchy", zero=z, model="branchy", placement="device+host") for z in (2, 3)]
     + [job("zero3-osdp", zero=3, osdp=True, steps=5)]
+    + [job("zero3-recompute", zero=3, activations="full")]
     + [job(f"zero{z}-collective-group", zero=z, pairwise=False) for z in (2, 3)]
     + [job(f"zero{z}-dropped-step", zero=z, drop_at=2, optimizer={"overlap_updates": False}) for z in (2, 3)]
     + [job("zero2-fp16-overflow", zero=2, dtype="float16", placement="device+host", overflow_at=[1, 1],
@@ -77,6 +78,12 @@ def test_two_ranks_match_torch_adamw_on_the_global_batch(two_ranks, name):
     expected = torch_reference(spec, 2)
     for step, (e, a) in enumerate(zip(expected, result(two_ranks, name)["losses"])):
         assert a == pytest.approx(e, rel=1e-5), f"step {step}: torch {e} two ranks {a}"
+
+
+def test_zero3_with_recomputed_units_gives_the_losses_of_keeping_every_activation(two_ranks):
+    """activations.checkpoint full: each block's forward runs again in backward, its parameter groups gathered
+    again for it; the losses are those of the same job keeping every activation, bit for bit."""
+    assert result(two_ranks, "zero3-recompute")["losses"] == result(two_ranks, "zero3-device+host+disk")["losses"]
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

@@ -296,6 +296,21 @@ class CheckpointConfig(_Section):
 
 
 @dataclass
+class ActivationsConfig(_Section):
+    SECTION: ClassVar[str] = "activations"
+
+    # "full": every paging unit but the model's root keeps only its inputs in forward and recomputes its forward
+    # in backward (torch.utils.checkpoint, non-reentrant, RNG state restored), its parameters brought back for the
+    # recomputation. "none": autograd keeps every saved tensor.
+    checkpoint: str = "none"
+
+    def validate(self) -> None:
+        if self.checkpoint == "selective":
+            self._require("checkpoint", False, '"none" or "full" (selective recomputation is not built yet)')
+        self._require("checkpoint", self.checkpoint in ("none", "full"), '"none" or "full"')
+
+
+@dataclass
 class RunConfig(_Section):
     SECTION: ClassVar[str] = "run"
 
@@ -323,6 +338,7 @@ class Config:
     trace: TraceConfig = field(default_factory=TraceConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    activations: ActivationsConfig = field(default_factory=ActivationsConfig)
     run: RunConfig = field(default_factory=RunConfig)
 
     def __post_init__(self) -> None:

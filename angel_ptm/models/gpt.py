@@ -232,7 +232,7 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def estimate_activation_bytes(cfg: GPTConfig, batch_size: int, dtype_bytes: int = 4) -> int:
+def estimate_activation_bytes(cfg: GPTConfig, batch_size: int, dtype_bytes: int = 4, recompute: bool = False) -> int:
     """Rough bytes of activations saved for backward in one training step (forward + loss).
 
     Per token, per layer, in elements of ``dtype_bytes`` (d = dim, kv = n_kv_head * head_dim, h = hidden_dim):
@@ -244,10 +244,13 @@ def estimate_activation_bytes(cfg: GPTConfig, batch_size: int, dtype_bytes: int 
     Plus the embedding output and final norm (3d per token), and the logits:
     batch * seq * vocab * (dtype_bytes + 4) -- the logits themselves and the float32 softmax kept for the
     cross-entropy gradient.
+    With `recompute` (activations.checkpoint full: each block recomputed in backward), a block keeps only its input
+    (d per token) and one block's activations exist at a time, in its recomputation.
     """
     tokens = batch_size * cfg.seq_len
     kv = cfg.kv_heads * cfg.head_dim
     per_layer = 8 * cfg.dim + 4 * kv + 4 * cfg.hidden_dim
-    hidden_bytes = tokens * (cfg.n_layer * per_layer + 3 * cfg.dim) * dtype_bytes
+    kept = cfg.n_layer * cfg.dim + per_layer if recompute else cfg.n_layer * per_layer
+    hidden_bytes = tokens * (kept + 3 * cfg.dim) * dtype_bytes
     logits_bytes = tokens * cfg.vocab_size * (dtype_bytes + 4)
     return int(hidden_bytes + logits_bytes)
