@@ -8,28 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
 import angel_ptm
 from angel_ptm.config import load_config
 from angel_ptm.errors import ConfigValueError
 
-from conformance_cases import MODELS, PAGE_BYTES, encoder_batches, encoder_loss, one_compute_thread, place  # noqa: F401
+from conformance_cases import MODELS, PAGE_BYTES, one_compute_thread, place  # noqa: F401 (an autouse fixture)
+from test_any_model import Encoder
 from test_engine_equivalence import engine_config, run_steps
-
-
-class DropoutEncoder(nn.Module):
-    """nn.TransformerEncoder with dropout 0.1: the recomputation must draw the same masks."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.1, batch_first=True)
-        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
-        self.head = nn.Linear(32, 1)
-
-    def forward(self, x):
-        return self.head(self.encoder(x)).mean(dim=(1, 2))
 
 
 def train(name, placement, scheduler, tmp_path, mode, build=None, **job):
@@ -84,7 +70,7 @@ def test_full_recomputation_gives_the_same_losses_in_every_placement(tmp_path, p
 
 @pytest.mark.parametrize("name", ["hf-gpt2", "transformer", "dropout"])
 def test_full_recomputation_on_models_it_was_not_written_for(tmp_path, name):
-    build = DropoutEncoder if name == "dropout" else None
+    build = (lambda: Encoder(dropout=0.1)) if name == "dropout" else None  # the recomputation draws the same masks
     case = "transformer" if name == "dropout" else name
     kept, _, _ = train(case, "disk", "planned", tmp_path, "none", build)
     recomputed, count, _ = train(case, "disk", "planned", tmp_path, "full", build)

@@ -74,10 +74,10 @@ def test_a_saved_parameter_spanning_pages_trains_like_torch(scheduler, tmp_path)
 
 
 class Encoder(nn.Module):
-    def __init__(self):
+    def __init__(self, dropout: float = 0.0):
         super().__init__()
         torch.manual_seed(0)
-        layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        layer = nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=dropout, batch_first=True)
         self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
         self.head = nn.Linear(32, 1)
 

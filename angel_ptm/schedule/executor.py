@@ -26,7 +26,8 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from angel_ptm.memory.manager import Hop, PageManager
+from angel_ptm.memory.manager import PageManager
+from angel_ptm.memory.moves import Hop
 from angel_ptm.memory.page import Page, PageState, Tier
 from angel_ptm.memory.policy import BeladyPolicy, LRUPolicy
 from angel_ptm.schedule.planner import Op, Plan, plan_step
