@@ -24,11 +24,11 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
-import torch.utils.checkpoint
 from torch import nn
 
 from angel_ptm import guard
-from angel_ptm.errors import ParameterAccessError
+from angel_ptm.activations import ActivationPages, PackedActivation, Recomputation
+from angel_ptm.errors import ConfigValueError, ParameterAccessError
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
 from angel_ptm.units import PagingUnit, unit_pages
 
@@ -80,12 +80,13 @@ def _register_state_dict_post_hook(module: nn.Module, hook):
 
 
 class _Saved:
-    """A saved activation (not in a page), counted while autograd holds it."""
+    """A saved activation (not in a page), counted while autograd holds it: its storage once, however many
+    tensors autograd saves that view it (a layer's input saved by each of three projections, a transposed view)."""
 
-    __slots__ = ("tensor", "nbytes")
+    __slots__ = ("tensor", "storage")
 
     def __init__(self, tensor: torch.Tensor):
-        self.tensor, self.nbytes = tensor, tensor.numel() * tensor.element_size()
+        self.tensor, self.storage = tensor, tensor.untyped_storage().data_ptr()
 
 
 class ParamBinder:
@@ -99,7 +100,9 @@ class ParamBinder:
             self.slots[id(param)] = layout.slot(name)
         self.unit_pages = {id(u): [param_pages[i] for i in unit_pages(u, lambda p: self.slots[id(p)].pages)]
                            for u in units}
-        self.activation_bytes = 0  # saved activations alive now (the scheduler's trace records it per access)
+        self.activation_bytes = 0  # saved activations alive now
+        self._activation_high = 0  # the most alive at once since the scheduler's trace last sampled (take_peak)
+        self._saved_storages: dict[int, list[int]] = {}  # storage address -> [saves not yet read, its bytes]
         self._bound: dict[int, int] = {}  # id(param) -> units binding it now
         self._page_by_address: dict[int, Page] = {}  # device pages bound now, by buffer address
         self._page_binds: dict[int, int] = {}  # page id -> units holding it now
@@ -129,22 +132,29 @@ class ParamBinder:
         self._placeholders = {id(p): guard.placeholder(p, device) for p in model.parameters()}
         self._state_dict_bound: dict[int, list[nn.Parameter]] = {}
         self._recomputed: list[PagingUnit] = []  # units whose forward is recomputed in backward
+        self.recomputation: Recomputation | None = None  # activations.checkpoint (attach)
+        self.offload: ActivationPages | None = None  # activations.offload (attach)
 
     # ------------------------------------------------------------------ wiring
-    def attach(self, recompute: bool = False) -> None:
-        """Hooks on the model; with `recompute` (activations.checkpoint: full), every unit but the root recomputes
-        its forward in backward."""
+    def attach(self, recompute: str = "none", recompute_units: tuple[str, ...] = (),
+               offload: ActivationPages | None = None) -> None:
+        """Hooks on the model. `recompute` (activations.checkpoint: full | selective): the units of the types
+        `recompute_units` names (every unit but the root if none) recompute their forward in backward. `offload`:
+        saved tensors go into its activation pages (activations.offload)."""
+        self.offload = offload
+        checkpointed = self._checkpointed_units(recompute, recompute_units)
         config = getattr(self.model, "config", None)
-        if recompute and getattr(config, "use_cache", False):  # a HuggingFace model: as its own checkpointing does
-            log.warning("activations.checkpoint full: the model's config.use_cache set to False (a recomputed "
-                        "layer would fill its key/value cache again)")
+        if checkpointed and getattr(config, "use_cache", False):  # a HuggingFace model: as its own checkpointing does
+            log.warning(f"activations.checkpoint {recompute}: the model's config.use_cache set to False (a "
+                        f"recomputed layer would fill its key/value cache again)")
             config.use_cache = False
+        self.recomputation = Recomputation(self, recompute) if checkpointed else None
         for unit in self.units:
             self._handles.append(unit.module.register_forward_pre_hook(self._unit_pre_hook(unit)))
             self._handles.append(unit.module.register_forward_hook(self._unit_post_hook(unit), always_call=True))
-            if recompute and unit.parent is not None:
+            if unit in checkpointed:
                 self._recomputed.append(unit)
-                unit.module.forward = self._checkpointed_forward(unit, unit.module.forward)
+                unit.module.forward = self.recomputation.wrap(unit, unit.module.forward)
         for module in self.model.modules():
             if any(True for _ in module.parameters(recurse=False)):
                 self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
@@ -155,6 +165,19 @@ class ParamBinder:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._accumulate_grad))
             guard.label(param, name, owner.get(id(param), "<root>"))
             guard.unbind(param, self._placeholders[id(param)])
+
+    def _checkpointed_units(self, mode: str, types: tuple[str, ...]) -> list[PagingUnit]:
+        if mode == "none":
+            return []
+        inner = [unit for unit in self.units if unit.parent is not None]
+        if not types:
+            return inner
+        known = sorted({type(unit.module).__name__ for unit in inner})
+        unknown = [name for name in types if name not in known]
+        if unknown:
+            raise ConfigValueError(f"activations.units: {', '.join(unknown)} names no paging unit of this model "
+                                   f"(its unit types: {', '.join(known) or 'none but the root'})")
+        return [unit for unit in inner if type(unit.module).__name__ in types]
 
     def detach(self, values: Callable[[TensorSlot], torch.Tensor] | None = None) -> None:
         """Remove every hook; with `values`, give each parameter its values as an ordinary tensor for good."""
@@ -237,34 +260,36 @@ class ParamBinder:
         return flat.view(slot.shape)
 
     # ------------------------------------------------------------------ recomputation (activations.checkpoint)
-    def _checkpointed_forward(self, unit: PagingUnit, forward: Callable):
-        """`unit`'s forward under torch.utils.checkpoint: in the engine's forward it runs as ever (its parameters
-        bound by its pre-hook) and autograd keeps only its inputs; in backward it runs again with its parameters
-        bound to copies of their values, brought from their pages for that alone, so the recomputed saved tensors
-        view no page (the pages may move before backward uses them)."""
+    @property
+    def hooks_on(self) -> bool:
+        """Inside the engine's forward (saved tensors go through the binder's hooks), not backward's recomputation."""
+        return self._hooks_on
 
-        def run(*args, **kwargs):
-            if self._hooks_on:
-                return forward(*args, **kwargs)
-            pages = self.unit_pages[id(unit)]
-            self.param_access.acquire(pages, Tier.DEVICE, label=f"recompute:{unit.name}")
-            try:
-                for param in unit.params:
-                    guard.bind(param, self._param_view(self.slots[id(param)]).clone())
-            finally:
-                self.param_access.release(pages)
-            try:
-                return forward(*args, **kwargs)
-            finally:
-                for param in unit.params:
-                    guard.unbind(param, self._placeholders[id(param)])
+    def take_activation_peak(self) -> int:
+        """The most saved activation bytes alive at once since the last call (the scheduler's trace records it at
+        every access, so a peak between two accesses -- the loss's, at the end of forward -- is not missed)."""
+        peak, self._activation_high = max(self._activation_high, self.activation_bytes), self.activation_bytes
+        return peak
 
-        def checkpointed(*args, **kwargs):
-            if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
-            return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, **kwargs)
+    def count_activations(self, nbytes: int) -> None:
+        """Saved activation bytes kept (or, negative, given back) outside the saved-tensor hooks' sight."""
+        self.activation_bytes += nbytes
+        self._activation_high = max(self._activation_high, self.activation_bytes)
 
-        return checkpointed
+    def bind_copies(self, unit: PagingUnit) -> None:
+        """Bind `unit`'s parameters to copies of their values, brought from their pages for a recomputation (its
+        saved tensors then view no page: the pages may move before backward reads them)."""
+        pages = self.unit_pages[id(unit)]
+        self.param_access.acquire(pages, Tier.DEVICE, label=f"recompute:{unit.name}")
+        try:
+            for param in unit.params:
+                guard.bind(param, self._param_view(self.slots[id(param)]).clone())
+        finally:
+            self.param_access.release(pages)
+
+    def unbind_copies(self, unit: PagingUnit) -> None:
+        for param in unit.params:
+            guard.unbind(param, self._placeholders[id(param)])
 
     # ------------------------------------------------------------------ state dicts
     def _before_state_dict(self, module: nn.Module, _prefix, _keep_vars) -> None:
@@ -289,6 +314,8 @@ class ParamBinder:
                 yield
         finally:
             self._hooks_on = outer
+            if self.offload is not None and not outer:
+                self.offload.end_forward()
 
     def _pack(self, tensor: torch.Tensor):
         if tensor.device == self.device:
@@ -305,15 +332,31 @@ class ParamBinder:
                         offset_bytes = tensor.data_ptr() - address
                         return PackedPageTensor(page, offset_bytes // tensor.element_size(), tuple(tensor.size()),
                                                 tuple(tensor.stride()), tensor.dtype)
+        if self.offload is not None:
+            packed = self.offload.pack(tensor)
+            if packed is not None:
+                return packed
         saved = _Saved(tensor)
-        self.activation_bytes += saved.nbytes
+        count = self._saved_storages.get(saved.storage)
+        if count is None:
+            self.activation_bytes += tensor.untyped_storage().nbytes()
+            self._activation_high = max(self._activation_high, self.activation_bytes)
+            self._saved_storages[saved.storage] = [1, tensor.untyped_storage().nbytes()]
+        else:
+            count[0] += 1
         return saved
 
     def _unpack(self, packed):
         if isinstance(packed, _Saved):
-            self.activation_bytes -= packed.nbytes  # backward is about to use it, then autograd frees it
-            packed.nbytes = 0
+            count = self._saved_storages.get(packed.storage)
+            if count is not None:  # the last save of its storage read: backward uses it, then autograd frees it
+                count[0] -= 1
+                if count[0] == 0:
+                    self.activation_bytes -= count[1]
+                    del self._saved_storages[packed.storage]
             return packed.tensor
+        if isinstance(packed, PackedActivation):
+            return self.offload.unpack(packed)
         if isinstance(packed, PackedGathered):
             self._enter_node()
             pages = [self.param_pages[i] for i in packed.slot.pages]
@@ -343,9 +386,14 @@ class ParamBinder:
     def end_backward(self) -> None:
         self._current_node = None
         self.activation_bytes = 0
+        self._saved_storages.clear()
         if self._node_pins:
             self.param_access.release(self._node_pins)
             self._node_pins = []
+        if self.offload is not None:
+            self.offload.end_backward()
+        if self.recomputation is not None:
+            self.recomputation.end_backward()
 
     # ------------------------------------------------------------------ gradients
     # Grad pages are never zeroed in bulk: the first gradient of a step is copied into its slot (the slot's old

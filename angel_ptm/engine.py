@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from angel_ptm.activations import ActivationPages
 from angel_ptm.binding import ParamBinder
 from angel_ptm.config import Config, load_config
 from angel_ptm.failure import Failure
@@ -81,7 +82,7 @@ class Engine(StateAccess):
         self.budgets, self.manager, self.pages = self._paging.budgets, self._paging.manager, self._paging.pages
         # The front door of the step's page accesses: the binder, the optimizer and the gatherer go through it.
         self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
-                                   activation_bytes=lambda: self.binder.activation_bytes, trace=self.trace)
+                                   activation_bytes=lambda: self.binder.take_activation_peak(), trace=self.trace)
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         # Parameter values into their pages (a meta-device model materialized straight into them: `meta_init`)
         self.meta_init = self.tensors.fill_from(model)
@@ -98,7 +99,10 @@ class Engine(StateAccess):
         self._closed = False
         self._steps_done = 0
         self._schedule = ConfigSchedule(config)  # applied on step(); set_lr turns it off
-        self.binder.attach(recompute=config.activations.checkpoint == "full")
+        acts = config.activations
+        offload = None if acts.offload == "none" else ActivationPages(
+            self.scheduler, self.device, mem.page_bytes, acts.offload_min_bytes, write_behind=acts.offload == "disk")
+        self.binder.attach(recompute=acts.checkpoint, recompute_units=acts.units, offload=offload)
         tcfg = config.trainer
         # fp16: loss scaling. The binder notes inf/NaN gradients as they land; no page may be updated before the
         # whole backward is known to be clean, so fp16 never updates during backward.

@@ -117,6 +117,10 @@ class ParameterAccessError(AngelError):
     """A parameter used outside the forward of its paging unit, where its values live in pages (not in the tensor)."""
 
 
+class ActivationError(AngelError):
+    """A saved activation that cannot be given back: read a second time after its activation pages were freed."""
+
+
 class StateDictError(AngelError):
     """A state dict that does not match the model: missing or unexpected keys, or a shape that differs."""
 

@@ -46,7 +46,8 @@ from angel_ptm.memory.placement import (CREATION_ORDER, Problem, StartPlacement,
                                         update_tier)
 from angel_ptm.memory.disk_dir import check_disk_dir
 from angel_ptm.memory.store import PageKind
-from angel_ptm.models import GPT, build_model, estimate_activation_bytes
+from angel_ptm.models import GPT, build_model
+from angel_ptm.models.gpt import ActivationFootprint, activation_footprint
 from angel_ptm.parallel.grad_sync import reduction_buffer_bytes
 from angel_ptm.parallel.ownership import (Ownership, gather_capacity, gather_reserve, min_gather_device_pages,
                                           osdp_replicable)
@@ -89,6 +90,7 @@ class Estimate:
     largest_layer_pages: int
     update_tier: str  # where an optimizer update pins its four pages
     activation_bytes: Optional[int]  # saved for backward, on the compute device outside the pools; None: unknown
+    activation_page_bytes: int  # room for activations.offload's pages (host or disk), 0 without offload
     pinned_host_bytes: int  # the host pool is pinned when the compute device is CUDA
     host_ram_needed: int  # CPU memory the pools (and, on a CPU device, activations) take
     host_ram_available: int
@@ -164,6 +166,9 @@ class Estimate:
             lines.append(f"  reduce-scatter buffers {format_bytes(self.collective_buffer_bytes)}, on the "
                          f"{self.compute_device} outside the page pools")
         lines.append(f"  activation peak {act}, on the {self.compute_device} outside the page pools")
+        if self.activation_page_bytes:
+            lines.append(f"  activation pages: room for {format_bytes(self.activation_page_bytes)} "
+                         f"(activations.offload), moved like any page")
         lines.append(f"  pinned host memory {format_bytes(self.pinned_host_bytes)}; host RAM needed "
                      f"{format_bytes(self.host_ram_needed)} of {format_bytes(self.host_ram_available)} available"
                      + (" on this machine" if self.gpu_memory_given else ""))
@@ -233,9 +238,12 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     names = {id(p): n for n, p in model.named_parameters()}
     _, chain_groups = device_pages_at_once(units, lambda p: {i // own.dp for i in layout.slot(names[id(p)]).pages})
     remote_pages = own.remote_count(layout.n_pages)  # ZeRO-3: other ranks' parameter pages, gathered here in turn
+    paged = activation_page_bytes(model, config, states_bytes)  # activations.offload's pages
+    offload = config.activations.offload
     planned = plan_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes, device, page_bytes,
                            gpu_free=gpu_free, ram_available=ram_available, slack_bytes=largest * page_bytes,
-                           share=local_world_size, gathered_bytes=remote_pages * page_bytes)
+                           share=local_world_size, gathered_bytes=remote_pages * page_bytes,
+                           activation_bytes=paged, activation_tier=offload)
     budgets = {"device": planned.device, "host": planned.host, "disk": planned.disk}
     slots = {tier: budgets[tier] // page_bytes for tier in TIERS}
     update = update_tier(device, slots["device"], slots["host"], n_states, group)
@@ -307,13 +315,25 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
                                 f"the device pool ({format_bytes(pools['device'])})"
                                 + (f", collective buffers ({format_bytes(buffers)})" if buffers else "")
                                 + f" and activations ({format_bytes(activation or 0)}) in "
-                                + ("the given GPU memory" if gpu_memory is not None else "free GPU memory")))
+                                + ("the given GPU memory" if gpu_memory is not None else "free GPU memory")
+                                + (activation_suggestion(model, config, gpu_free - pools["device"] - buffers)
+                                   if activation else "")))
+    host_spare = budgets["host"] - max(0, states_bytes - budgets["device"])
+    if offload == "host" and paged and not budgets["disk"] and host_spare < paged:
+        problems.append(Problem("host", paged, max(0, host_spare),
+                                "activations.offload host's activation pages beside the states the host holds "
+                                "(no disk tier to spill to)"))
+    if offload == "disk" and not budgets["disk"]:
+        problems.append(Problem("disk", paged, 0, "activations.offload disk's activation pages (memory.disk_budget "
+                                                   "is 0: no disk tier)"))
     if host_ram > ram_available:
         problems.append(Problem("host", host_ram, ram_available,
                                 "the page pools" + ("" if device.type == "cuda" else " and activations")
                                 + (f", checkpoint.async_save's copy of the saved pages in memory "
                                    f"({format_bytes(staged)})" if staged else "")
-                                + " in available RAM"))
+                                + " in available RAM"
+                                + (activation_suggestion(model, config, ram_available - host_ram + (activation or 0))
+                                   if device.type != "cuda" and activation else "")))
 
     # ZeRO-3: the other ranks' pages of the gathered groups, as many as the gatherer keeps (or the model has)
     gathered = min(gather_groups * (own.dp - 1), remote_pages) if own.gathers else 0
@@ -338,7 +358,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         n_pages=layout.n_pages, kind_bytes={kind: counts[kind] * page_bytes for kind in kinds},
         master_extra_bytes=counts.get("master", 0) * page_bytes, states_bytes=states_bytes,
         largest_layer=largest_name, largest_layer_pages=largest,
-        update_tier=update, activation_bytes=activation, collective_buffer_bytes=buffers,
+        update_tier=update, activation_bytes=activation, activation_page_bytes=paged,
+        collective_buffer_bytes=buffers,
         pinned_host_bytes=pools["host"] if device.type == "cuda" else 0,
         host_ram_needed=host_ram, host_ram_available=ram_available, disk_dir=disk_dir,
         start_pages={"device": start.device, "host": start.host, "disk": start.disk},
@@ -404,15 +425,53 @@ def expected_peaks(counts: dict[str, int], slots: dict[str, int], start: StartPl
     return {"device": device, "host": host, "disk": disk}
 
 
-def activation_bytes(model: nn.Module, config: Config) -> Optional[int]:
-    """models.estimate_activation_bytes for a GPT at data.batch_size (one micro-batch); None for other models."""
+def activation_footprint_of(model: nn.Module, config: Config, checkpoint: Optional[str] = None,
+                            offload: Optional[str] = None) -> Optional[ActivationFootprint]:
+    """models.gpt.activation_footprint for a GPT at data.batch_size (one micro-batch), under the config's
+    activations section (or the `checkpoint` / `offload` settings given); None for other models."""
     if not isinstance(model, GPT):
         return None
+    acts = config.activations
     dtype = compute_dtype(config)  # mixed precision: the model runs in it (the engine converts the parameters)
     dtype_bytes = dtype.itemsize if dtype is not None else next(
         (p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
-    return estimate_activation_bytes(model.cfg, config.data.batch_size, dtype_bytes,
-                                     recompute=config.activations.checkpoint == "full")
+    offload = acts.offload if offload is None else offload
+    return activation_footprint(model.cfg, config.data.batch_size, dtype_bytes,
+                                acts.checkpoint if checkpoint is None else checkpoint, offload != "none",
+                                acts.offload_min_bytes)
+
+
+def activation_bytes(model: nn.Module, config: Config) -> Optional[int]:
+    """The device-side activation peak of a GPT under the config (None for other models)."""
+    footprint = activation_footprint_of(model, config)
+    return None if footprint is None else footprint.device
+
+
+def activation_page_bytes(model: nn.Module, config: Config, states_bytes: int) -> int:
+    """Room the activation pages need (activations.offload): a GPT's paged activations with slack for packing;
+    for another model, whose activations are not modelled, as much as its states."""
+    if config.activations.offload == "none":
+        return 0
+    footprint = activation_footprint_of(model, config)
+    if footprint is None:
+        return states_bytes
+    page = config.memory.page_bytes
+    # A tensor that fits a page never straddles two: up to a tenth more, and two pages per layer of slack.
+    return (-(-footprint.paged * 11 // (10 * page)) + 2 * (model.cfg.n_layer + 1)) * page
+
+
+def activation_suggestion(model: nn.Module, config: Config, room: int) -> str:
+    """Which activations settings would bring a GPT's device-side activations within `room` bytes."""
+    fits = []
+    for checkpoint, offload in (("selective", "none"), ("full", "none"), ("none", "host"), ("full", "host")):
+        footprint = activation_footprint_of(model, config, checkpoint, offload)
+        if footprint is not None and footprint.device <= room:
+            setting = (f"activations.checkpoint {checkpoint}" if checkpoint != "none" else "") + \
+                (f"{' + ' if checkpoint != 'none' else ''}activations.offload {offload}" if offload != "none" else "")
+            fits.append(f"{setting} ({format_bytes(footprint.device)})")
+    if not fits:
+        return "; no activations setting fits: a smaller data.batch_size or model.seq_len"
+    return "; these fit: " + ", ".join(fits)
 
 
 def free_disk_bytes(path: str) -> int:

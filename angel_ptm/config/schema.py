@@ -299,15 +299,32 @@ class CheckpointConfig(_Section):
 class ActivationsConfig(_Section):
     SECTION: ClassVar[str] = "activations"
 
-    # "full": every paging unit but the model's root keeps only its inputs in forward and recomputes its forward
-    # in backward (torch.utils.checkpoint, non-reentrant, RNG state restored), its parameters brought back for the
-    # recomputation. "none": autograd keeps every saved tensor.
+    # Recomputation per paging unit (angel_ptm/activations/recompute.py). "full": a checkpointed unit keeps only its
+    # inputs in forward and recomputes its forward in backward (torch.utils.checkpoint, non-reentrant, RNG state
+    # restored), its parameters brought back for the recomputation. "selective": it keeps the outputs of its matrix
+    # products and fused attention kernels (expensive to recompute, small to keep) and recomputes everything else
+    # -- norms, activation functions, softmax, dropout, elementwise ops, unfused attention scores -- as Megatron's
+    # selective recomputation and torchtitan's op-level selective checkpointing do. "none": autograd keeps every
+    # saved tensor.
     checkpoint: str = "none"
+    # The unit types (module class names, as `angel-ptm estimate` lists the units) that checkpoint; empty: every
+    # unit but the model's root.
+    units: Tuple[str, ...] = ()
+    # Saved tensors in activation pages (angel_ptm/activations/offload.py): "host" writes every saved tensor of at
+    # least offload_min_bytes (under checkpointing: each checkpointed unit's inputs) into pages that the scheduler
+    # moves like any page -- evicted from the device when the pool needs room, prefetched back before the backward
+    # that reads them; "disk" also writes each filled page to disk at once (write-behind), so host memory holds only
+    # the pages in flight. "none": saved tensors stay where autograd keeps them.
+    offload: str = "none"
+    offload_min_bytes: ByteSize = "64KiB"  # type: ignore[assignment]
 
     def validate(self) -> None:
-        if self.checkpoint == "selective":
-            self._require("checkpoint", False, '"none" or "full" (selective recomputation is not built yet)')
-        self._require("checkpoint", self.checkpoint in ("none", "full"), '"none" or "full"')
+        self._require("checkpoint", self.checkpoint in ("none", "full", "selective"), '"none", "full" or "selective"')
+        self._require("offload", self.offload in ("none", "host", "disk"), '"none", "host" or "disk"')
+        self._require("offload_min_bytes", self.offload_min_bytes >= 0, ">= 0")
+        if self.units:
+            self._require("units", self.checkpoint != "none", 'empty while checkpoint is "none"')
+            self._require("units", all(name.strip() for name in self.units), "a list of module class names")
 
 
 @dataclass

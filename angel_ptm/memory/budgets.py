@@ -20,12 +20,15 @@ class Budgets:
 
 def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, device: torch.device, page_bytes: int,
                  *, gpu_free: int | None = None, ram_available: int | None = None, slack_bytes: int = 0,
-                 share: int = 1, gathered_bytes: int = 0) -> Budgets:
+                 share: int = 1, gathered_bytes: int = 0, activation_bytes: int = 0,
+                 activation_tier: str = "none") -> Budgets:
     """Bytes per tier, no checks, no side effects. "auto": device = everything (CPU) or 80% of free GPU memory;
     host = the rest of the states plus `slack_bytes` (room to rotate the largest layer through the device), up to
     half the available RAM; disk = a slot for every page when some must live there. `share`: the processes on this
     machine (torchrun's LOCAL_WORLD_SIZE), which split its RAM between them; `gathered_bytes`: device room for
-    copies of other ranks' parameter pages (ZeRO-3), which a device budget may hold beyond this rank's states."""
+    copies of other ranks' parameter pages (ZeRO-3), which a device budget may hold beyond this rank's states;
+    `activation_bytes`: room for activation pages (activations.offload) where `activation_tier` ("host" or "disk")
+    says they rest, added to that tier's "auto" budget."""
     if device_budget == "auto":
         if device.type == "cuda":
             gpu_free = int(torch.cuda.mem_get_info(device)[0]) if gpu_free is None else gpu_free
@@ -37,21 +40,26 @@ def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, dev
         ram_available = psutil.virtual_memory().available if ram_available is None else ram_available
         rest = states_bytes - device_budget
         # At least the four pages one optimizer update needs (and room to stage disk reads).
-        host_budget = min(max(rest + slack_bytes if rest > 0 else 0, 4 * page_bytes),
+        host_budget = min(max(rest + slack_bytes if rest > 0 else 0, 4 * page_bytes)
+                          + (activation_bytes if activation_tier == "host" else 0),
                           ram_available // (2 * max(1, share)))
     host_budget = int(host_budget)
     needed_on_disk = max(0, states_bytes - max(0, device_budget - gathered_bytes) - host_budget)
     if disk_budget == "auto":  # room for a home slot per page, so clean copies are dropped, never rewritten
-        disk_budget = states_bytes if needed_on_disk else 0
+        # With activation pages on disk there is a disk tier, so any page may get its home slot there too.
+        # Activation pages may spill to a disk tier too, and with them on disk any page may get its home slot there.
+        on_disk = bool(needed_on_disk) or activation_tier == "disk"
+        disk_budget = states_bytes + activation_bytes if on_disk else 0
     return Budgets(device_budget, host_budget, int(disk_budget))
 
 
 def resolve_budgets(device_budget, host_budget, disk_budget, states_bytes: int, device: torch.device,
                     disk_dir: str, page_bytes: int, slack_bytes: int = 0, share: int = 1,
-                    gathered_bytes: int = 0) -> Budgets:
+                    gathered_bytes: int = 0, activation_bytes: int = 0, activation_tier: str = "none") -> Budgets:
     """`plan_budgets`, then refuse budgets that cannot hold the states, before anything is allocated."""
     budgets = plan_budgets(device_budget, host_budget, disk_budget, states_bytes, device, page_bytes,
-                           slack_bytes=slack_bytes, share=share, gathered_bytes=gathered_bytes)
+                           slack_bytes=slack_bytes, share=share, gathered_bytes=gathered_bytes,
+                           activation_bytes=activation_bytes, activation_tier=activation_tier)
     device_budget, host_budget, disk_budget = budgets.device, budgets.host, budgets.disk
     needed_on_disk = max(0, states_bytes - max(0, device_budget - gathered_bytes) - host_budget)
     if needed_on_disk and disk_budget < needed_on_disk:

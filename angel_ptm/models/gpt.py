@@ -232,25 +232,79 @@ class GPT(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
 
-def estimate_activation_bytes(cfg: GPTConfig, batch_size: int, dtype_bytes: int = 4, recompute: bool = False) -> int:
-    """Rough bytes of activations saved for backward in one training step (forward + loss).
+@dataclass(frozen=True)
+class ActivationFootprint:
+    """Saved-for-backward bytes of one micro-batch: the most on the compute device at once (`device`, outside
+    the page pools) and the most in activation pages at once (`paged`, with activations.offload)."""
 
-    Per token, per layer, in elements of ``dtype_bytes`` (d = dim, kv = n_kv_head * head_dim, h = hidden_dim):
-      attention:  2d (norm input and output) + 2(d + 2kv) (q, k, v before and after rope)
-                  + 2d (attention output, saved by SDPA and as the wo input)
-      SwiGLU:     2d (norm input and output) + 4h (w1 and w3 outputs, silu(w1 x), the product fed to w2)
-    i.e. 8d + 4kv + 4h. This assumes a fused (flash / memory-efficient) attention kernel; the math fallback
-    additionally keeps a [batch, n_head, seq, seq] probability matrix per layer.
-    Plus the embedding output and final norm (3d per token), and the logits:
-    batch * seq * vocab * (dtype_bytes + 4) -- the logits themselves and the float32 softmax kept for the
-    cross-entropy gradient.
-    With `recompute` (activations.checkpoint full: each block recomputed in backward), a block keeps only its input
-    (d per token) and one block's activations exist at a time, in its recomputation.
+    device: int
+    paged: int = 0
+
+
+def activation_footprint(cfg: GPTConfig, batch_size: int, dtype_bytes: int = 4, checkpoint: str = "none",
+                         offload: bool = False, offload_min_bytes: int = 0) -> ActivationFootprint:
+    """The activations one training step of this GPT saves for backward, per activations setting, as the
+    binder measures them (each storage once; tools.bench.activations and tests/test_activations.py check it).
+
+    Per token, in elements of ``dtype_bytes`` (d = dim, q = n_head * head_dim, kv = n_kv_head * head_dim,
+    h = hidden_dim), with a fused attention kernel (flash / memory-efficient, or its CPU counterpart):
+      every saved tensor of a block (``keep``): 6d (the two norms' inputs as float32, normalized values and
+        outputs) + 5q
+        (q, k and v after rope -- k and v repeated to n_head heads under grouped-query attention -- the attention
+        output and its transposed copy fed to wo) + 4h
+        (w1 and w3 outputs, silu(w1 x), the product fed to w2), plus two float32 norm statistics and n_head float32
+        log-sum-exps;
+      the root: the final norm (3d, its input as float32, and a float32 statistic), the float32 log-softmax of the logits (vocab) and the
+        int64 token ids and targets.
+    checkpoint full: a block keeps its input (d) and its recomputation rebuilds the rest (keep - d), one block at
+    a time; selective keeps, besides its input, the outputs of its matrix products and of the attention kernel:
+    3d + 2q + 2kv + 2h and the log-sum-exps. The peak is the end of forward or the recomputation of the last block,
+    whichever is larger. With offload, every saved tensor of at least `offload_min_bytes` goes into pages: all of
+    them without checkpointing; under it, each block's input (what the selective policy keeps stays with it).
     """
     tokens = batch_size * cfg.seq_len
-    kv = cfg.kv_heads * cfg.head_dim
-    per_layer = 8 * cfg.dim + 4 * kv + 4 * cfg.hidden_dim
-    kept = cfg.n_layer * cfg.dim + per_layer if recompute else cfg.n_layer * per_layer
-    hidden_bytes = tokens * (kept + 3 * cfg.dim) * dtype_bytes
-    logits_bytes = tokens * cfg.vocab_size * (dtype_bytes + 4)
-    return int(hidden_bytes + logits_bytes)
+    d, h, heads, dt = cfg.dim, cfg.hidden_dim, cfg.n_head, dtype_bytes
+    q, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    # (bytes per token of one tensor, how many such tensors)
+    # k and v as the attention kernel gets them: repeated to n_head heads under grouped-query attention
+    # The norms compute in float32: each keeps its input as float32 (the input itself in fp32, else a copy).
+    block_keep = [(d * 4, 2), (d * dt, 4), (q * dt, 5), (h * dt, 4), (4, 2), (heads * 4, 1)]
+    selective_keep = [(d * dt, 3), (q * dt, 2), (kv * dt, 2), (h * dt, 2), (heads * 4, 1)]  # input included
+    root = [(d * 4, 1), (d * dt, 2), (4, 1), (cfg.vocab_size * 4, 1), (8, 2)]  # the log-softmax: float32
+
+    def paged(nbytes: int) -> bool:
+        return offload and nbytes >= max(1, offload_min_bytes)
+
+    def split(groups) -> tuple[int, int]:
+        """(bytes kept on the device, bytes in pages) of these saved tensors."""
+        device = paged_bytes = 0
+        for size, count in groups:
+            if paged(tokens * size):
+                paged_bytes += count * tokens * size
+            else:
+                device += count * tokens * size
+        return device, paged_bytes
+
+    n = cfg.n_layer
+    root_device, root_paged = split(root)
+    if checkpoint == "none":
+        block_device, block_paged = split(block_keep)
+        return ActivationFootprint(n * block_device + root_device, n * block_paged + root_paged)
+    boundary = tokens * d * dt  # a checkpointed block's input, saved through the binder's hooks
+    boundary_paged = paged(boundary)
+    # What the selective policy keeps besides the input stays with it; a recomputation rebuilds the rest on the
+    # device, one block at a time.
+    inside = tokens * sum(size * count for size, count in selective_keep) - boundary if checkpoint == "selective" \
+        else 0
+    # The block's input is among what it saves only in float32 (else the norm's float32 copy is)
+    rebuilt = tokens * sum(size * count for size, count in block_keep) - (boundary if dt == 4 else 0)
+    per_block = inside + (0 if boundary_paged else boundary)
+    end_of_forward = n * per_block + root_device
+    last_block = (n - 1) * per_block + rebuilt
+    return ActivationFootprint(max(end_of_forward, last_block), n * boundary * boundary_paged + root_paged)
+
+
+def estimate_activation_bytes(cfg: GPTConfig, batch_size: int, dtype_bytes: int = 4, recompute: bool = False) -> int:
+    """The device-side activation peak without offload (activation_footprint), with or without full
+    recomputation."""
+    return activation_footprint(cfg, batch_size, dtype_bytes, "full" if recompute else "none").device

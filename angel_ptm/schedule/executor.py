@@ -187,6 +187,11 @@ class Scheduler:
         if not self.paused:
             self.recorder.discarded(p.id for p in pages)
 
+    def write_behind(self, page: Page) -> None:
+        """Start `page`'s next hop down toward disk without waiting (an activation page, filled, with
+        activations.offload: disk); settled by the pumps of later accesses."""
+        self.manager.try_hop(page, Tier.DISK)
+
     def _before_acquire(self, pages: Sequence[Page], tier: Tier, label: str) -> None:
         if self.paused:
             return

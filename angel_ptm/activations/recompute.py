@@ -1,0 +1,195 @@
+"""Recomputation per paging unit (activations.checkpoint: full | selective).
+
+A checkpointed unit's forward runs under `torch.utils.checkpoint` (non-reentrant, RNG state restored):
+
+- full: autograd keeps only the unit's inputs; backward runs the forward again to rebuild everything it saved.
+- selective: the forward also keeps the outputs of its matrix products and fused attention kernels
+  (`SAVED_OPS`: costly to recompute, one row of `dim` per token) and recomputes the rest -- norms, activation
+  functions, softmax, dropout, elementwise ops, the [seq, seq] scores of an unfused attention -- Megatron's
+  selective recomputation expressed as torch's selective-checkpoint policy, so it holds for any module.
+
+In backward the unit's parameters are bound to copies brought from their pages for the recomputation alone (the
+binder's `bind_copies`): the recomputed saved tensors view no page, since pages may move before backward reads them.
+Checkpoint saves the unit's inputs as saved tensors, through the binder's hooks: they are counted there and, with
+activations.offload, go into activation pages like any saved tensor.
+
+The outputs selective keeps and the tensors a recomputation rebuilds are counted into the binder's activation
+count, which the scheduler's trace records at every access: measured, not modelled (`_Outputs` watches the
+storages the unit's ops create and counts those still alive).
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import nullcontext
+from typing import Callable
+
+import torch
+import torch.utils.checkpoint
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from angel_ptm.errors import ConfigValueError
+
+
+@functools.cache
+def saved_ops() -> frozenset:
+    """The ops whose outputs selective recomputation keeps: matrix products and fused attention kernels."""
+    aten = torch.ops.aten
+    names = ("mm", "addmm", "_scaled_mm", "_scaled_dot_product_flash_attention",
+             "_scaled_dot_product_efficient_attention", "_scaled_dot_product_cudnn_attention",
+             "_scaled_dot_product_flash_attention_for_cpu", "_flash_attention_forward",
+             "_efficient_attention_forward")
+    return frozenset(getattr(aten, name) for name in names if hasattr(aten, name))
+
+
+def _selective_policy(_ctx, op, *_args, **_kwargs):
+    policy = torch.utils.checkpoint.CheckpointPolicy
+    return policy.MUST_SAVE if op.overloadpacket in saved_ops() else policy.PREFER_RECOMPUTE
+
+
+def _selective_contexts():
+    return torch.utils.checkpoint.create_selective_checkpoint_contexts(_selective_policy)
+
+
+class _Outputs(TorchDispatchMode):
+    """Watches the storages of the tensors the ops under it create; `alive_bytes` counts those still alive (kept by
+    autograd or by the selective policy, whatever tensor views them), less those of `exclude` (the unit's inputs
+    and outputs)."""
+
+    def __init__(self):
+        super().__init__()
+        self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.is_view:  # a view of an input (a parameter's page among them): no new memory
+            return out
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor) and t.layout is torch.strided}
+        for leaf in tree_leaves(out):
+            if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided:
+                storage = leaf.untyped_storage()
+                address = storage.data_ptr()
+                if address in inputs:  # in-place and out= ops write memory that was there before
+                    continue
+                seen = self.storages.get(address)
+                if seen is None or seen[0].expired():  # the allocator reuses freed addresses
+                    self.storages[address] = (StorageWeakRef(storage), storage.nbytes())
+        return out
+
+    def alive_bytes(self, exclude) -> int:
+        skip = {t.untyped_storage().data_ptr() for t in tree_leaves(exclude) if isinstance(t, torch.Tensor)}
+        alive = sum(nbytes for address, (ref, nbytes) in self.storages.items()
+                    if address not in skip and not ref.expired())
+        self.storages.clear()
+        return alive
+
+
+class _Call:
+    """One call of a checkpointed unit: the bytes its forward kept (given back when backward recomputes it), and
+    the recomputation's inputs and output while it runs."""
+
+    __slots__ = ("kept", "inputs", "out")
+
+    def __init__(self):
+        self.kept = 0
+        self.inputs = self.out = None
+
+
+class _Forward:
+    """The first forward's context: the selective policy's (if any), with the outputs it keeps counted."""
+
+    def __init__(self, owner: "Recomputation", call: _Call, policy):
+        self.owner, self.call, self.policy = owner, call, policy
+        self.watch = _Outputs()
+
+    def __enter__(self):
+        self.policy.__enter__()
+        self.watch.__enter__()
+
+    def __exit__(self, *exc):
+        try:
+            self.watch.__exit__(*exc)
+        finally:
+            self.policy.__exit__(*exc)
+        kept = self.watch.alive_bytes((self.call.out, self.call.inputs))
+        self.call.kept += kept
+        self.call.out = self.call.inputs = None
+        self.owner.binder.count_activations(kept)
+
+
+class _Recompute:
+    """Backward's recomputation context: the kept bytes given back and the parameters bound to copies -- before
+    the selective policy's context, which must see only the forward's own ops -- and what the recomputation
+    rebuilt counted."""
+
+    def __init__(self, owner: "Recomputation", call: _Call, unit, policy):
+        self.owner, self.call, self.unit, self.policy = owner, call, unit, policy
+        self.watch = _Outputs()
+
+    def __enter__(self):
+        owner, binder = self.owner, self.owner.binder
+        binder.count_activations(-self.call.kept - owner.rebuilt)
+        self.call.kept = owner.rebuilt = 0
+        binder.bind_copies(self.unit)
+        try:
+            self.policy.__enter__()
+            self.watch.__enter__()
+        except BaseException:
+            binder.unbind_copies(self.unit)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            self.watch.__exit__(*exc)
+        finally:
+            try:
+                self.policy.__exit__(*exc)
+            finally:
+                self.owner.binder.unbind_copies(self.unit)
+        rebuilt = self.watch.alive_bytes((self.call.out, self.call.inputs))
+        self.call.out = self.call.inputs = None
+        self.owner.rebuilt = rebuilt
+        self.owner.binder.count_activations(rebuilt)
+
+
+class Recomputation:
+    """Wraps the forward of each checkpointed unit; `binder` binds parameters and counts activation bytes."""
+
+    def __init__(self, binder, mode: str):
+        if mode not in ("full", "selective"):
+            raise ConfigValueError(f'activations.checkpoint: "full" or "selective", got {mode!r}')
+        self.binder, self.mode = binder, mode
+        self.rebuilt = 0  # bytes the latest recomputation rebuilt (alive until its unit's backward is done)
+
+    def wrap(self, unit, forward: Callable) -> Callable:
+        selective = self.mode == "selective"
+
+        def checkpointed(*args, **kwargs):
+            if not torch.is_grad_enabled():
+                return forward(*args, **kwargs)
+            call = _Call()
+
+            def contexts():
+                first, again = _selective_contexts() if selective else (nullcontext(), nullcontext())
+                return (_Forward(self, call, first) if selective else first, _Recompute(self, call, unit, again))
+
+            def run(*inner_args, **inner_kwargs):
+                call.inputs = (inner_args, inner_kwargs)
+                call.out = forward(*inner_args, **inner_kwargs)
+                return call.out
+
+            try:
+                # The whole forward is recomputed (no early stop), so the rebuilt tensors are counted once it ends.
+                with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                    return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, context_fn=contexts,
+                                                             **kwargs)
+            finally:
+                call.out = call.inputs = None
+
+        return checkpointed
+
+    def end_backward(self) -> None:
+        self.rebuilt = 0
