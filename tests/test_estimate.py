@@ -13,6 +13,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from angel_ptm.config.sizes import format_bytes
+
 import angel_ptm
 from angel_ptm import cli
 from angel_ptm import estimate as estimate_module
@@ -329,9 +331,12 @@ def test_a_gpu_too_small_for_the_pool_and_activations_is_refused_in_readable_siz
     with pytest.raises(BudgetError) as info:
         estimate.check()
     activation = estimate.activation_bytes
-    assert str(info.value) == (
-        f"device tier budget exceeded for the device pool (56.0 MiB) and activations (210.5 MiB) in the given GPU "
-        f"memory: requested 266.5 MiB ({56 * MiB + activation} bytes), 100.0 MiB available")
+    message = str(info.value)
+    assert message.startswith(f"device tier budget exceeded for the device pool (56.0 MiB) and activations "
+                              f"({format_bytes(activation)}) in the given GPU memory; these fit: "
+                              f"activations.checkpoint full (")
+    assert message.endswith(f": requested {format_bytes(56 * MiB + activation)} ({56 * MiB + activation} bytes), "
+                            f"100.0 MiB available")
 
 
 def test_cuda_without_a_gpu_and_without_its_memory_is_still_refused(no_gpu):

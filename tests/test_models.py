@@ -132,7 +132,10 @@ def test_input_longer_than_seq_len_is_rejected():
 
 
 def test_activation_estimate_matches_documented_formula():
-    cfg = tiny()  # per token per layer: 8*32 + 4*32 + 4*128 = 896; plus 3*32 = 96 outside the layers
-    hidden = 2 * 16 * (2 * 896 + 96) * 4
-    logits = 2 * 16 * 256 * (4 + 4)
-    assert estimate_activation_bytes(cfg, batch_size=2) == hidden + logits
+    cfg = tiny()  # fp32, no grouped-query attention: q = kv = dim
+    d, h, tokens = cfg.dim, cfg.hidden_dim, 2 * cfg.seq_len
+    per_layer = (6 * d + 5 * d + 4 * h + 2 + cfg.n_head) * 4  # documented in activation_footprint
+    root = (3 * d + 1 + cfg.vocab_size) * 4 + 16
+    assert estimate_activation_bytes(cfg, batch_size=2) == tokens * (cfg.n_layer * per_layer + root)
+
+
