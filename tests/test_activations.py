@@ -88,19 +88,6 @@ def test_full_recomputation_gives_the_same_losses_in_every_placement(tmp_path, p
     assert peak < kept_peak / 2
 
 
-@pytest.mark.parametrize("name", ["hf-gpt2", "transformer", "dropout"])
-def test_full_recomputation_on_models_it_was_not_written_for(tmp_path, name):
-    build = (lambda: Encoder(dropout=0.1)) if name == "dropout" else None  # the recomputation draws the same masks
-    case = "transformer" if name == "dropout" else name
-    kept, _, _ = train(case, "disk", "planned", tmp_path, "none", build)
-    recomputed, count, _ = train(case, "disk", "planned", tmp_path, "full", build)
-    assert count > 0
-    if name == "hf-gpt2":  # recomputed without its key/value cache (use_cache off): another attention code path
-        assert recomputed == pytest.approx(kept, rel=1e-6)
-    else:
-        assert recomputed == kept
-
-
 @pytest.mark.parametrize("dtype,staleness", [("bfloat16", 0), ("float32", 1)])
 def test_full_recomputation_under_mixed_precision_and_the_delayed_update(tmp_path, dtype, staleness):
     kept, _, _ = train("gpt", "disk", "planned", tmp_path, "none", dtype=dtype, staleness=staleness)
@@ -203,14 +190,16 @@ def test_offloaded_activations_travel_to_disk_and_back(tmp_path):
     assert stats["moved"].get("disk->host", 0) >= stats["pages"] * PAGE_BYTES
 
 
-@pytest.mark.parametrize("name", ["hf-gpt2", "dropout"])
-@pytest.mark.parametrize("setting", ["selective", "offload-host", "full+offload-disk"])
-def test_selective_and_offload_on_models_they_were_not_written_for(tmp_path, name, setting):
-    build = (lambda: Encoder(dropout=0.1)) if name == "dropout" else None
+@pytest.mark.parametrize("name", ["hf-gpt2", "transformer", "dropout"])
+@pytest.mark.parametrize("setting", ["full", "selective", "offload-host", "full+offload-disk"])
+def test_every_setting_on_models_it_was_not_written_for(tmp_path, name, setting):
+    build = (lambda: Encoder(dropout=0.1)) if name == "dropout" else None  # the recomputation draws the same masks
     case = "transformer" if name == "dropout" else name
+    section = SETTINGS.get(setting, {"checkpoint": setting})
     kept, _, _ = train(case, "disk", "planned", tmp_path, "none", build)
-    losses, _, _ = train(case, "disk", "planned", tmp_path / setting, dict(SETTINGS[setting]), build)
-    if name == "hf-gpt2" and "checkpoint" in SETTINGS[setting]:
+    losses, count, _ = train(case, "disk", "planned", tmp_path / setting, dict(section), build)
+    assert (count > 0) == ("checkpoint" in section)
+    if name == "hf-gpt2" and "checkpoint" in section:  # recomputed without its key/value cache: another code path
         assert losses == pytest.approx(kept, rel=1e-6)
     else:
         assert losses == kept
