@@ -82,7 +82,9 @@ class ActivationPages:
         self._emptied: set[int] = set()  # pages whose tensors are all read or dropped, still pinned or filling
         self._dropped: list[_Region] = []  # regions of saved tensors autograd dropped unread (__del__)
         self._regions: dict[tuple, _Region] = {}  # (storage address, offset, span, version) -> its region
-        self.live_bytes = 0  # bytes of saved tensors in pages now (the trace's and the estimate's measure)
+        self.live_bytes = 0  # bytes of saved tensors in pages now
+        self.peak_bytes = 0  # the most there ever were at once (what the estimate's `paged` models)
+        self.peak_pages = 0  # the most pages holding saved tensors at once
         self._open: int | None = None  # the page being filled (pinned on the device)
         self._cursor = 0  # next free byte in it
         self._behind: list[Page] = []  # filled pages on their way to disk (write_behind)
@@ -125,6 +127,7 @@ class ActivationPages:
             cursor += part
         self._cursor = cursor
         self.live_bytes += span
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
         region = self._regions[key] = _Region(indices, offset, span, StorageWeakRef(storage))
         return PackedActivation(self, region, tensor)
 
@@ -141,6 +144,7 @@ class ActivationPages:
             self._live.append(0)
         self.scheduler.acquire([self.pages[index]], Tier.DEVICE, label=f"act:save:{index}")
         self._open, self._cursor = index, 0
+        self.peak_pages = max(self.peak_pages, self.pages_in_use)
         return index
 
     def _close_page(self) -> None:
@@ -229,7 +233,3 @@ class ActivationPages:
     def pages_in_use(self) -> int:
         """Activation pages holding saved tensors now."""
         return len(self.pages) - len(self._free)
-
-    def close(self) -> None:
-        self._behind.clear()
-        self._dropped.clear()

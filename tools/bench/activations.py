@@ -58,16 +58,6 @@ def build(args) -> GPT:
 
 def run(args, name: str, batch: int, steps: int, device_bytes: int | None = None) -> dict:
     engine = angel_ptm.initialize(build(args), job(args, SETTINGS[name], batch, device_bytes))
-    offload = engine.binder.offload
-    paged = [0]
-    if offload is not None:
-        end_forward = offload.end_forward
-
-        def counted():
-            paged[0] = max(paged[0], offload.live_bytes)
-            end_forward()
-
-        offload.end_forward = counted
     generator = torch.Generator().manual_seed(1)
     losses, times, peaks = [], [], []
     try:
@@ -81,7 +71,7 @@ def run(args, name: str, batch: int, steps: int, device_bytes: int | None = None
             losses.append(loss.item())
             peaks.append(engine.scheduler.last_trace.activation_peak)
         return {"losses": losses, "step_s": statistics.median(times[2:]) if steps > 2 else times[-1],
-                "device_peak": max(peaks[1:] or peaks), "paged_peak": paged[0],
+                "device_peak": max(peaks[1:] or peaks), "paged_peak": engine.binder.offload.peak_bytes if engine.binder.offload else 0,
                 "estimate": engine.estimate.activation_bytes, "pool": engine.estimate.tiers["device"].budget}
     finally:
         engine.close()
