@@ -69,12 +69,14 @@ def config_of(spec: dict, world: int, disk_dir: str) -> dict:
     memory = dict(PLACEMENTS[spec["placement"]], disk_dir=disk_dir, scheduler=spec["scheduler"])
     if spec.get("page_bytes"):
         memory["page_bytes"] = spec["page_bytes"]
+    memory.update(spec.get("memory", {}))
     cfg = engine_config(memory, spec["clip"], dtype=spec["dtype"], staleness=spec["staleness"])
     cfg["trainer"]["grad_accum"] = spec["accum"]
     cfg["parallel"] = {"zero": spec["zero"], "timeout_s": spec.get("timeout_s", 60), "osdp": spec.get("osdp", False)}
     cfg["optimizer"].update(spec.get("optimizer", {}))
-    if spec.get("activations"):
-        cfg["activations"] = {"checkpoint": spec["activations"]}
+    if spec.get("activations"):  # a checkpoint setting or a whole activations section
+        act = spec["activations"]
+        cfg["activations"] = {"checkpoint": act} if isinstance(act, str) else act
     return cfg
 
 
@@ -140,7 +142,9 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
         return {"losses": losses, "skipped": skipped, "scales": scales, "pages": pages, "moved": stats["moved"],
                 "gathers": gatherer.gathers if gatherer is not None else 0, "states": states,
                 "comm_bytes": engine.collectives.bytes_sent if engine.collectives is not None else 0,
-                "eager_updates": eager, "osdp": stats.get("osdp_replicated", {}),
+                "eager_updates": eager,
+                "activation_pages": len(engine.binder.offload.pages) if engine.binder.offload is not None else 0,
+                "osdp": stats.get("osdp_replicated", {}),
                 "osdp_allowed": engine.estimate.osdp_groups,
                 "overlapped": getattr(getattr(engine.data_parallel, "sync", None), "overlapped", 0)}
     finally:

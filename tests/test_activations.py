@@ -14,16 +14,20 @@ import torch
 import angel_ptm
 from angel_ptm.config import load_config
 from angel_ptm.errors import ConfigValueError
+from angel_ptm.trace import TraceRecorder
+from angel_ptm.viz import build_report
+from angel_ptm.viz.residency import CATEGORIES
 
 from conformance_cases import MODELS, PAGE_BYTES, one_compute_thread, place  # noqa: F401 (an autouse fixture)
 from test_any_model import Encoder
 from test_engine_equivalence import engine_config, run_steps
+from test_viz import decode_cells, report_data
 
 
 ACTIVATION_PAGES = 300  # room for the activation pages the estimate asks (the GPT fills 155 at 256-byte tensors)
 
 
-def train(name, placement, scheduler, tmp_path, mode, build=None, stats=None, **job):
+def train(name, placement, scheduler, tmp_path, mode, build=None, stats=None, trace=None, **job):
     """Losses of 15 steps, how many unit recomputations backward ran, and the most activation bytes autograd
     kept at once in forward (the binder's count of saved tensors that are not pages). `mode`: a checkpoint
     setting or a whole activations section; `stats` (a dict) receives the activation pages' figures."""
@@ -36,7 +40,7 @@ def train(name, placement, scheduler, tmp_path, mode, build=None, stats=None, **
     if config["activations"].get("offload", "none") != "none" and placement != "disk":
         config["memory"]["host_budget"] += ACTIVATION_PAGES * PAGE_BYTES  # room for the activation pages (no disk)
     torch.manual_seed(7)  # dropout's masks
-    engine = angel_ptm.initialize(model, config)
+    engine = angel_ptm.initialize(model, config, trace=trace)
     recomputed, peak = [], [0]
     binder = engine.binder
     access = binder.param_access
@@ -171,6 +175,26 @@ def test_offloaded_activations_travel_to_disk_and_back(tmp_path):
     train("gpt", "host", "planned", tmp_path, {"offload": "disk", "offload_min_bytes": 256}, stats=stats)
     assert stats["moved"].get("host->disk", 0) >= stats["pages"] * PAGE_BYTES
     assert stats["moved"].get("disk->host", 0) >= stats["pages"] * PAGE_BYTES
+
+
+def test_the_report_shows_activation_pages_as_their_own_kind_on_the_tiers_they_visit(tmp_path):
+    """The trace records activation pages like any page; the viz gives them rows of their own, after the model
+    states, with the time each spent on the device (written there), the host and the disk (write-behind)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    trace = TraceRecorder(run / "trace.jsonl")
+    try:
+        train("gpt", "host", "planned", tmp_path, {"offload": "disk", "offload_min_bytes": 256}, trace=trace)
+    finally:
+        trace.close()
+    residency = report_data(build_report(run).html_path.read_text())["residency"]
+    kinds = list(dict.fromkeys(row["kind"] for row in residency["rows"]))
+    assert kinds[-1] == "activation" and "param" in kinds
+    rows = [i for i, row in enumerate(residency["rows"]) if row["kind"] == "activation"]
+    cells = decode_cells(residency)
+    for category in ("device", "disk"):
+        column = CATEGORIES.index(category)
+        assert any(cell[column] for i in rows for cell in cells[i]), category
 
 
 @pytest.mark.parametrize("name", ["hf-gpt2", "transformer", "dropout"])

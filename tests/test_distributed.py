@@ -26,6 +26,11 @@ JOBS = (
     + [job(f"zero{z}-branchy", zero=z, model="branchy", placement="device+host") for z in (2, 3)]
     + [job("zero3-osdp", zero=3, osdp=True, steps=5)]
     + [job("zero3-recompute", zero=3, activations="full")]
+    + [job("zero3-selective", zero=3, activations="selective"),
+       job("zero3-offload-host", zero=3, activations={"checkpoint": "none", "offload": "host", "offload_min_bytes": 0},
+           memory={"host_budget": "2MiB"}),
+       job("zero2-selective-offload-disk", zero=2,
+           activations={"checkpoint": "selective", "offload": "disk", "offload_min_bytes": 0})]
     + [job(f"zero{z}-collective-group", zero=z, pairwise=False) for z in (2, 3)]
     + [job(f"zero{z}-dropped-step", zero=z, drop_at=2, optimizer={"overlap_updates": False}) for z in (2, 3)]
     + [job("zero2-fp16-overflow", zero=2, dtype="float16", placement="device+host", overflow_at=[1, 1],
@@ -84,6 +89,19 @@ def test_zero3_with_recomputed_units_gives_the_losses_of_keeping_every_activatio
     """activations.checkpoint full: each block's forward runs again in backward, its parameter groups gathered
     again for it; the losses are those of the same job keeping every activation, bit for bit."""
     assert result(two_ranks, "zero3-recompute")["losses"] == result(two_ranks, "zero3-device+host+disk")["losses"]
+
+
+@pytest.mark.parametrize("name", ["zero3-selective", "zero3-offload-host", "zero2-selective-offload-disk"])
+def test_selective_recomputation_and_activation_pages_under_zero_keep_the_losses_bitwise(two_ranks, name):
+    """activations.checkpoint selective and offload host | disk under ZeRO: the activation pages are every rank's
+    own (never sharded, gathered or reduced), the recomputation gathers its parameter groups again, and the
+    losses are those of the same job keeping every activation, bit for bit."""
+    zero = BY_NAME[name]["zero"]
+    got = result(two_ranks, name)
+    assert got["losses"] == result(two_ranks, f"zero{zero}-device+host+disk")["losses"]
+    if "offload" in name:
+        for rank in (0, 1):
+            assert two_ranks[rank][name]["activation_pages"] > 0, rank
 
 
 @pytest.mark.parametrize("zero", [0, 1, 2, 3])

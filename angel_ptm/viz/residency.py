@@ -20,7 +20,8 @@ CATEGORIES = ("device", "host", "disk", "moving", "other")
 DEVICE, HOST, DISK, MOVING, OTHER = range(len(CATEGORIES))
 ABSENT = -1
 _TIER_CATEGORY = {"device": DEVICE, "host": HOST, "disk": DISK}
-KIND_ORDER = ("param", "grad", "master", "exp_avg", "exp_avg_sq")  # the order a step touches them
+# the model states in the order a step touches them, then the activations saved for backward (activations.offload)
+KIND_ORDER = ("param", "grad", "master", "exp_avg", "exp_avg_sq", "activation")
 
 
 @dataclass(slots=True)
