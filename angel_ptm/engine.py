@@ -29,6 +29,8 @@ from angel_ptm.optim.loss_scaler import LossScaler
 from angel_ptm.page_tensors import PageTensors
 from angel_ptm.paging import Paging, choose_disk_dir, open_paging
 from angel_ptm.parallel.data_parallel import DataParallel, SingleRank, agree_on_job, join
+from angel_ptm.parallel.tensor import shards_of
+from angel_ptm.parallel.tensor.step import TensorParallelStep, apply_tensor_parallel
 from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import StateAccess
 from angel_ptm.step import StepDriver, cast_master_into_parameters, copy_masters_into_params
@@ -62,12 +64,14 @@ class Engine(StateAccess):
         # torchrun: the process group from the environment, one GPU per process, this rank's share of the pages
         self.mesh, self.device, self.ownership, self.collectives = join(config, self.trace,
                                                                         self.failure.collective_failed)
+        # parallel.tp > 1: this rank's shards of the split layers (the built-in plan unless the user applied one)
+        self.tp = apply_tensor_parallel(model, self.mesh, self.trace, self.failure.collective_failed)
         self.compute_dtype = compute_dtype(config)  # None: fp32, the parameters are the master weights
         self.kinds = creation_order(config)
         self.layout = build_layout(model, mem.page_bytes, dp_world_size=self.mesh.dp,
                                    compute_dtype=self.compute_dtype)
-        if self.collectives is not None:  # same job everywhere, then rank 0's initial values everywhere
-            agree_on_job(self.collectives, config, self.layout, model)
+        # same job everywhere, then the data-parallel group's rank 0's initial values
+        agree_on_job(self.mesh, self.collectives, config, self.layout, model, self.trace)
         self.units = find_units(model, units)
         own = self.ownership
         disk_dir = choose_disk_dir(self._paging, mem.disk_dir)
@@ -117,12 +121,15 @@ class Engine(StateAccess):
         self.data_parallel = SingleRank() if self.collectives is None else DataParallel(
             self.collectives, own, self.manager, self.scheduler, self.layout, self.pages, update_tier,
             self.estimate.gather_groups, self.estimate.largest_unit_groups, config.parallel.osdp)
+        if self.tp is not None:  # the gradient norm and fp16 overflows agreed over the tp group too
+            self.data_parallel = TensorParallelStep(self.data_parallel, self.tp,
+                                                    {s.name for s in self.layout.slots} - set(shards_of(model)))
         if self.data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
             self.binder.param_access = self.data_parallel.gatherer
         # Updates during backward (planned scheduler, no clipping, no loss scaling, staleness 0) need every gradient
         # final: with more than one rank, reduced during backward too (parallel/grad_sync.py), else not at all.
         eager = (mem.scheduler == "planned" and opt.overlap_updates and not tcfg.grad_clip and loss_scaler is None
-                 and staleness == 0 and (not self.mesh.distributed or self.data_parallel.overlaps))
+                 and staleness == 0 and (self.mesh.dp == 1 or self.data_parallel.overlaps))
         self.driver = StepDriver(model=model, layout=self.layout, pages=self.pages, binder=self.binder,
                                  optimizer=self.optimizer, scheduler=self.scheduler, data_parallel=self.data_parallel,
                                  ownership=own, grad_accum=tcfg.grad_accum, loss_scaler=loss_scaler,

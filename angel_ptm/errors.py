@@ -169,6 +169,12 @@ class CollectiveError(DistributedError):
     poisoned and a step may be half-done, so every rank stops."""
 
 
+class TensorParallelError(ConfigValueError):
+    """Tensor parallelism cannot split this model as asked: a dimension (heads, kv heads, hidden, vocabulary,
+    sequence) that tp does not divide, a plan naming a module the model lacks, or an operation on vocabulary-sharded
+    logits that would compute on one rank's share only. The message names the module and the dimension."""
+
+
 # --- signals --------------------------------------------------------------------------------------------------
 class Terminated(KeyboardInterrupt):
     """SIGTERM (what Slurm and Kubernetes send before they kill a job), raised where the run is: it unwinds and

@@ -49,7 +49,7 @@ from angel_ptm.errors import CheckpointError, ConfigValueError, DataError, RunDi
 from angel_ptm.lr import lr_at
 from angel_ptm.models import build_model
 from angel_ptm.parallel import Mesh, init_mesh, rank_device
-from angel_ptm.parallel.collectives import Collectives
+from angel_ptm.parallel.collectives import Collectives, world_group
 from angel_ptm.trace import TraceRecorder
 
 EngineFactory = Callable[..., Any]  # (model, config, trace=TraceRecorder) -> Engine
@@ -88,7 +88,7 @@ class Trainer:
         device = resolve_device(tcfg.device)
         mesh = init_mesh(cfg.parallel, device.type)  # torchrun: the process group, from the environment
         device = rank_device(device, mesh)
-        collectives = Collectives(mesh) if mesh.distributed else None
+        collectives = Collectives(mesh, group=world_group(mesh)) if mesh.distributed else None
 
         # Data: byte-level text or a token file, split into train and held-out tokens.
         tokens, data_vocab = load_tokens(cfg.data)
@@ -169,7 +169,7 @@ class Trainer:
                 t_compute = trace.now()
                 loss_sum = 0.0
                 for micro in range(tcfg.grad_accum):
-                    x, y = train_batches.batch((step - 1) * micro_per_step + mesh.rank * tcfg.grad_accum + micro)
+                    x, y = train_batches.batch((step - 1) * micro_per_step + mesh.dp_rank * tcfg.grad_accum + micro)
                     loss = engine(x.to(device), y.to(device))
                     engine.backward(loss / tcfg.grad_accum)
                     loss_sum += loss.item()

@@ -40,7 +40,25 @@ def branchy_batches():
     return [(torch.randn(8, 24, generator=g).abs() * (1.0 if i in (0, 3, 4) else -1.0),) for i in range(8)]
 
 
-CASES = {**CASES, "branchy": (Branchy, branchy_batches, mlp_loss)}  # a copy: other modules parametrize over theirs
+def hf_llama_tp():
+    """conformance_cases.hf_llama (4 heads, 2 kv heads, tied embeddings) with sdpa attention."""
+    from conformance_cases import hf_llama
+
+    return hf_llama()
+
+
+def llama_loss(model, input_ids, labels):
+    return model(input_ids, labels=labels).loss
+
+
+def llama_batches():
+    from conformance_cases import next_tokens
+
+    return next_tokens()
+
+
+# a copy: other modules parametrize over theirs
+CASES = {**CASES, "branchy": (Branchy, branchy_batches, mlp_loss), "llama": (hf_llama_tp, llama_batches, llama_loss)}
 
 STEPS = 4
 # Per-rank budgets of 4 KiB pages. The GPT's paging unit (a block with the root's pages) takes 21 pages; ZeRO-3
@@ -72,7 +90,8 @@ def config_of(spec: dict, world: int, disk_dir: str) -> dict:
     memory.update(spec.get("memory", {}))
     cfg = engine_config(memory, spec["clip"], dtype=spec["dtype"], staleness=spec["staleness"])
     cfg["trainer"]["grad_accum"] = spec["accum"]
-    cfg["parallel"] = {"zero": spec["zero"], "timeout_s": spec.get("timeout_s", 60), "osdp": spec.get("osdp", False)}
+    cfg["parallel"] = {"zero": spec["zero"], "timeout_s": spec.get("timeout_s", 60), "osdp": spec.get("osdp", False),
+                       "tp": spec.get("tp", 1), "sequence_parallel": spec.get("sp", False)}
     cfg["optimizer"].update(spec.get("optimizer", {}))
     if spec.get("activations"):  # a checkpoint setting or a whole activations section
         act = spec["activations"]
@@ -85,7 +104,14 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
     (what 1 rank with grad_accum world*accum takes in step s). The logged loss is the mean over ranks and
     micro-batches."""
     build, _, loss_fn = CASES[spec["model"]]
-    model = build()
+    if spec.get("meta"):  # built on the meta device: materialized into the pages
+        torch.manual_seed(0)
+        with torch.device("meta"):
+            model = build()
+    else:
+        model = build()
+    tp = spec.get("tp", 1)
+    rank, world = rank // tp, world // tp  # tensor-parallel peers take the same micro-batches
     accum, steps = spec["accum"], spec["steps"]
     batches = micro_batches(spec["model"], steps * world * accum)
     disk_dir = os.path.join(tmp, f"{spec['name']}-w{world}")
@@ -145,6 +171,8 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
                 "eager_updates": eager,
                 "activation_pages": len(engine.binder.offload.pages) if engine.binder.offload is not None else 0,
                 "osdp": stats.get("osdp_replicated", {}),
+                "param_numel": {s.name: s.numel for s in engine.layout.slots},
+                "tp_calls": engine.tp.collectives.calls if engine.tp is not None else 0,
                 "osdp_allowed": engine.estimate.osdp_groups,
                 "overlapped": getattr(getattr(engine.data_parallel, "sync", None), "overlapped", 0)}
     finally:

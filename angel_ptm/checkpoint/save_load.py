@@ -237,6 +237,10 @@ def load_checkpoint(engine, path: str | os.PathLike) -> Any:
 
 
 def _at_step_boundary(engine, what: str) -> None:
+    if engine.mesh.tp > 1:
+        raise CheckpointError(f"{what}: checkpoints of tensor-parallel runs (parallel.tp {engine.mesh.tp}) are not "
+                              f"supported yet: the DCP planners do not name shards by their offsets in the full "
+                              f"tensors; use parallel.tp 1 to checkpoint")
     driver = engine.driver
     if driver.micro or driver.grads_final:
         raise CheckpointError(f"{what}: called between backward() and step() ({driver.micro} micro-batches taken); "

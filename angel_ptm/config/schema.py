@@ -243,9 +243,15 @@ class TrainerConfig(_Section):
 class ParallelConfig(_Section):
     SECTION: ClassVar[str] = "parallel"
 
-    # Data-parallel ranks (ZeRO shards page groups across them). null: the world size (torchrun's WORLD_SIZE, 1
-    # without torchrun). Until tensor parallelism exists it must equal the world size.
+    # Data-parallel ranks (ZeRO shards page groups across them). null: the world size over tp (torchrun's
+    # WORLD_SIZE, 1 without torchrun). dp x tp must equal the world size.
     dp: Optional[int] = None
+    # Tensor-parallel ranks (Megatron 1-D: each layer's weights split over tp consecutive ranks, the communication in
+    # the layers' autograd functions; angel_ptm/parallel/tensor). 1: none.
+    tp: int = 1
+    # Sequence parallelism (tp > 1): norms and the residual stream on sequence shards; all-gather before the
+    # column-parallel linears, reduce-scatter after the row-parallel ones.
+    sequence_parallel: bool = False
     # 0: every rank holds every state (gradients all-reduced, as DDP). 1: optimizer states (moments, fp32 master)
     # sharded: rank r keeps page r of every page group; gradients reduce-scattered onto their owners after backward.
     # 2: gradients sharded during backward too (a group reduced as soon as it is final). 3: parameters too (a page
@@ -263,6 +269,9 @@ class ParallelConfig(_Section):
     def validate(self) -> None:
         if self.dp is not None:
             self._require("dp", self.dp >= 1, ">= 1 or null")
+        self._require("tp", self.tp >= 1, ">= 1")
+        if self.sequence_parallel:
+            self._require("sequence_parallel", self.tp > 1, "false unless tp > 1 (it splits the sequence over tp)")
         if self.osdp:
             self._require("osdp", self.zero == 3, "false unless zero is 3 (only ZeRO-3 shards parameters)")
         self._require("timeout_s", 0 < self.timeout_s <= 86400, "> 0 and at most 86400 (a day)")

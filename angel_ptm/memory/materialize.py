@@ -39,6 +39,7 @@ module's `reset_buffers()`.
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -73,6 +74,16 @@ def _own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(key, p) for key, p in module._parameters.items() if p is not None]
 
 
+def _full_shape(module: nn.Module, key: str, p: torch.Tensor) -> tuple[int, ...]:
+    """The shape `module`'s init rule works on: a tensor-parallel shard's full tensor (parallel/tensor/layers.py)."""
+    shard = getattr(module, "tp_shards", {}).get(key)
+    return tuple(p.shape) if shard is None else shard.full_shape
+
+
+def _nbytes(module: nn.Module, key: str, p: torch.Tensor) -> int:
+    return _aligned(math.prod(_full_shape(module, key, p)) * p.element_size())
+
+
 def _working_copy(module: nn.Module, scratch: torch.Tensor, fill: bool = True) -> nn.Module:
     """A shallow copy of `module` whose own parameters (and meta buffers) are real CPU tensors, the parameters
     views of `scratch` filled with NaN (so a value nobody sets is caught). Its children are the real ones."""
@@ -80,8 +91,9 @@ def _working_copy(module: nn.Module, scratch: torch.Tensor, fill: bool = True) -
     work._parameters = dict(module._parameters)
     offset = 0
     for key, p in _own_parameters(module):
-        nbytes = p.numel() * p.element_size()
-        view = scratch[offset : offset + nbytes].view(p.dtype).view(p.shape)
+        shape = _full_shape(module, key, p)
+        nbytes = math.prod(shape) * p.element_size()
+        view = scratch[offset : offset + nbytes].view(p.dtype).view(shape)
         if fill:
             view.fill_(float("nan") if p.dtype.is_floating_point else 0)
         work._parameters[key] = nn.Parameter(view, requires_grad=p.requires_grad)
@@ -102,8 +114,7 @@ def materialize_parameters(model: nn.Module, slots: dict[str, TensorSlot], write
     t0 = time.perf_counter()
     names = {id(p): name for name, p in model.named_parameters()}  # a shared parameter: its first name
     owners = [(name, module) for name, module in model.named_modules() if _own_parameters(module)]
-    scratch_bytes = max((sum(_aligned(p.numel() * p.element_size()) for _, p in _own_parameters(m))
-                         for _, m in owners), default=0)
+    scratch_bytes = max((sum(_nbytes(m, key, p) for key, p in _own_parameters(m)) for _, m in owners), default=0)
     scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
     init_module = getattr(model, "init_module", None)
     written: set[int] = set()
@@ -115,12 +126,15 @@ def materialize_parameters(model: nn.Module, slots: dict[str, TensorSlot], write
             if id(p) in written:
                 continue
             value = work._parameters[key] if p.is_meta else p.detach()
+            shard = getattr(module, "tp_shards", {}).get(key)
+            if p.is_meta and shard is not None:  # initialized whole, as one rank would; this rank keeps its slice
+                value = shard.take(value)
             if p.is_meta and value.dtype.is_floating_point and torch.isnan(value).any():
                 raise ConfigValueError(
                     f"model: parameter '{names[id(p)]}' is on the meta device and nothing initializes it: neither "
                     f"{type(module).__name__}.reset_parameters() nor the model's init_module(name, module) sets "
                     f"it; build module '{name}' off the meta device or give the model an init_module")
-            write(slots[names[id(p)]], value.detach().reshape(-1))
+            write(slots[names[id(p)]], value.detach().contiguous().reshape(-1))
             written.add(id(p))
             bytes_written += p.numel() * p.element_size()
 

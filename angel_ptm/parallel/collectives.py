@@ -21,28 +21,38 @@ import queue
 import threading
 import time
 import zlib
-from datetime import timedelta
 from typing import Any, Sequence
 
 import torch
 import torch.distributed as dist
 
 from angel_ptm.errors import CollectiveError
-from angel_ptm.parallel.mesh import Mesh
+from angel_ptm.parallel.mesh import Group, Mesh, new_groups_like
 from angel_ptm.trace.recorder import TraceRecorder
 
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 PAIRWISE_ON_GLOO = True  # gloo's page-group collectives as pairwise exchanges (tests turn it off to run NCCL's way)
 
 
-class Collectives:
-    """The data-parallel group's collectives (the world's default group while dp is the world)."""
+def world_group(mesh: Mesh) -> Group:
+    """Every rank of the job (the default process group)."""
+    return Group("world", tuple(range(mesh.world_size)))
 
-    def __init__(self, mesh: Mesh, trace: TraceRecorder | None = None, on_failure=None):
-        if not mesh.distributed:
-            raise ValueError("collectives need a world of more than one rank")
-        self.mesh = mesh
-        self.rank, self.size = mesh.rank, mesh.dp
+
+class Collectives:
+    """The collectives of one group of the mesh: the data-parallel group's (page groups, gradients) by default."""
+
+    def __init__(self, mesh: Mesh, trace: TraceRecorder | None = None, on_failure=None, group: Group | None = None):
+        """`group`: the ranks they run over (default: this rank's data-parallel group; `world_group(mesh)` for
+        every rank). `rank` and `size` are this rank's place in it; peers are named by group rank."""
+        group = group or mesh.dp_ranks
+        if group.size < 2:
+            raise ValueError(f"collectives need a group of more than one rank, got {group}")
+        self.mesh, self.group = mesh, group
+        self.rank, self.size = group.index(mesh.rank), group.size
+        self._pg = group.pg  # None: the default group (the group is the world)
+        self.who = (f"rank {self.rank} of {self.size}" if group.size == mesh.world_size
+                    else f"rank {mesh.rank} ({group.name} rank {self.rank} of {self.size})")
         self.trace = trace or TraceRecorder(None)
         self.bytes_sent = 0  # bytes this rank contributed to collectives, cumulative (the estimate's figure)
         self.calls = 0
@@ -58,8 +68,7 @@ class Collectives:
         # its collectives in the order issued). Not on torch's threaded test group, which cannot make one.
         self._reduction_group = None
         if not self.pairwise and mesh.backend in ("nccl", "gloo"):
-            self._reduction_group = dist.new_group(list(range(self.size)), backend=mesh.backend,
-                                                   timeout=timedelta(seconds=mesh.timeout_s))
+            self._reduction_group = new_groups_like(group, mesh, mesh.backend).pg
         # Reductions can run asynchronously beside compute and other collectives (GradSync overlaps them)
         self.async_reductions = self.pairwise or self._reduction_group is not None
         self._exchanges = 0  # pairwise all-gathers issued: the tag of the next one (the same count on every rank)
@@ -84,7 +93,7 @@ class Collectives:
         except (RuntimeError, ValueError) as exc:  # DistBackendError and gloo's errors are RuntimeErrors
             detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
             self.failed = CollectiveError(
-                f"rank {self.rank} of {self.size}: {name} ({what}) failed after "
+                f"{self.who}: {name} ({what}) failed after "
                 f"{time.perf_counter() - (t0 if since is None else since):.1f} s "
                 f"(parallel.timeout_s {self.mesh.timeout_s:g}): a peer rank died or hung: {detail[:300]}")
             if self.on_failure is not None:
@@ -117,13 +126,13 @@ class Collectives:
         self._sealed = (0, 0)
         everyone = [torch.empty_like(mine) for _ in range(self.size)]
         self._run("all_gather", f"collective sequence check ({what})", _nbytes(mine), dist.all_gather, everyone,
-                  mine)
+                  mine, group=self._pg)
         self._sequence, self._since_check = 0, 0
         differ = [rank for rank, theirs in enumerate(everyone) if not torch.equal(theirs, everyone[0])]
         if differ:
             counts = [int(t[1]) for t in everyone]
             self.failed = CollectiveError(
-                f"rank {self.rank} of {self.size}: ranks {differ} issued other collectives than rank 0 before "
+                f"{self.who}: ranks {differ} issued other collectives than rank 0 before "
                 f"{what} (collectives per rank {counts}); data exchanged since the last check may be wrong, so "
                 f"no rank trains on")
             if self.on_failure is not None:
@@ -144,7 +153,7 @@ class Collectives:
                               [(tensor, r) for r in peers], [(outputs[r], r) for r in peers])
         else:
             works = [self._run("all_gather", what, _nbytes(tensor), dist.all_gather, list(outputs), tensor,
-                               async_op=async_op)]
+                               group=self._pg, async_op=async_op)]
         # While `gathers_observed`, an asynchronous pairwise gather is waited on by a thread of its own, so `done()`
         # tells whether its data is here (OSDP measures what compute really waited for; a thread hop per gather
         # costs CPU, so only then)
@@ -164,7 +173,8 @@ class Collectives:
         nbytes = sum(_nbytes(t) for t in inputs)
         if not self.pairwise:
             works = [self._run("reduce_scatter", what, nbytes, dist.reduce_scatter, output, list(inputs),
-                               group=self._reduction_group, async_op=async_op)]
+                               group=self._reduction_group if self._reduction_group is not None else self._pg,
+                               async_op=async_op)]
             # NCCL's work says when it is done (a CUDA event); gloo's only once waited on: a thread waits for it
             pending = Pending(self, works, what, background=async_op and self.mesh.backend != "nccl",
                               channel="reductions")
@@ -201,16 +211,16 @@ class Collectives:
         else:
             tag = self._exchanges % (1 << 29)
             self._exchanges += 1
-        works = [dist.irecv(buffer, src=peer, tag=tag) for buffer, peer in receives]
-        works += [dist.isend(buffer, dst=peer, tag=tag) for buffer, peer in sends]
+        ranks = self.group.ranks
+        works = [dist.irecv(buffer, src=ranks[peer], group=self._pg, tag=tag) for buffer, peer in receives]
+        works += [dist.isend(buffer, dst=ranks[peer], group=self._pg, tag=tag) for buffer, peer in sends]
         return works
 
     def side_group(self):
         """A gloo group of the same ranks for object collectives outside the step (DCP's checkpoint planning: CPU
         objects, which NCCL cannot carry), made at the first call: every rank makes it at the same point."""
         if self._side_group is None:
-            self._side_group = dist.new_group(list(range(self.size)), backend="gloo",
-                                              timeout=timedelta(seconds=self.mesh.timeout_s))
+            self._side_group = new_groups_like(self.group, self.mesh, "gloo").pg
         return self._side_group
 
     def close(self) -> None:
@@ -236,19 +246,31 @@ class Collectives:
         return buffer.view(like.shape)
 
     def all_reduce(self, tensor: torch.Tensor, what: str, op=SUM) -> None:
-        self._run("all_reduce", what, _nbytes(tensor), dist.all_reduce, tensor, op=op)
+        self._run("all_reduce", what, _nbytes(tensor), dist.all_reduce, tensor, op=op, group=self._pg)
+
+    def all_gather_list(self, outputs: list[torch.Tensor], tensor: torch.Tensor, what: str) -> None:
+        """outputs[r] <- group rank r's `tensor`, with the backend's own all-gather (blocking)."""
+        self._run("all_gather", what, _nbytes(tensor), dist.all_gather, outputs, tensor, group=self._pg)
+
+    def reduce_scatter_list(self, output: torch.Tensor, inputs: list[torch.Tensor], what: str) -> None:
+        """output <- the sum over the group of inputs[self.rank], with the backend's own reduce-scatter (blocking)."""
+        self._run("reduce_scatter", what, sum(_nbytes(t) for t in inputs), dist.reduce_scatter, output, inputs,
+                  group=self._pg)
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
-        self._run("broadcast", what, _nbytes(tensor) if src == self.rank else 0, dist.broadcast, tensor, src=src)
+        """From group rank `src`."""
+        self._run("broadcast", what, _nbytes(tensor) if src == self.rank else 0, dist.broadcast, tensor,
+                  src=self.group.ranks[src], group=self._pg)
 
     def all_gather_object(self, obj: Any, what: str) -> list[Any]:
         out: list[Any] = [None] * self.size
-        self._run("all_gather_object", what, 0, dist.all_gather_object, out, obj)
+        self._run("all_gather_object", what, 0, dist.all_gather_object, out, obj, group=self._pg)
         return out
 
     def broadcast_object(self, obj: Any, src: int, what: str) -> Any:
         box = [obj if self.rank == src else None]
-        self._run("broadcast_object", what, 0, dist.broadcast_object_list, box, src=src)
+        self._run("broadcast_object", what, 0, dist.broadcast_object_list, box, src=self.group.ranks[src],
+                  group=self._pg)
         return box[0]
 
 

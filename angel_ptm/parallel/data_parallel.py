@@ -24,7 +24,7 @@ from angel_ptm.config import config_to_dict
 from angel_ptm.errors import CollectiveError, ConfigMismatchError, ConfigValueError
 from angel_ptm.memory import Page, PageLayout, PageManager, Tier, compute_device
 from angel_ptm.parallel.mesh import Mesh, init_mesh, rank_device
-from angel_ptm.parallel.collectives import MIN, Collectives
+from angel_ptm.parallel.collectives import MIN, Collectives, world_group
 from angel_ptm.parallel.ownership import Ownership, osdp_replicable
 from angel_ptm.parallel.grad_sync import GradSync
 from angel_ptm.parallel.zero import ParamGatherer
@@ -39,15 +39,22 @@ def join(config, trace=None, on_failure=None) -> tuple[Mesh, torch.device, Owner
                                "the step ends; staleness 1 publishes the update during the next step)")
     mesh = init_mesh(config.parallel, compute_device(config.trainer.device).type)
     device = rank_device(compute_device(config.trainer.device), mesh)
-    ownership = Ownership(mesh.rank, mesh.dp, config.parallel.zero)
-    collectives = Collectives(mesh, trace, on_failure=on_failure) if mesh.distributed else None
+    ownership = Ownership(mesh.dp_rank, mesh.dp, config.parallel.zero)
+    collectives = Collectives(mesh, trace, on_failure=on_failure) if mesh.dp > 1 else None
     return mesh, device, ownership, collectives
 
 
-def agree_on_job(collectives: Collectives, config, layout: PageLayout, model: nn.Module) -> None:
-    """Every rank runs rank 0's job (`check_same_job`) and starts from rank 0's values (`broadcast_module`)."""
-    check_same_job(collectives, config_digest(config_to_dict(config)), layout)
-    broadcast_module(model, collectives)
+def agree_on_job(mesh: Mesh, collectives: Collectives | None, config, layout: PageLayout, model: nn.Module,
+                 trace=None) -> None:
+    """Every rank runs rank 0's job (`check_same_job`, over the whole world) and starts from its data-parallel
+    group's rank 0's values (`broadcast_module`; tensor-parallel peers hold different shards)."""
+    if not mesh.distributed:
+        return
+    world = collectives if collectives is not None and mesh.tp == 1 else Collectives(mesh, trace,
+                                                                                       group=world_group(mesh))
+    check_same_job(world, config_digest(config_to_dict(config)), layout)
+    if collectives is not None:
+        broadcast_module(model, collectives)
 
 
 class SingleRank:

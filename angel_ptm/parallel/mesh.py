@@ -1,7 +1,13 @@
-"""The process group and the data-parallel mesh, from torchrun's environment.
+"""The process group and the dp x tp mesh, from torchrun's environment.
 
     mesh = init_mesh(config.parallel, device_type="cpu")   # world of 1 without torchrun: no process group
-    mesh.rank, mesh.dp, mesh.local_rank
+    mesh.rank, mesh.dp, mesh.tp, mesh.dp_rank, mesh.tp_rank, mesh.local_rank
+
+Ranks are laid out tensor-parallel first, as Megatron does: global rank = dp_rank * tp + tp_rank, so a tensor-parallel
+group (whose collectives sit on every layer's critical path) is `tp` consecutive ranks, on one node where the node
+holds them. A data-parallel group is the ranks with the same tp_rank; ZeRO shards page groups across it. Each group
+is a `Group` (its global ranks and process group; the default group when it is the whole world, none of its own
+with one rank). Every rank creates every group, in the same order (torch.distributed requires it).
 
 Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT set) the default process group is
 initialized here unless the user's script already did: NCCL for CUDA tensors, gloo on CPU, with
@@ -12,7 +18,7 @@ torch.distributed.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import torch
@@ -22,8 +28,25 @@ from angel_ptm.errors import DistributedError
 
 
 @dataclass(frozen=True)
+class Group:
+    """One process group of the mesh: its members' global ranks, in group-rank order, and the torch process group
+    (None: the default group, or a group of one that never communicates)."""
+
+    name: str  # "dp", "tp" or "world"
+    ranks: tuple[int, ...]
+    pg: object = field(default=None, compare=False, repr=False)
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    def index(self, global_rank: int) -> int:
+        return self.ranks.index(global_rank)
+
+
+@dataclass(frozen=True)
 class Mesh:
-    """Where this process stands: its rank in the world and on its node, and the data-parallel degree."""
+    """Where this process stands: its rank in the world and on its node, and the dp x tp degrees."""
 
     rank: int = 0
     world_size: int = 1
@@ -32,10 +55,32 @@ class Mesh:
     dp: int = 1
     timeout_s: float = 300.0
     backend: str | None = None  # None: a world of one, no process group
+    tp: int = 1
+    sequence_parallel: bool = False
+    dp_group: Group | None = field(default=None, compare=False)  # None: every rank (tp 1)
+    tp_group: Group | None = field(default=None, compare=False)
 
     @property
     def distributed(self) -> bool:
         return self.world_size > 1
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp
+
+    @property
+    def dp_ranks(self) -> Group:
+        """This rank's data-parallel group."""
+        return self.dp_group or Group("dp", tuple(range(self.world_size)))
+
+    @property
+    def tp_ranks(self) -> Group:
+        """This rank's tensor-parallel group."""
+        return self.tp_group or Group("tp", (self.rank,))
 
     @property
     def comm_device(self) -> torch.device:
@@ -80,14 +125,56 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
                                        f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {exc}") from None
     local_world = _env_int("LOCAL_WORLD_SIZE", 1 if world == 1 else world)
     local_rank = _env_int("LOCAL_RANK", rank % max(1, local_world))
-    dp = parallel.dp if parallel.dp is not None else world
-    if world % dp:
-        raise DistributedError(f"parallel.dp: {dp} does not divide the world size {world}")
-    if dp != world:
-        raise DistributedError(f"parallel.dp: {dp} ranks of data parallelism in a world of {world}: the other "
-                               f"{world // dp}-way factor needs tensor parallelism, which this version does not "
-                               f"have; set parallel.dp to {world} (or null)")
-    return Mesh(rank, world, local_rank, local_world, dp, parallel.timeout_s, backend)
+    tp = parallel.tp
+    if world % tp:
+        raise DistributedError(f"parallel.tp: {tp} does not divide the world size {world}")
+    dp = parallel.dp if parallel.dp is not None else world // tp
+    if dp * tp != world:
+        raise DistributedError(f"parallel.dp x parallel.tp = {dp} x {tp} = {dp * tp}, but the world has {world} "
+                               f"ranks; set parallel.dp to {world // tp} (or null)")
+    dp_group = tp_group = None
+    if tp > 1:  # the groups of the mesh, every one made on every rank in the same order
+        tp_group = _make_groups("tp", [[d * tp + t for t in range(tp)] for d in range(dp)], rank, backend,
+                                parallel.timeout_s)
+        if dp > 1:
+            dp_group = _make_groups("dp", [[d * tp + t for d in range(dp)] for t in range(tp)], rank, backend,
+                                    parallel.timeout_s)
+        else:
+            dp_group = Group("dp", (rank,))
+    return Mesh(rank, world, local_rank, local_world, dp, parallel.timeout_s, backend, tp,
+                parallel.sequence_parallel and tp > 1, dp_group, tp_group)
+
+
+def _make_groups(name: str, enumeration: list[list[int]], rank: int, backend: str | None,
+                 timeout_s: float) -> Group:
+    """Every group of `enumeration` (all ranks call this alike); this rank's. A group of the whole world is the
+    default process group."""
+    mine = None
+    for ranks in enumeration:
+        if len(ranks) == sum(len(r) for r in enumeration):
+            pg = None
+        else:
+            pg = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=timeout_s))
+        if rank in ranks:
+            mine = Group(name, tuple(ranks), pg)
+    return mine
+
+
+def new_groups_like(group: Group, mesh: Mesh, backend: str) -> Group:
+    """A second process group over the same ranks as `group` (and its siblings: every rank makes all of them, at
+    the same point), e.g. for reductions beside the group's other collectives, or gloo for CPU objects."""
+    if group.name == "dp" and mesh.tp > 1:
+        enumeration = [[d * mesh.tp + t for d in range(mesh.dp)] for t in range(mesh.tp)]
+    elif group.name == "tp":
+        enumeration = [[d * mesh.tp + t for t in range(mesh.tp)] for d in range(mesh.dp)]
+    else:
+        enumeration = [list(range(mesh.world_size))]
+    mine = None
+    for ranks in enumeration:
+        pg = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=mesh.timeout_s))
+        if mesh.rank in ranks:
+            mine = Group(group.name, tuple(ranks), pg)
+    return mine
 
 
 def rank_device(device: torch.device, mesh: Mesh) -> torch.device:

@@ -1,0 +1,288 @@
+"""Megatron 1-D tensor-parallel layers: plain local-shard parameters, the communication in autograd functions.
+
+    ColumnParallelLinear   weight [out/tp, in] (and bias [out/tp]): output features split; its input enters the
+                           region where the plan says (a module-level hook, so q, k and v share one gather)
+    RowParallelLinear      weight [out, in/tp]: input features split; the partial outputs leave the region
+                           (all-reduce, or reduce-scatter to sequence shards); the bias (whole) added after
+    VocabParallelEmbedding weight [vocab/tp, dim]: ids outside this rank's range look up zeros; the sum over ranks
+                           (all-reduce, or reduce-scatter to sequence shards) is the embedding
+    vocab-sharded logits   a column-parallel output head without a gather: its output is a `VocabShardedLogits`,
+                           whose `F.cross_entropy` is the vocabulary-parallel one (max and sum all-reduced over tp)
+
+The classes subclass torch's, so a model's init rule (`isinstance(m, nn.Linear)`), `reset_parameters()` and the
+meta-device materialization see the layers they were written for. Each records which of its parameters are shards
+(`tp_shards`: the dimension, this rank's slice, the full shape): materialization initializes the full tensor and
+keeps the slice, the gradient norm counts replicated tensors once, and checkpoints name the full tensor.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from angel_ptm.errors import TensorParallelError
+from angel_ptm.parallel.tensor.comm import TPComm, leave_region, reduce_from
+
+
+@dataclass(frozen=True)
+class Shard:
+    """A parameter that holds slice `rank` of `size` equal slices of a full tensor along `dim`."""
+
+    dim: int
+    rank: int
+    size: int
+    full_shape: tuple[int, ...]
+
+    @property
+    def start(self) -> int:
+        return self.rank * self.full_shape[self.dim] // self.size
+
+    @property
+    def length(self) -> int:
+        return self.full_shape[self.dim] // self.size
+
+    def take(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of the full tensor (a view)."""
+        return full.narrow(self.dim, self.start, self.length)
+
+
+def shard_parameter(param: nn.Parameter, dim: int, comm: TPComm, what: str) -> tuple[nn.Parameter, Shard]:
+    """A new parameter holding this rank's slice of `param` (copied: the full one can go), and its Shard."""
+    full = tuple(param.shape)
+    if full[dim] % comm.size:
+        raise TensorParallelError(f"{what}: dimension {dim} ({full[dim]}) does not divide over parallel.tp "
+                                  f"{comm.size}")
+    shard = Shard(dim, comm.rank, comm.size, full)
+    with torch.no_grad():
+        local = shard.take(param.detach())
+        local = local.clone() if not local.is_meta else torch.empty(local.shape, dtype=local.dtype, device="meta")
+    return nn.Parameter(local, requires_grad=param.requires_grad), shard
+
+
+def _move_into(new: nn.Module, old: nn.Module) -> None:
+    """`new` takes `old`'s hooks and training flag (it replaces `old` in its parent)."""
+    new.train(old.training)
+    for attr in ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                 "_forward_hooks_with_kwargs", "_backward_hooks"):
+        if hasattr(old, attr):
+            getattr(new, attr).update(getattr(old, attr))
+
+
+class ColumnParallelLinear(nn.Linear):
+    """Output features split over tp. `vocab_output`: the model's output head over a vocabulary, whose logits
+    stay sharded (`VocabShardedLogits`) for the vocabulary-parallel cross-entropy."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("build one with ColumnParallelLinear.from_linear(linear, comm, shared)")
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, comm: TPComm, shared: dict, name: str,
+                    vocab_output: bool = False) -> "ColumnParallelLinear":
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features // comm.size
+        self.comm, self.vocab_output = comm, vocab_output
+        self.full_out_features = linear.out_features
+        self.tp_shards = {}
+        for key in ("weight", "bias"):
+            param = getattr(linear, key)
+            if param is None:
+                self.register_parameter(key, None)
+                continue
+            local, shard = shared.get(id(param)) or shard_parameter(param, 0, comm, f"{name}.{key} (out_features)")
+            shared[id(param)] = (local, shard)
+            setattr(self, key, local)
+            self.tp_shards[key] = shard
+        _move_into(self, linear)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        if self.vocab_output and self.comm.size > 1:
+            return VocabShardedLogits.wrap(y, self.comm, self.tp_shards["weight"].start, self.full_out_features)
+        return y
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, tp={self.comm.size} (column)"
+
+
+class RowParallelLinear(nn.Linear):
+    """Input features split over tp; the output is the sum over ranks (leaves the region), plus the whole bias."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("build one with RowParallelLinear.from_linear(linear, comm, shared)")
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, comm: TPComm, shared: dict, name: str) -> "RowParallelLinear":
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features // comm.size, linear.out_features
+        self.comm = comm
+        self.tp_shards = {}
+        weight = linear.weight
+        local, shard = shared.get(id(weight)) or shard_parameter(weight, 1, comm, f"{name}.weight (in_features)")
+        shared[id(weight)] = (local, shard)
+        self.weight = local
+        self.tp_shards["weight"] = shard
+        self.bias = linear.bias  # whole on every rank (its gradient is the same everywhere)
+        _move_into(self, linear)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = leave_region(F.linear(x, self.weight), self.comm)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, tp={self.comm.size} (row)"
+
+
+class VocabParallelEmbedding(nn.Embedding):
+    """The vocabulary split over tp: rank r holds rows [r*V/tp, (r+1)*V/tp)."""
+
+    def __init__(self, *args, **kwargs):
+        raise TypeError("build one with VocabParallelEmbedding.from_embedding(embedding, comm, shared)")
+
+    @classmethod
+    def from_embedding(cls, emb: nn.Embedding, comm: TPComm, shared: dict, name: str,
+                       whole: bool = False) -> "VocabParallelEmbedding":
+        """`whole`: the output stays whole on every rank (all-reduced) even with sequence parallelism."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        if emb.max_norm is not None or emb.sparse:
+            raise TensorParallelError(f"{name}: a vocabulary-parallel embedding with max_norm or sparse gradients "
+                                      f"is not supported")
+        self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
+        self.padding_idx, self.max_norm, self.norm_type = emb.padding_idx, None, emb.norm_type
+        self.scale_grad_by_freq, self.sparse = emb.scale_grad_by_freq, False
+        self.comm, self.whole = comm, whole
+        local, shard = shared.get(id(emb.weight)) or shard_parameter(emb.weight, 0, comm,
+                                                                      f"{name}.weight (vocabulary)")
+        shared[id(emb.weight)] = (local, shard)
+        self.weight = local
+        self.tp_shards = {"weight": shard}
+        self.vocab_start, self.vocab_end = shard.start, shard.start + shard.length
+        _move_into(self, emb)
+        return self
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local = (ids - self.vocab_start).masked_fill(outside, 0)
+        pad = self.padding_idx
+        pad = pad - self.vocab_start if pad is not None and self.vocab_start <= pad < self.vocab_end else None
+        out = F.embedding(local, self.weight, pad, None, self.norm_type, self.scale_grad_by_freq, False)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from(out, self.comm) if self.whole else leave_region(out, self.comm)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, tp={self.comm.size} (vocabulary rows {self.vocab_start}:{self.vocab_end})"
+
+
+# ---------------------------------------------------------------------------------------------------- the loss
+_PASS_THROUGH = {"float", "double", "half", "bfloat16", "to", "type", "contiguous", "clone", "detach", "size", "dim",
+                 "__get__", "requires_grad_", "retain_grad", "__repr__", "__format__", "numel", "is_contiguous",
+                 "stride", "element_size", "data_ptr", "backward"}
+_RESHAPES = {"view", "reshape"}
+
+
+class VocabShardedLogits(torch.Tensor):
+    """Logits of this rank's share of the vocabulary (columns vocab_start .. vocab_start + local size of
+    `full_vocab`), as a column-parallel output head leaves them. Casts, reshapes (a last dimension given as the full
+    vocabulary means this rank's share) and `F.cross_entropy` work: the loss is the vocabulary-parallel
+    cross-entropy, equal on every tp rank. Anything else would compute on 1/tp of the vocabulary and raises a
+    TensorParallelError; `gather_logits(logits)` gives the whole logits (tp times the memory)."""
+
+    @staticmethod
+    def wrap(local: torch.Tensor, comm: TPComm, vocab_start: int, full_vocab: int) -> "VocabShardedLogits":
+        out = local.as_subclass(VocabShardedLogits)
+        out._tp = (comm, vocab_start, full_vocab)
+        return out
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        sharded = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, VocabShardedLogits))
+        comm, start, full_vocab = sharded._tp
+        name = getattr(func, "__name__", str(func))
+        if func is F.cross_entropy:
+            return _cross_entropy(comm, start, *args, **kwargs)
+        with torch._C.DisableTorchFunctionSubclass():
+            local, rows = sharded.shape[-1], sharded.numel() // max(1, sharded.shape[-1])
+        if name in _RESHAPES:  # a last dimension of the full vocabulary means this rank's share of it
+            shape = args[1:]
+            if len(shape) == 1 and isinstance(shape[0], (tuple, list, torch.Size)):
+                shape = tuple(shape[0])
+            if shape and shape[-1] == full_vocab:
+                shape = tuple(shape[:-1]) + (local,)
+            args = (args[0], *shape)
+        if name in _RESHAPES or name in _PASS_THROUGH:
+            with torch._C.DisableTorchFunctionSubclass():
+                out = func(*args, **kwargs)
+                if not isinstance(out, torch.Tensor):
+                    return out
+                keeps = (out.dim() > 0 and out.shape[-1] == local and out.dtype.is_floating_point
+                         and out.numel() == rows * local)
+            if keeps:
+                return VocabShardedLogits.wrap(out.as_subclass(torch.Tensor), comm, start, full_vocab)
+        raise TensorParallelError(
+            f"tensor parallelism: {name} on logits sharded over the vocabulary would compute on this rank's "
+            f"{local} of {full_vocab} columns only; compute the loss with F.cross_entropy, or take "
+            f"angel_ptm.parallel.tensor.gather_logits(logits) first")
+
+
+def gather_logits(logits: torch.Tensor) -> torch.Tensor:
+    """The whole logits from vocabulary-sharded ones (an all-gather over tp; the gradient flows back to the
+    shards); any other tensor as it is."""
+    if not isinstance(logits, VocabShardedLogits):
+        return logits
+    comm = logits._tp[0]
+    local = logits.as_subclass(torch.Tensor)
+    return _GatherVocab.apply(local, comm)
+
+
+class _GatherVocab(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm):
+        ctx.comm = comm
+        return comm.all_gather(x, -1, "gather logits")
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.chunk(ctx.comm.size, dim=-1)[ctx.comm.rank].contiguous(), None
+
+
+def _cross_entropy(comm: TPComm, vocab_start: int, logits, target, weight=None, size_average=None,
+                   ignore_index: int = -100, reduce=None, reduction: str = "mean", label_smoothing: float = 0.0):
+    """F.cross_entropy over vocabulary-sharded logits [N, V/tp] (or [V/tp]... with a class-index target): the
+    log-sum-exp and the target's logit each summed over tp; equal on every tp rank."""
+    if weight is not None or size_average is not None or reduce is not None or label_smoothing:
+        raise TensorParallelError("tensor parallelism: the vocabulary-parallel cross-entropy takes no class weights, "
+                                  "size_average/reduce or label_smoothing")
+    if target.is_floating_point():
+        raise TensorParallelError("tensor parallelism: the vocabulary-parallel cross-entropy takes class indices, "
+                                  "not probabilities")
+    local = logits.as_subclass(torch.Tensor)
+    if local.dim() != 2:
+        raise TensorParallelError(f"tensor parallelism: cross_entropy over sharded logits of shape "
+                                  f"{tuple(local.shape)}: flatten them to [tokens, vocabulary] first")
+    n_local = local.shape[-1]
+    with torch.no_grad():
+        peak = comm.all_reduce_max(local.max(dim=-1).values.clone(), "cross_entropy max")
+    shifted = local - peak.unsqueeze(-1)
+    sum_exp = reduce_from(shifted.exp().sum(dim=-1), comm)
+    index = target - vocab_start
+    mine = (index >= 0) & (index < n_local)
+    picked = shifted.gather(-1, index.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1) * mine
+    target_logit = reduce_from(picked, comm)
+    losses = torch.log(sum_exp) - target_logit
+    keep = target != ignore_index
+    losses = losses * keep
+    if reduction == "none":
+        return losses
+    if reduction == "sum":
+        return losses.sum()
+    if reduction == "mean":
+        return losses.sum() / keep.sum()
+    raise TensorParallelError(f"tensor parallelism: cross_entropy reduction {reduction!r}: expected none, sum or mean")

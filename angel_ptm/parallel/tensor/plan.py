@@ -1,0 +1,220 @@
+"""Tensor parallelism applied from outside: `parallelize(model, comm, plan)` swaps a plain model's layers for their
+Megatron versions, holding only this rank's shards, as torchtitan's `parallelize_module` does.
+
+    plan = gpt_plan(model)                       # or llama_plan(model) for HuggingFace LlamaForCausalLM, or your own
+    parallelize(model, TPComm(mesh), plan)       # angel_ptm.initialize does this when parallel.tp > 1
+
+A plan maps module names (fnmatch patterns over `named_modules()`: "layers.*.attention.wq") to a style:
+
+    colwise        nn.Linear -> ColumnParallelLinear (output features split)
+    rowwise        nn.Linear -> RowParallelLinear (input features split, output summed over tp)
+    vocab_embed    nn.Embedding -> VocabParallelEmbedding (output: sequence shards with sequence parallelism)
+    vocab_embed_whole  the same, its output whole on every rank (all-reduced) in any case
+    vocab_output   nn.Linear -> ColumnParallelLinear whose logits stay vocabulary-sharded (vocab-parallel loss)
+    enter          a module whose input enters the region (a pre-hook: copy_to, or with sequence parallelism the
+                   gather of the sequence shards): attention and feed-forward blocks, the output head
+    seq_scatter    a module whose input is whole and becomes sequence shards (sequence parallelism only): the first
+                   decoder layer of a model whose embedding output must stay whole (HuggingFace computes positions
+                   from its length)
+    norm           a norm whose input is sequence shards (sequence parallelism only): its weight's gradient is
+                   all-reduced over tp
+
+and `divide` names integer attributes that count heads (divided by tp on the modules that hold them). Every pattern
+must match a module and every dimension it splits must divide by tp, else a TensorParallelError names them.
+The shards are sliced from the full initialization, so a tp run starts from exactly the 1-rank weights (ranks that
+built the model with different random states first take tp rank 0's full values); a meta-device model keeps meta
+shards, and materialization initializes each full tensor and keeps this rank's slice.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from angel_ptm.errors import TensorParallelError
+from angel_ptm.parallel.tensor.comm import TPComm, copy_to, enter_region, scatter_seq
+from angel_ptm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+STYLES = ("colwise", "rowwise", "vocab_embed", "vocab_embed_whole", "vocab_output", "enter", "seq_scatter", "norm")
+
+
+@dataclass(frozen=True)
+class Plan:
+    styles: dict[str, tuple[str, ...]]  # pattern -> styles applied to each module it matches, in order
+    divide: dict[str, tuple[str, ...]] = field(default_factory=dict)  # pattern -> head-count attributes
+
+
+def gpt_plan(model: nn.Module) -> Plan:
+    """angel_ptm.models.GPT: q, k, v and the SwiGLU's w1, w3 column-wise; o and w2 row-wise; the vocabulary split
+    in the embedding and the (tied or not) output head; GQA's kv heads split like the query heads."""
+    return Plan(
+        styles={"tok_embeddings": ("vocab_embed",),
+                "layers.*.attention": ("enter",), "layers.*.feed_forward": ("enter",),
+                "layers.*.attention.w[qkv]": ("colwise",), "layers.*.attention.wo": ("rowwise",),
+                "layers.*.feed_forward.w[13]": ("colwise",), "layers.*.feed_forward.w2": ("rowwise",),
+                "layers.*.attention_norm": ("norm",), "layers.*.ffn_norm": ("norm",), "norm": ("norm",),
+                "output": ("enter", "vocab_output")},
+        divide={"layers.*.attention": ("n_head", "n_kv_head")})
+
+
+def llama_plan(model: nn.Module) -> Plan:
+    """HuggingFace LlamaForCausalLM (and models laid out like it: Mistral, Qwen2): the same split; the embedding's
+    output stays whole (the model derives positions and the causal mask from its length) and the first decoder
+    layer scatters it into sequence shards when sequence parallelism is on."""
+    return Plan(
+        styles={"model.embed_tokens": ("vocab_embed_whole",),
+                "model.layers.0": ("seq_scatter",),
+                "model.layers.*.self_attn": ("enter",), "model.layers.*.mlp": ("enter",),
+                "model.layers.*.self_attn.[qkv]_proj": ("colwise",), "model.layers.*.self_attn.o_proj": ("rowwise",),
+                "model.layers.*.mlp.gate_proj": ("colwise",), "model.layers.*.mlp.up_proj": ("colwise",),
+                "model.layers.*.mlp.down_proj": ("rowwise",),
+                "model.layers.*.input_layernorm": ("norm",), "model.layers.*.post_attention_layernorm": ("norm",),
+                "model.norm": ("norm",), "lm_head": ("enter", "vocab_output")})
+
+
+def plan_for(model: nn.Module) -> Plan:
+    """The built-in plan for `model`'s type, or a TensorParallelError naming it."""
+    from angel_ptm.models.gpt import GPT
+
+    if isinstance(model, GPT):
+        return gpt_plan(model)
+    names = {name for name, _ in model.named_modules()}
+    if {"model.embed_tokens", "lm_head", "model.norm"} <= names and any(".self_attn.q_proj" in n for n in names):
+        return llama_plan(model)
+    raise TensorParallelError(f"parallel.tp: no built-in tensor-parallel plan for {type(model).__name__}; call "
+                              f"angel_ptm.parallel.tensor.parallelize(model, comm, Plan(...)) before initialize")
+
+
+def is_parallelized(model: nn.Module) -> int:
+    """The tp degree `model` was parallelized for (1: not)."""
+    return getattr(model, "_angel_tp", None).size if getattr(model, "_angel_tp", None) is not None else 1
+
+
+def tp_comm_of(model: nn.Module) -> TPComm | None:
+    return getattr(model, "_angel_tp", None)
+
+
+def shards_of(model: nn.Module) -> dict[str, object]:
+    """Parameter name -> its Shard, for every parameter that is a tensor-parallel shard (tied names included)."""
+    out = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for key, shard in getattr(module, "tp_shards", {}).items():
+            out[f"{prefix}.{key}" if prefix else key] = shard
+    return out
+
+
+def parallelize(model: nn.Module, comm: TPComm, plan: Plan) -> nn.Module:
+    """Apply `plan` to `model` in place (see the module docstring); returns the model."""
+    if tp_comm_of(model) is not None:
+        raise TensorParallelError(f"{type(model).__name__} is tensor-parallel already (tp {is_parallelized(model)})")
+    modules = dict(model.named_modules())
+    matches = {pattern: [n for n in modules if fnmatch.fnmatchcase(n, pattern)] for pattern in plan.styles}
+    matches_divide = {pattern: [n for n in modules if fnmatch.fnmatchcase(n, pattern)] for pattern in plan.divide}
+    for pattern, found in {**matches, **matches_divide}.items():
+        if not found:
+            raise TensorParallelError(f"tensor-parallel plan: '{pattern}' names no module of "
+                                      f"{type(model).__name__} (its modules include {sorted(modules)[:8]})")
+    for pattern, attrs in plan.divide.items():
+        for name in matches_divide[pattern]:
+            for attr in attrs:
+                value = getattr(modules[name], attr, None)
+                if not isinstance(value, int):
+                    raise TensorParallelError(f"tensor-parallel plan: {name}.{attr} is not an integer ({value!r})")
+                if value % comm.size:
+                    raise TensorParallelError(f"{name}.{attr} ({value}) does not divide over parallel.tp "
+                                              f"{comm.size}")
+    if comm.size > 1:
+        _same_full_values(model, comm)
+    shared: dict = {}
+    for pattern, styles in plan.styles.items():
+        for name in matches[pattern]:
+            for style in styles:
+                _apply(model, name, style, comm, shared)
+    for pattern, attrs in plan.divide.items():
+        for name in matches_divide[pattern]:
+            for attr in attrs:
+                setattr(modules[name], attr, getattr(modules[name], attr) // comm.size)
+    model._angel_tp = comm
+    return model
+
+
+def _apply(model: nn.Module, name: str, style: str, comm: TPComm, shared: dict) -> None:
+    module = model.get_submodule(name)
+    parent_name, _, leaf = name.rpartition(".")
+    replace = None
+    if style in ("colwise", "vocab_output"):
+        _expect(module, nn.Linear, name, style)
+        replace = ColumnParallelLinear.from_linear(module, comm, shared, name, vocab_output=style == "vocab_output")
+    elif style == "rowwise":
+        _expect(module, nn.Linear, name, style)
+        replace = RowParallelLinear.from_linear(module, comm, shared, name)
+    elif style in ("vocab_embed", "vocab_embed_whole"):
+        _expect(module, nn.Embedding, name, style)
+        replace = VocabParallelEmbedding.from_embedding(module, comm, shared, name,
+                                                        whole=style == "vocab_embed_whole")
+    elif style == "enter":
+        module.register_forward_pre_hook(_first_input(lambda x: enter_region(x, comm)), with_kwargs=True)
+    elif style == "seq_scatter":
+        if comm.sequence_parallel:
+            module.register_forward_pre_hook(_first_input(lambda x: scatter_seq(x, comm)), with_kwargs=True)
+    elif style == "norm":
+        if comm.sequence_parallel:
+            _reduce_param_grads(module, comm)
+    else:
+        raise TensorParallelError(f"tensor-parallel plan: style '{style}' for {name}: expected one of {STYLES}")
+    if replace is not None:
+        setattr(model.get_submodule(parent_name) if parent_name else model, leaf, replace)
+
+
+def _expect(module: nn.Module, cls: type, name: str, style: str) -> None:
+    if not isinstance(module, cls) or isinstance(module, (ColumnParallelLinear, RowParallelLinear,
+                                                          VocabParallelEmbedding)):
+        raise TensorParallelError(f"tensor-parallel plan: {name} is a {type(module).__name__}; style '{style}' "
+                                  f"takes an {cls.__module__.replace('torch.nn.modules.', 'nn.').split('.')[0]}."
+                                  f"{cls.__name__}")
+
+
+def _first_input(transform):
+    """A forward pre-hook that transforms the module's first input (positional, else `hidden_states`)."""
+
+    def hook(module, args, kwargs):
+        if args:
+            return (transform(args[0]), *args[1:]), kwargs
+        if "hidden_states" in kwargs:
+            return args, {**kwargs, "hidden_states": transform(kwargs["hidden_states"])}
+        raise TensorParallelError(f"tensor parallelism: {type(module).__name__} was called without a positional "
+                                  f"input or hidden_states=; the plan cannot find the input to split")
+
+    return hook
+
+
+def _reduce_param_grads(module: nn.Module, comm: TPComm) -> None:
+    """While `module` runs, its own parameters pass through copy_to: identity forward, gradient all-reduced over tp
+    (each rank saw only its sequence shard)."""
+    forward = module.forward
+
+    def sequence_parallel_forward(*args, **kwargs):
+        own = {k: p for k, p in module._parameters.items() if p is not None and p.requires_grad}
+        try:
+            for key, param in own.items():
+                module._parameters[key] = copy_to(param, comm)
+            return forward(*args, **kwargs)
+        finally:
+            module._parameters.update(own)
+
+    module.forward = sequence_parallel_forward
+
+
+def _same_full_values(model: nn.Module, comm: TPComm) -> None:
+    """Every tp rank slices the same full tensors: tp rank 0's values (a meta model: its random state instead)."""
+    tensors = list(dict.fromkeys(list(model.parameters()) + list(model.buffers())))
+    if any(t.is_meta for t in tensors):
+        state = comm.collectives.broadcast_object(torch.get_rng_state(), 0, "tp rank 0's random state")
+        torch.set_rng_state(state)
+    with torch.no_grad():
+        for tensor in tensors:
+            if not tensor.is_meta:
+                comm.collectives.broadcast(tensor.data, 0, "tp initial full values")
