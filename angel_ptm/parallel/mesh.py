@@ -134,15 +134,21 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
                                f"ranks; set parallel.dp to {world // tp} (or null)")
     dp_group = tp_group = None
     if tp > 1:  # the groups of the mesh, every one made on every rank in the same order
-        tp_group = _make_groups("tp", [[d * tp + t for t in range(tp)] for d in range(dp)], rank, backend,
-                                parallel.timeout_s)
-        if dp > 1:
-            dp_group = _make_groups("dp", [[d * tp + t for d in range(dp)] for t in range(tp)], rank, backend,
-                                    parallel.timeout_s)
-        else:
-            dp_group = Group("dp", (rank,))
+        tp_group = _make_groups("tp", mesh_groups("tp", dp, tp), rank, backend, parallel.timeout_s)
+        dp_group = (_make_groups("dp", mesh_groups("dp", dp, tp), rank, backend, parallel.timeout_s) if dp > 1
+                    else Group("dp", (rank,)))
     return Mesh(rank, world, local_rank, local_world, dp, parallel.timeout_s, backend, tp,
                 parallel.sequence_parallel and tp > 1, dp_group, tp_group)
+
+
+def mesh_groups(name: str, dp: int, tp: int) -> list[list[int]]:
+    """Every group of one kind, in creation order: "tp" groups are tp consecutive ranks; "dp" groups the ranks with
+    the same tp rank; "world" all of them."""
+    if name == "tp":
+        return [[d * tp + t for t in range(tp)] for d in range(dp)]
+    if name == "dp":
+        return [[d * tp + t for d in range(dp)] for t in range(tp)]
+    return [list(range(dp * tp))]
 
 
 def _make_groups(name: str, enumeration: list[list[int]], rank: int, backend: str | None,
@@ -163,12 +169,7 @@ def _make_groups(name: str, enumeration: list[list[int]], rank: int, backend: st
 def new_groups_like(group: Group, mesh: Mesh, backend: str) -> Group:
     """A second process group over the same ranks as `group` (and its siblings: every rank makes all of them, at
     the same point), e.g. for reductions beside the group's other collectives, or gloo for CPU objects."""
-    if group.name == "dp" and mesh.tp > 1:
-        enumeration = [[d * mesh.tp + t for d in range(mesh.dp)] for t in range(mesh.tp)]
-    elif group.name == "tp":
-        enumeration = [[d * mesh.tp + t for t in range(mesh.tp)] for d in range(mesh.dp)]
-    else:
-        enumeration = [list(range(mesh.world_size))]
+    enumeration = mesh_groups(group.name if group.name in ("dp", "tp") else "world", mesh.dp, mesh.tp)
     mine = None
     for ranks in enumeration:
         pg = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=mesh.timeout_s))

@@ -126,6 +126,10 @@ def parallelize(model: nn.Module, comm: TPComm, plan: Plan) -> nn.Module:
                 if value % comm.size:
                     raise TensorParallelError(f"{name}.{attr} ({value}) does not divide over parallel.tp "
                                               f"{comm.size}")
+    for pattern, styles in plan.styles.items():  # every split dimension checked before any communication
+        for name in matches[pattern]:
+            for style in styles:
+                _check_divisible(modules[name], name, style, comm.size)
     if comm.size > 1:
         _same_full_values(model, comm)
     shared: dict = {}
@@ -169,12 +173,30 @@ def _apply(model: nn.Module, name: str, style: str, comm: TPComm, shared: dict) 
         setattr(model.get_submodule(parent_name) if parent_name else model, leaf, replace)
 
 
+_SPLIT = {"colwise": (nn.Linear, "out_features"), "vocab_output": (nn.Linear, "out_features"),
+          "rowwise": (nn.Linear, "in_features"), "vocab_embed": (nn.Embedding, "num_embeddings"),
+          "vocab_embed_whole": (nn.Embedding, "num_embeddings")}
+
+
+def _check_divisible(module: nn.Module, name: str, style: str, size: int) -> None:
+    if style not in _SPLIT:
+        if style not in STYLES:
+            raise TensorParallelError(f"tensor-parallel plan: style '{style}' for {name}: expected one of {STYLES}")
+        return
+    cls, attr = _SPLIT[style]
+    _expect(module, cls, name, style)
+    value = getattr(module, attr)
+    what = {"out_features": "output features (heads x head dim, or the feed-forward hidden size)",
+            "in_features": "input features", "num_embeddings": "vocabulary"}[attr]
+    if value % size:
+        raise TensorParallelError(f"{name}.{attr} ({value}, its {what}) does not divide over parallel.tp {size}")
+
+
 def _expect(module: nn.Module, cls: type, name: str, style: str) -> None:
     if not isinstance(module, cls) or isinstance(module, (ColumnParallelLinear, RowParallelLinear,
                                                           VocabParallelEmbedding)):
         raise TensorParallelError(f"tensor-parallel plan: {name} is a {type(module).__name__}; style '{style}' "
-                                  f"takes an {cls.__module__.replace('torch.nn.modules.', 'nn.').split('.')[0]}."
-                                  f"{cls.__name__}")
+                                  f"takes an nn.{cls.__name__}")
 
 
 def _first_input(transform):

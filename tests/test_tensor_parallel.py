@@ -1,0 +1,248 @@
+"""Tensor parallelism (Megatron 1-D, sequence parallelism optional) over gloo on CPU, fp32: the split model's
+forward outputs and every full parameter's gradient (re-assembled from the shards) equal the 1-rank model's within
+1e-5; 20 steps of tp 2 give the 1-rank losses within 1e-5 in each placement, with and without sequence
+parallelism, for our GPT and a HuggingFace Llama (meta-device init and clipping too); dp 2 x tp 2 on 4 ranks with
+ZeRO 3 gives the losses of 1 rank with grad_accum 2; each rank holds 1/tp of every split tensor. Plans and
+dimensions that do not split are typed errors; so is any op on vocabulary-sharded logits but the loss.
+
+The ranks are spawned once per module group (tests/dist_harness.py) and run every job in turn.
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+from torch import nn
+
+import angel_ptm
+from angel_ptm.errors import CheckpointError, ConfigValueError, DistributedError, TensorParallelError
+from angel_ptm.models import GPT, GPTConfig
+from angel_ptm.parallel.mesh import Mesh, mesh_groups
+from angel_ptm.parallel.tensor import Plan, TPComm, gpt_plan, parallelize, plan_for
+from angel_ptm.parallel.tensor.layers import VocabShardedLogits
+
+from dist_harness import spawn, values
+from dist_jobs import CASES, PLACEMENTS, job, micro_batches, run_jobs, train
+
+STEPS = 20
+TP_JOBS = (
+    [job(f"gpt-{p}", tp=2, placement=p, steps=STEPS) for p in PLACEMENTS]
+    + [job(f"gpt-sp-{p}", tp=2, sp=True, placement=p, steps=STEPS) for p in PLACEMENTS]
+    + [job("llama", tp=2, model="llama", placement="device+host", steps=STEPS),
+       job("llama-sp", tp=2, sp=True, model="llama", steps=STEPS),
+       job("gpt-meta", tp=2, meta=True, steps=6), job("gpt-clip", tp=2, clip=0.05, steps=6),
+       job("gpt-selective", tp=2, sp=True, activations="selective", steps=6)]
+    + [job("gpt-checkpoint", tp=2, steps=2, save_at=1, save_to="never-written")]
+)
+FOUR_JOBS = [job("dp2-tp2", zero=3, tp=2, steps=6), job("dp2-tp2-sp", zero=3, tp=2, sp=True, steps=6),
+             job("llama-dp2-tp2", zero=3, tp=2, model="llama", placement="device+host", steps=6)]
+BY_NAME = {spec["name"]: spec for spec in TP_JOBS + FOUR_JOBS}
+
+
+def layer_grads(rank: int, world: int, spec: dict, tmp: str) -> dict:
+    """One forward and backward of the split model (no engine): the loss, the whole logits and every full
+    parameter's gradient, re-assembled from the shards."""
+    from angel_ptm.config import load_config
+    from angel_ptm.parallel.mesh import init_mesh
+    from angel_ptm.parallel.tensor import TPComm, gather_logits, shards_of
+
+    build, _, loss_fn = CASES[spec["model"]]
+    mesh = init_mesh(load_config({"parallel": {"tp": world, "sequence_parallel": spec["sp"]}}).parallel)
+    model = build()
+    comm = TPComm(mesh)
+    parallelize(model, comm, plan_for(model))
+    batch = micro_batches(spec["model"], 1)[0]
+    loss = loss_fn(model, *batch)
+    loss.backward()
+    shards = shards_of(model)
+    grads = {name: (comm.all_gather(p.grad, shards[name].dim, "test") if name in shards else p.grad).tolist()
+             for name, p in model.named_parameters()}
+    with torch.no_grad():
+        out = model(batch[0])
+        logits = gather_logits(out if torch.is_tensor(out) else out.logits)
+    return {"loss": loss.item(), "grads": grads, "logits": logits.tolist(), "calls": comm.collectives.calls}
+
+
+def run_all(rank: int, world: int, specs: list, tmp: str) -> dict:
+    out = run_jobs(rank, world, [s for s in specs if s.get("kind") != "layers"], tmp)
+    for spec in specs:
+        if spec.get("kind") == "layers":
+            out[spec["name"]] = layer_grads(rank, world, spec, tmp)
+    return out
+
+
+LAYER_JOBS = [dict(name=f"layers-{m}-{'sp' if sp else 'tp'}", kind="layers", model=m, sp=sp)
+              for m in ("gpt", "llama") for sp in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("tp2")
+    return values(spawn(2, run_all, (list(TP_JOBS) + LAYER_JOBS, str(tmp)), tmp))
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("dp2-tp2")
+    return values(spawn(4, run_jobs, (FOUR_JOBS, str(tmp)), tmp))
+
+
+def result(results, name):
+    for rank, by_job in enumerate(results):
+        assert "error" not in by_job[name], f"rank {rank}: {by_job[name]['error']}"
+    return results[0][name]
+
+
+def one_rank(spec, tmp_path, accum=1):
+    return train(0, 1, dict(spec, tp=1, sp=False, accum=spec["accum"] * accum), str(tmp_path))
+
+
+def assert_close(got, expected, rel=1e-5):
+    for step, (a, e) in enumerate(zip(got, expected)):
+        assert a == pytest.approx(e, rel=rel), f"step {step}: 1 rank {e}, tensor-parallel {a}"
+    assert len(got) == len(expected)
+
+
+@pytest.mark.parametrize("name", [j["name"] for j in LAYER_JOBS])
+def test_forward_and_every_full_gradient_equal_the_unsplit_models(two_ranks, name):
+    spec = next(j for j in LAYER_JOBS if j["name"] == name)
+    build, _, loss_fn = CASES[spec["model"]]
+    model = build()
+    batch = micro_batches(spec["model"], 1)[0]
+    loss = loss_fn(model, *batch)
+    loss.backward()
+    with torch.no_grad():
+        out = model(batch[0])
+        logits = out if torch.is_tensor(out) else out.logits
+    for rank in (0, 1):
+        got = two_ranks[rank][name]
+        assert got["loss"] == pytest.approx(loss.item(), rel=1e-6)
+        torch.testing.assert_close(torch.tensor(got["logits"]), logits, rtol=1e-5, atol=1e-5)
+        for pname, p in model.named_parameters():
+            grad = torch.tensor(got["grads"][pname])
+            scale = p.grad.abs().max().item()
+            assert (grad - p.grad).abs().max().item() <= 1e-5 * scale, pname
+    calls = two_ranks[0][name]["calls"]
+    assert calls > 0
+
+
+@pytest.mark.parametrize("name", [j["name"] for j in TP_JOBS if "save_at" not in j])
+def test_tp2_gives_the_one_rank_losses_within_1e_5(two_ranks, name, tmp_path):
+    spec = BY_NAME[name]
+    got = result(two_ranks, name)
+    assert two_ranks[1][name]["losses"] == got["losses"]  # the loss is whole on every tp rank
+    assert_close(got["losses"], one_rank(spec, tmp_path)["losses"])
+
+
+def test_sequence_parallelism_adds_its_collectives(two_ranks):
+    """With sequence parallelism the region's edges are all-gathers and reduce-scatters (and the norms' gradients
+    all-reduced): more collectives than the all-reduces alone, the same losses."""
+    plain, sp = result(two_ranks, "gpt-device+host"), result(two_ranks, "gpt-sp-device+host")
+    assert sp["tp_calls"] > plain["tp_calls"] > 0
+    assert_close(sp["losses"], plain["losses"], rel=1e-6)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_each_rank_holds_one_tp_th_of_every_split_tensor(two_ranks, model, tmp_path):
+    name = {"gpt": "gpt-device+host", "llama": "llama"}[model]
+    whole = one_rank(dict(BY_NAME[name], steps=1), tmp_path)["param_numel"]
+    for rank in (0, 1):
+        local = two_ranks[rank][name]["param_numel"]
+        assert local.keys() == whole.keys()
+        split = {n for n in whole if local[n] != whole[n]}
+        assert all(local[n] * 2 == whole[n] for n in split)
+        replicated = sum(whole[n] for n in whole if n not in split)
+        assert replicated < 0.05 * sum(whole.values())  # norms (and nothing else) stay whole
+        assert sum(local.values()) == (sum(whole.values()) - replicated) // 2 + replicated
+
+
+@pytest.mark.parametrize("name", [j["name"] for j in FOUR_JOBS])
+def test_dp2_tp2_on_four_ranks_gives_the_one_rank_losses_with_grad_accum_2(four_ranks, name, tmp_path):
+    spec = BY_NAME[name]
+    got = result(four_ranks, name)
+    for rank in range(4):
+        assert four_ranks[rank][name]["losses"] == got["losses"]
+    assert_close(got["losses"], one_rank(spec, tmp_path, accum=2)["losses"])
+
+
+# ------------------------------------------------------------------------------------- errors (no process group)
+def fake_comm(size=2, rank=0, sequence_parallel=False):
+    return types.SimpleNamespace(size=size, rank=rank, sequence_parallel=sequence_parallel, collectives=None)
+
+
+@pytest.mark.parametrize("field,cfg,message", [
+    ("heads", dict(n_head=3, dim=48, n_kv_head=3), "n_head (3) does not divide"),
+    ("kv heads", dict(n_head=4, dim=32, n_kv_head=1), "n_kv_head (1) does not divide"),
+    ("ffn", dict(n_head=2, dim=32, ffn_hidden=33), "out_features (33"),
+    ("vocab", dict(n_head=2, dim=32, vocab_size=63), "num_embeddings (63, its vocabulary)"),
+])
+def test_a_dimension_tp_does_not_divide_is_a_typed_error_naming_it(field, cfg, message):
+    model = GPT(GPTConfig(**{"vocab_size": 64, "seq_len": 16, "n_layer": 1, **cfg}))
+    with pytest.raises(TensorParallelError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parallelize(model, fake_comm(), gpt_plan(model))
+
+
+def test_a_plan_naming_a_module_the_model_lacks_is_a_typed_error():
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
+    with pytest.raises(TensorParallelError, match="'attention' names no module of Sequential"):
+        parallelize(model, fake_comm(), Plan(styles={"0": ("colwise",), "attention": ("enter",)}))
+    with pytest.raises(TensorParallelError, match="no built-in tensor-parallel plan for Sequential"):
+        plan_for(model)
+    with pytest.raises(TensorParallelError, match="1 is a ReLU; style 'colwise' takes an nn.Linear"):
+        parallelize(model, fake_comm(), Plan(styles={"1": ("colwise",)}))
+
+
+def test_ops_on_vocabulary_sharded_logits_other_than_the_loss_are_refused():
+    comm = TPComm(Mesh())  # a tp group of one: the same code path, no collectives
+    logits = VocabShardedLogits.wrap(torch.randn(2, 3, 8, requires_grad=True), comm, 0, 16)
+    flat = logits.float().view(-1, 16)  # the full vocabulary means this rank's share
+    assert isinstance(flat, VocabShardedLogits) and flat.shape == (6, 8)
+    with pytest.raises(TensorParallelError, match="argmax on logits sharded over the vocabulary"):
+        logits.argmax(-1)
+    with pytest.raises(TensorParallelError, match="softmax"):
+        torch.softmax(logits, -1)
+    target = torch.randint(0, 8, (6,))
+    loss = torch.nn.functional.cross_entropy(flat, target)  # one rank: the ordinary loss
+    expected = torch.nn.functional.cross_entropy(flat.as_subclass(torch.Tensor), target)
+    assert loss.item() == pytest.approx(expected.item(), rel=1e-6)
+    ignored = torch.nn.functional.cross_entropy(flat, torch.where(target > 3, -100, target), reduction="sum")
+    kept = target <= 3
+    assert ignored.item() == pytest.approx(torch.nn.functional.cross_entropy(
+        flat.as_subclass(torch.Tensor)[kept], target[kept], reduction="sum").item(), rel=1e-6)
+
+
+def test_the_mesh_lays_tp_groups_on_consecutive_ranks_and_dp_groups_across_them():
+    """The groups at 8 and 16 ranks (no process group: the enumeration every rank creates)."""
+    assert mesh_groups("tp", 4, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh_groups("dp", 4, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    for dp, tp in ((2, 8), (8, 2), (4, 4)):
+        tps, dps = mesh_groups("tp", dp, tp), mesh_groups("dp", dp, tp)
+        assert sorted(r for g in tps for r in g) == list(range(dp * tp)) == sorted(r for g in dps for r in g)
+        assert all(len(set(t) & set(d)) == 1 for t in tps for d in dps)  # a rank is one (dp, tp) cell
+
+
+def test_tp_settings_are_checked(tmp_path):
+    from angel_ptm.config import load_config
+
+    with pytest.raises(ConfigValueError, match="parallel.sequence_parallel: must be false unless tp > 1"):
+        load_config({"parallel": {"sequence_parallel": True}})
+    with pytest.raises(ConfigValueError, match="parallel.tp: must be >= 1"):
+        load_config({"parallel": {"tp": 0}})
+    with pytest.raises(DistributedError, match="parallel.tp: 2 does not divide the world size 1"):
+        angel_ptm.initialize(CASES["gpt"][0](), {"parallel": {"tp": 2}, "memory": {"disk_dir": str(tmp_path)}})
+
+
+def test_a_model_split_for_another_tp_is_refused(tmp_path):
+    model = CASES["gpt"][0]()
+    model._angel_tp = fake_comm()
+    with pytest.raises(TensorParallelError, match="parallel.tp is 1 but the model was parallelized for tp 2"):
+        angel_ptm.initialize(model, {"memory": {"disk_dir": str(tmp_path)}})
+
+
+def test_checkpoints_of_tensor_parallel_runs_are_refused_with_a_typed_error(two_ranks):
+    for rank in (0, 1):
+        error = two_ranks[rank]["gpt-checkpoint"]["error"]
+        assert error.startswith(f"{CheckpointError.__name__}: save_checkpoint: checkpoints of tensor-parallel runs "
+                                f"(parallel.tp 2) are not supported yet")
