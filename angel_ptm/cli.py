@@ -80,8 +80,8 @@ def add_estimate_command(commands: argparse._SubParsersAction) -> None:
     estimate.add_argument("--device", choices=("cpu", "cuda"),
                           help="the compute device to estimate for (default: trainer.device; cuda with --gpu-memory)")
     estimate.add_argument("--world-size", type=int, metavar="N",
-                          help="estimate rank 0 of N data-parallel ranks on this machine (parallel.zero says what "
-                               "is sharded; default: parallel.dp, else 1)")
+                          help="estimate rank 0 of N ranks on this machine: N / parallel.tp data-parallel ranks "
+                               "(parallel.zero says what is sharded; default: parallel.dp x parallel.tp)")
     estimate.add_argument("--gpu-memory", metavar="SIZE",
                           help="the GPU's memory, e.g. 80GiB: a device budget of auto resolves against it instead of "
                                "the free memory of a GPU present here (there may be none)")
@@ -224,10 +224,11 @@ def run_estimate(args: argparse.Namespace) -> int:
         where = "--device cuda" if args.device else 'trainer.device: "cuda"'
         raise ConfigValueError(f"{where}: no CUDA device is available here to measure; to estimate for a GPU "
                                f"elsewhere, give its memory: --gpu-memory 80GiB")
-    world = args.world_size if args.world_size is not None else (config.parallel.dp or 1)
-    if world < 1:
-        raise ConfigValueError(f"--world-size: must be >= 1, got {world}")
-    ownership = Ownership(rank=0, dp=world, stage=config.parallel.zero)
+    tp = config.parallel.tp
+    world = args.world_size if args.world_size is not None else (config.parallel.dp or 1) * tp
+    if world < 1 or world % tp:
+        raise ConfigValueError(f"--world-size: must be a positive multiple of parallel.tp ({tp}), got {world}")
+    ownership = Ownership(rank=0, dp=world // tp, stage=config.parallel.zero)
     estimate = estimate_job(config, device=device, gpu_memory=gpu_memory, ownership=ownership,
                             local_world_size=world)
     print(estimate.to_json() if args.json else estimate.format_table())

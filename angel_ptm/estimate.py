@@ -218,6 +218,11 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if model is None:
         with torch.device("meta"):  # shapes and dtypes only: no parameter memory is allocated
             model = build_model(config.model)
+        if config.parallel.tp > 1:  # one tensor-parallel rank's shards (the engine applies the same plan)
+            from angel_ptm.parallel.tensor import TPComm, parallelize, plan_for
+
+            parallelize(model, TPComm.planning(config.parallel.tp, config.parallel.sequence_parallel),
+                        plan_for(model))
     own = ownership or Ownership()
     if layout is None:
         layout = build_layout(model, page_bytes, dp_world_size=own.dp, compute_dtype=compute_dtype(config))

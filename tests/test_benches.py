@@ -96,3 +96,15 @@ def test_zero_bench_runs_two_ranks_against_fsdp2_and_reports_every_figure(tmp_pa
     assert set(report["cpu_s"]) == {"compute", "comm", "io", "scheduled", "fsdp2"}
     assert all(seconds > 0 for seconds in report["cpu_s"].values()) and report["cores_per_rank"] > 0
     assert [p.name for p in tmp_path.iterdir()] == []  # page files and the result file removed
+
+
+def test_tp_bench_runs_tp1_and_two_ranks_and_reports_every_figure(tmp_path, capsys):
+    from tools.bench import tp
+
+    report = tp.main(["--nproc", "2", "--dir", str(tmp_path), "--dim", "32", "--layers", "1", "--heads", "2",
+                      "--seq", "16", "--batch", "2", "--vocab", "64", "--page-kib", "4", "--steps", "1",
+                      "--warmup", "1", "--sequence-parallel", "--json"])
+    assert last_json_line(capsys) == report
+    positive(report, "tp1_step_s", "tp_step_s", "comm_s", "comm_share", "param_bytes_tp1", "param_bytes_per_rank")
+    assert 0.5 <= report["param_fraction"] < 0.55  # half of every split tensor; the norms stay whole
+    assert report["loss_max_rel_diff"] < 1e-5

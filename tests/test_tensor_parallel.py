@@ -246,3 +246,17 @@ def test_checkpoints_of_tensor_parallel_runs_are_refused_with_a_typed_error(two_
         error = two_ranks[rank]["gpt-checkpoint"]["error"]
         assert error.startswith(f"{CheckpointError.__name__}: save_checkpoint: checkpoints of tensor-parallel runs "
                                 f"(parallel.tp 2) are not supported yet")
+
+
+def test_the_estimate_of_a_tp_job_counts_one_ranks_shards():
+    """`angel-ptm estimate` with parallel.tp: the config's model split on the meta device by the same plan the
+    engine applies, so the states per rank are those of one rank's shards (no process group needed)."""
+    from angel_ptm.estimate import estimate_job
+
+    model = {"name": "gpt", "dim": 64, "n_layer": 2, "n_head": 4, "vocab_size": 128, "seq_len": 32}
+    whole = estimate_job({"model": model})
+    split = estimate_job({"model": model, "parallel": {"tp": 2, "sequence_parallel": True}})
+    norms = 64 * (2 * 2 + 1)
+    assert split.params == (whole.params - norms) // 2 + norms
+    with pytest.raises(TensorParallelError, match="n_head .4. does not divide over parallel.tp 8"):
+        estimate_job({"model": model, "parallel": {"tp": 8}})

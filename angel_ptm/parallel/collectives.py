@@ -56,6 +56,7 @@ class Collectives:
         self.trace = trace or TraceRecorder(None)
         self.bytes_sent = 0  # bytes this rank contributed to collectives, cumulative (the estimate's figure)
         self.calls = 0
+        self.seconds = 0.0  # wall time the calling threads spent inside collectives (and waits), cumulative
         self.on_failure = on_failure  # called with the error before it is raised (the engine fails for good)
         self.failed: CollectiveError | None = None
         # A digest of the collectives issued since the last `verify_sequence` (name and what, in order): ranks that
@@ -100,6 +101,7 @@ class Collectives:
                 self.on_failure(self.failed)
             raise self.failed from None
         self.calls += 1
+        self.seconds += time.perf_counter() - t0
         self.bytes_sent += nbytes
         if name == "reduce_scatter":
             self._reduction_sequence = zlib.crc32(f"{name}:{what};".encode(), self._reduction_sequence)

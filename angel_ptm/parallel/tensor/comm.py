@@ -32,12 +32,23 @@ class TPComm:
         self.sequence_parallel = mesh.sequence_parallel
         self.collectives = Collectives(mesh, group=mesh.tp_ranks) if mesh.tp > 1 else None
 
+    @classmethod
+    def planning(cls, tp: int, sequence_parallel: bool = False) -> "TPComm":
+        """Rank 0 of a tp group that never communicates: parallelize() on a meta-device model gives the shapes one
+        rank holds (the estimate's use); running such a model raises at its first collective."""
+        comm = cls.__new__(cls)
+        comm.mesh, comm.rank, comm.size = None, 0, tp
+        comm.sequence_parallel, comm.collectives = sequence_parallel and tp > 1, None
+        return comm
+
     def set_trace(self, trace) -> None:
         if self.collectives is not None:
             self.collectives.trace = trace
 
     # ---------------------------------------------------------------- raw collectives (no autograd)
     def all_reduce(self, x: torch.Tensor, what: str, op=None) -> torch.Tensor:
+        if self.size > 1 and self.collectives is None:
+            raise TensorParallelError("a model split for planning (TPComm.planning) cannot run")
         if self.collectives is not None:
             self.collectives.all_reduce(x, f"tp {what}", **({} if op is None else {"op": op}))
         return x

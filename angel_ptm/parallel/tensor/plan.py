@@ -130,7 +130,7 @@ def parallelize(model: nn.Module, comm: TPComm, plan: Plan) -> nn.Module:
         for name in matches[pattern]:
             for style in styles:
                 _check_divisible(modules[name], name, style, comm.size)
-    if comm.size > 1:
+    if comm.collectives is not None:  # (a planning comm, for the estimate, has none: shapes only)
         _same_full_values(model, comm)
     shared: dict = {}
     for pattern, styles in plan.styles.items():
