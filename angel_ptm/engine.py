@@ -71,7 +71,7 @@ class Engine(StateAccess):
         self.layout = build_layout(model, mem.page_bytes, dp_world_size=self.mesh.dp,
                                    compute_dtype=self.compute_dtype)
         # same job everywhere, then the data-parallel group's rank 0's initial values
-        agree_on_job(self.mesh, self.collectives, config, self.layout, model, self.trace)
+        self.world = agree_on_job(self.mesh, self.collectives, config, self.layout, model, self.trace)
         self.units = find_units(model, units)
         own = self.ownership
         disk_dir = choose_disk_dir(self._paging, mem.disk_dir)
@@ -87,6 +87,7 @@ class Engine(StateAccess):
         # The front door of the step's page accesses: the binder, the optimizer and the gatherer go through it.
         self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
                                    activation_bytes=lambda: self.binder.take_activation_peak(), trace=self.trace)
+        self.tp_shards = shards_of(model)  # parameter name -> its Shard of the full tensor (checkpoints name those)
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         # Parameter values into their pages (a meta-device model materialized straight into them: `meta_init`)
         self.meta_init = self.tensors.fill_from(model)
@@ -123,7 +124,7 @@ class Engine(StateAccess):
             self.estimate.gather_groups, self.estimate.largest_unit_groups, config.parallel.osdp)
         if self.tp is not None:  # the gradient norm and fp16 overflows agreed over the tp group too
             self.data_parallel = TensorParallelStep(self.data_parallel, self.tp,
-                                                    {s.name for s in self.layout.slots} - set(shards_of(model)))
+                                                    {s.name for s in self.layout.slots} - set(self.tp_shards))
         if self.data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
             self.binder.param_access = self.data_parallel.gatherer
         # Updates during backward (planned scheduler, no clipping, no loss scaling, staleness 0) need every gradient

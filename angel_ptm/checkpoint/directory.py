@@ -54,7 +54,7 @@ class Checkpoints:
     def save(self, engine, step: int, extra: Any = None, background: bool = False):
         """Checkpoint `step` (every rank calls it); once complete, `latest` points at it and the oldest beyond
         `keep` go. Returns the path, or with `background` the PendingSave (save_load.py)."""
-        if engine.ownership.rank == 0:
+        if engine.mesh.rank == 0:
             self.root.mkdir(parents=True, exist_ok=True)
         done = self.complete()  # those that outlive this save: pages still reading another take their bytes
         kept = [path for _, path in done[max(0, len(done) - self.keep + 1):]] + [self.path(step)]

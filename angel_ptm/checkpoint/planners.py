@@ -15,6 +15,11 @@ from its tier once (PageStream: a bounded set of scratch buffers, disk reads of 
 
 Loading asks, for every page this rank holds in the new layout (any page size, any number of ranks), for the runs
 its segments cover, and DCP finds them in whichever files hold them: that is the resharding.
+
+Tensor parallelism: a rank's tensor-parallel shard (parallel/tensor) is named by its full tensor, its boxes moved to
+its slice's place in it (`full_box`), so the checkpoint holds full tensors whatever tp wrote it, and a load at any
+other tp (1 included) asks for the boxes its own slices cover. Tensors whole on every tp rank (norms) are written
+by tp rank 0's ranks only.
 """
 
 from __future__ import annotations
@@ -76,6 +81,17 @@ def page_runs(layout: PageLayout, on_page: list[tuple], kind: str, index: int,
             run = Run(kind, slot.name, index, seg.offset + start - seg.start, math.prod(sizes), sizes, dtype)
             out.append((f"{kind}.{slot.name}", offsets, run))
     return out
+
+
+def full_box(engine, name: str, offsets: tuple, shape: tuple) -> tuple[tuple, tuple]:
+    """A box of this rank's tensor `name` (of `shape`) as a box of the full tensor: a tensor-parallel shard's
+    offsets move by its slice's start along the split dimension; other tensors are whole already."""
+    shard = engine.tp_shards.get(name)
+    if shard is None:
+        return tuple(offsets), tuple(shape)
+    full = list(offsets)
+    full[shard.dim] += shard.start
+    return tuple(full), tuple(shard.full_shape)
 
 
 def held_pages(engine, kind: str) -> list[tuple[int, Page]]:
@@ -232,12 +248,15 @@ class PageSavePlanner(SavePlanner):
                 if page is None or page.home is not None:
                     continue
                 runs = page_runs(layout, on_page[index], kind, index, engine.tensors.dtype(kind, index))
+                if engine.mesh.tp_rank:  # a tensor whole on every tp rank is written by tp rank 0's group
+                    runs = [r for r in runs if r[2].name in engine.tp_shards]
                 if not runs:
                     continue
                 self.order.append(page)
                 for fqn, offsets, run in runs:
+                    offsets, shape = full_box(engine, run.name, offsets, layout.slot(run.name).shape)
                     self.runs[(fqn, offsets)] = run
-                    items.append(_tensor_item(fqn, offsets, run.sizes, run.dtype, layout.slot(run.name).shape))
+                    items.append(_tensor_item(fqn, offsets, run.sizes, run.dtype, shape))
         self.plan = SavePlan(items)
         self.source = None  # PageStream (a save between steps) or Snapshot (a save beside training)
 
@@ -346,7 +365,7 @@ class PageLoadPlanner(LoadPlanner):
                     if not isinstance(saved, TensorStorageMetadata):
                         problems.append(f"no '{fqn}'")
                         continue
-                    shape = layout.slot(run.name).shape
+                    offsets, shape = full_box(engine, run.name, offsets, layout.slot(run.name).shape)
                     if tuple(saved.size) != tuple(shape):
                         problems.append(f"'{fqn}' has shape {tuple(saved.size)}, the model's {tuple(shape)}")
                         continue

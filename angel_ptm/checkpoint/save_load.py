@@ -58,7 +58,7 @@ def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None, backgrou
     _at_step_boundary(engine, "save_checkpoint")
     engine.wait_for_checkpoint()  # one save at a time
     path = Path(path).expanduser().absolute()
-    rank = engine.ownership.rank
+    rank = engine.mesh.rank  # the world's rank 0 decides (with tensor parallelism several ranks are dp rank 0)
     delayed = engine.delayed
     if delayed is not None and delayed.pending:  # staleness 1: update t runs now, exactly as it would later
         with engine.failure.step(engine.optimizer, delayed):
@@ -95,11 +95,12 @@ def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None, backgrou
         # A tensor with no elements lies on no page: its shape and dtype are kept as an empty item, for export.
         tensors.update({f"param.{name}": torch.empty(param.shape, dtype=param.dtype)
                         for name, param in engine.model.named_parameters() if param.numel() == 0})
-    info = {"world_size": engine.mesh.world_size, "dp": engine.ownership.dp, "zero": engine.ownership.stage,
+    info = {"world_size": engine.mesh.world_size, "dp": engine.ownership.dp, "tp": engine.mesh.tp,
+            "zero": engine.ownership.stage,
             "page_bytes": engine.layout.page_bytes, "layout": engine.layout.fingerprint(),
             "steps_done": engine._steps_done}
     planner = PageSavePlanner(engine, objects, tensors)
-    group = engine.collectives.side_group() if engine.collectives is not None else None  # made here: collective
+    group = engine.world.side_group() if engine.world is not None else None  # made here: collective
     if not background:
         planner.source = PageStream(engine.manager, planner.order, engine.layout.page_bytes)
         _write(engine, planner, group, tmp, path, info, on_done, agree=lambda o: _agree(engine, o, "checkpoint"))
@@ -118,7 +119,7 @@ def _write(engine, planner, group, tmp: Path, path: Path, info: dict, on_done, a
            max_bytes_per_s: float | None = None) -> None:
     """The collective DCP save into `tmp`, then rank 0 renames it to `path` (and runs `on_done`); a failure on
     any rank removes `tmp` and raises the same typed error on every rank."""
-    rank = engine.ownership.rank
+    rank = engine.mesh.rank
     try:
         _run(engine, "save", lambda: dcp.save({}, storage_writer=CheckedWriter(tmp, info, max_bytes_per_s),
                                               planner=planner,
@@ -206,14 +207,14 @@ def load_checkpoint(engine, path: str | os.PathLike) -> Any:
     engine.wait_for_checkpoint()
     path = Path(path).expanduser().absolute()
     engine.flush()  # staleness 1: no pending update may land on top of the loaded state
-    rank = engine.ownership.rank
+    rank = engine.mesh.rank
     if not (path / ".metadata").is_file():
         raise CheckpointCorruptError(f"checkpoint: {path} is not a complete checkpoint (no .metadata)", str(path))
     reader = CheckedReader(path)
     reader.read_metadata()  # checked here: a corrupt .metadata is a typed error naming it
     buffers = {f"buffer.{k}": v for k, v in _persistent_buffers(engine.model).items()}
     planner = PageLoadPlanner(engine, [ENGINE, EXTRA, RNG], buffers)
-    group = engine.collectives.side_group() if engine.collectives is not None else None
+    group = engine.world.side_group() if engine.world is not None else None
     try:
         try:
             _run(engine, "load", lambda: dcp.load({}, storage_reader=reader, planner=planner, process_group=group,
@@ -237,10 +238,6 @@ def load_checkpoint(engine, path: str | os.PathLike) -> Any:
 
 
 def _at_step_boundary(engine, what: str) -> None:
-    if engine.mesh.tp > 1:
-        raise CheckpointError(f"{what}: checkpoints of tensor-parallel runs (parallel.tp {engine.mesh.tp}) are not "
-                              f"supported yet: the DCP planners do not name shards by their offsets in the full "
-                              f"tensors; use parallel.tp 1 to checkpoint")
     driver = engine.driver
     if driver.micro or driver.grads_final:
         raise CheckpointError(f"{what}: called between backward() and step() ({driver.micro} micro-batches taken); "
@@ -249,9 +246,9 @@ def _at_step_boundary(engine, what: str) -> None:
 
 def _agree(engine, outcome, what: str):
     """Rank 0's outcome (None or an error) on every rank."""
-    if engine.collectives is None:
+    if engine.world is None:
         return outcome
-    return engine.collectives.broadcast_object(outcome, 0, what)
+    return engine.world.broadcast_object(outcome, 0, what)
 
 
 def _run(engine, what: str, fn) -> None:
@@ -262,13 +259,13 @@ def _run(engine, what: str, fn) -> None:
             fn()
     except CheckpointException as exc:
         failed_rank, (error, _trace) = min(exc.failures.items())
-        raise _typed(error, failed_rank, engine.collectives is not None) from None
+        raise _typed(error, failed_rank, engine.world is not None) from None
     except (AngelError, KeyboardInterrupt):
         raise
     except Exception as exc:  # a collective's own error: a peer died or hung
         detail = str(exc).splitlines()[0] if str(exc) else ""
-        cause = "a collective failed (a peer rank died or hung?): " if engine.collectives is not None else ""
-        raise CheckpointError(f"checkpoint {what} on rank {engine.ownership.rank}: {cause}{type(exc).__name__}: "
+        cause = "a collective failed (a peer rank died or hung?): " if engine.world is not None else ""
+        raise CheckpointError(f"checkpoint {what} on rank {engine.mesh.rank}: {cause}{type(exc).__name__}: "
                               f"{detail}") from None
 
 

@@ -45,16 +45,18 @@ def join(config, trace=None, on_failure=None) -> tuple[Mesh, torch.device, Owner
 
 
 def agree_on_job(mesh: Mesh, collectives: Collectives | None, config, layout: PageLayout, model: nn.Module,
-                 trace=None) -> None:
+                 trace=None) -> Collectives | None:
     """Every rank runs rank 0's job (`check_same_job`, over the whole world) and starts from its data-parallel
-    group's rank 0's values (`broadcast_module`; tensor-parallel peers hold different shards)."""
+    group's rank 0's values (`broadcast_module`; tensor-parallel peers hold different shards). Returns the world's
+    collectives (the data-parallel ones when they span it; None for a world of one)."""
     if not mesh.distributed:
-        return
+        return None
     world = collectives if collectives is not None and mesh.tp == 1 else Collectives(mesh, trace,
                                                                                        group=world_group(mesh))
     check_same_job(world, config_digest(config_to_dict(config)), layout)
     if collectives is not None:
         broadcast_module(model, collectives)
+    return world
 
 
 class SingleRank:
