@@ -443,7 +443,7 @@ def activation_footprint_of(model: nn.Module, config: Config, checkpoint: Option
     offload = acts.offload if offload is None else offload
     return activation_footprint(model.cfg, config.data.batch_size, dtype_bytes,
                                 acts.checkpoint if checkpoint is None else checkpoint, offload != "none",
-                                acts.offload_min_bytes)
+                                acts.offload_min_bytes, config.parallel.tp, config.parallel.sequence_parallel)
 
 
 def activation_bytes(model: nn.Module, config: Config) -> Optional[int]:

@@ -242,7 +242,8 @@ class ActivationFootprint:
 
 
 def activation_footprint(cfg: GPTConfig, batch_size: int, dtype_bytes: int = 4, checkpoint: str = "none",
-                         offload: bool = False, offload_min_bytes: int = 0) -> ActivationFootprint:
+                         offload: bool = False, offload_min_bytes: int = 0, tp: int = 1,
+                         sequence_parallel: bool = False) -> ActivationFootprint:
     """The activations one training step of this GPT saves for backward, per activations setting, as the
     binder measures them (each storage once; tools.bench.activations and tests/test_activations.py check it).
 
@@ -261,16 +262,33 @@ def activation_footprint(cfg: GPTConfig, batch_size: int, dtype_bytes: int = 4, 
     3d + 2q + 2kv + 2h and the log-sum-exps. The peak is the end of forward or the recomputation of the last block,
     whichever is larger. With offload, every saved tensor of at least `offload_min_bytes` goes into pages: all of
     them without checkpointing; under it, each block's input (what the selective policy keeps stays with it).
+
+    One rank of tensor parallelism (`tp`, angel_ptm/parallel/tensor): q, kv, h, the heads and the vocabulary are
+    split (the vocabulary-parallel loss keeps its softmax share, a gathered index and two masks per token); the
+    d-wide tensors stay whole, except with sequence parallelism, where the norms' inputs, normalized values and
+    statistics and each block's input are sequence shards (1/tp) and the linears keep the gathered inputs (whole:
+    two per block, one before the output head); selective recomputation also keeps the row-parallel products
+    (whole, before their reduction).
     """
     tokens = batch_size * cfg.seq_len
-    d, h, heads, dt = cfg.dim, cfg.hidden_dim, cfg.n_head, dtype_bytes
-    q, kv = cfg.n_head * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+    d, h, heads, dt = cfg.dim, cfg.hidden_dim // tp, cfg.n_head // tp, dtype_bytes
+    q, kv = cfg.n_head * cfg.head_dim // tp, cfg.kv_heads * cfg.head_dim // tp
+    s = tp if sequence_parallel else 1  # the residual stream's share of the sequence
     # (bytes per token of one tensor, how many such tensors)
     # k and v as the attention kernel gets them: repeated to n_head heads under grouped-query attention
     # The norms compute in float32: each keeps its input as float32 (the input itself in fp32, else a copy).
-    block_keep = [(d * 4, 2), (d * dt, 4), (q * dt, 5), (h * dt, 4), (4, 2), (heads * 4, 1)]
-    selective_keep = [(d * dt, 3), (q * dt, 2), (kv * dt, 2), (h * dt, 2), (heads * 4, 1)]  # input included
-    root = [(d * 4, 1), (d * dt, 2), (4, 1), (cfg.vocab_size * 4, 1), (8, 2)]  # the log-softmax: float32
+    if s == 1:  # the norms' outputs are what the linears keep
+        block_keep = [(d * 4, 2), (d * dt, 4), (q * dt, 5), (h * dt, 4), (4, 2), (heads * 4, 1)]
+        root = [(d * 4, 1), (d * dt, 2), (4, 1)]
+    else:  # the norms on shards; the linears keep the gathered inputs
+        block_keep = [(d * 4 / s, 2), (d * dt / s, 2), (d * dt, 2), (q * dt, 5), (h * dt, 4), (4 / s, 2),
+                      (heads * 4, 1)]
+        root = [(d * 4 / s, 1), (d * dt / s, 1), (d * dt, 1), (4 / s, 1)]
+    # input included; the row-parallel products are whole before their reduction
+    selective_keep = [(d * dt / s, 1), (d * dt, 2), (q * dt, 2), (kv * dt, 2), (h * dt, 2), (heads * 4, 1)]
+    root += [(cfg.vocab_size * 4 / tp, 1), (8, 2)]  # the log-softmax (tp: the softmax share), float32; ids, targets
+    if tp > 1:
+        root += [(8, 1), (1, 2)]  # the vocabulary-parallel loss's clamped index and its masks
 
     def paged(nbytes: int) -> bool:
         return offload and nbytes >= max(1, offload_min_bytes)
@@ -279,10 +297,11 @@ def activation_footprint(cfg: GPTConfig, batch_size: int, dtype_bytes: int = 4, 
         """(bytes kept on the device, bytes in pages) of these saved tensors."""
         device = paged_bytes = 0
         for size, count in groups:
-            if paged(tokens * size):
-                paged_bytes += count * tokens * size
+            nbytes = int(tokens * size)
+            if paged(nbytes):
+                paged_bytes += count * nbytes
             else:
-                device += count * tokens * size
+                device += count * nbytes
         return device, paged_bytes
 
     n = cfg.n_layer
@@ -290,14 +309,14 @@ def activation_footprint(cfg: GPTConfig, batch_size: int, dtype_bytes: int = 4, 
     if checkpoint == "none":
         block_device, block_paged = split(block_keep)
         return ActivationFootprint(n * block_device + root_device, n * block_paged + root_paged)
-    boundary = tokens * d * dt  # a checkpointed block's input, saved through the binder's hooks
+    boundary = tokens * d * dt // s  # a checkpointed block's input, saved through the binder's hooks
     boundary_paged = paged(boundary)
     # What the selective policy keeps besides the input stays with it; a recomputation rebuilds the rest on the
     # device, one block at a time.
-    inside = tokens * sum(size * count for size, count in selective_keep) - boundary if checkpoint == "selective" \
-        else 0
+    inside = int(tokens * sum(size * count for size, count in selective_keep)) - boundary \
+        if checkpoint == "selective" else 0
     # The block's input is among what it saves only in float32 (else the norm's float32 copy is)
-    rebuilt = tokens * sum(size * count for size, count in block_keep) - (boundary if dt == 4 else 0)
+    rebuilt = int(tokens * sum(size * count for size, count in block_keep)) - (boundary if dt == 4 else 0)
     per_block = inside + (0 if boundary_paged else boundary)
     end_of_forward = n * per_block + root_device
     last_block = (n - 1) * per_block + rebuilt

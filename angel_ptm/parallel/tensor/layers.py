@@ -255,8 +255,8 @@ class _GatherVocab(torch.autograd.Function):
 
 def _cross_entropy(comm: TPComm, vocab_start: int, logits, target, weight=None, size_average=None,
                    ignore_index: int = -100, reduce=None, reduction: str = "mean", label_smoothing: float = 0.0):
-    """F.cross_entropy over vocabulary-sharded logits [N, V/tp] (or [V/tp]... with a class-index target): the
-    log-sum-exp and the target's logit each summed over tp; equal on every tp rank."""
+    """F.cross_entropy over vocabulary-sharded logits [N, V/tp] and class indices [N] (ignore_index, reductions
+    none / sum / mean as torch's): equal on every tp rank."""
     if weight is not None or size_average is not None or reduce is not None or label_smoothing:
         raise TensorParallelError("tensor parallelism: the vocabulary-parallel cross-entropy takes no class weights, "
                                   "size_average/reduce or label_smoothing")
@@ -267,16 +267,7 @@ def _cross_entropy(comm: TPComm, vocab_start: int, logits, target, weight=None, 
     if local.dim() != 2:
         raise TensorParallelError(f"tensor parallelism: cross_entropy over sharded logits of shape "
                                   f"{tuple(local.shape)}: flatten them to [tokens, vocabulary] first")
-    n_local = local.shape[-1]
-    with torch.no_grad():
-        peak = comm.all_reduce_max(local.max(dim=-1).values.clone(), "cross_entropy max")
-    shifted = local - peak.unsqueeze(-1)
-    sum_exp = reduce_from(shifted.exp().sum(dim=-1), comm)
-    index = target - vocab_start
-    mine = (index >= 0) & (index < n_local)
-    picked = shifted.gather(-1, index.clamp(0, n_local - 1).unsqueeze(-1)).squeeze(-1) * mine
-    target_logit = reduce_from(picked, comm)
-    losses = torch.log(sum_exp) - target_logit
+    losses = _VocabParallelCrossEntropy.apply(local, target, comm, vocab_start)
     keep = target != ignore_index
     losses = losses * keep
     if reduction == "none":
@@ -286,3 +277,36 @@ def _cross_entropy(comm: TPComm, vocab_start: int, logits, target, weight=None, 
     if reduction == "mean":
         return losses.sum() / keep.sum()
     raise TensorParallelError(f"tensor parallelism: cross_entropy reduction {reduction!r}: expected none, sum or mean")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    """Per-token losses from vocabulary-sharded logits [N, V/tp]: log(sum over tp of exp(x - max)) minus the
+    target's shifted logit (on the rank whose share holds it, summed over tp). Saves only the local softmax (as
+    Megatron's does), so a rank keeps V/tp floats per token; the gradient is softmax minus the target's one-hot."""
+
+    @staticmethod
+    def forward(ctx, logits, target, comm, vocab_start):
+        n_local = logits.shape[-1]
+        x = logits.float()
+        peak = comm.all_reduce_max(x.max(dim=-1).values.clone(), "cross_entropy max")
+        shifted = x - peak.unsqueeze(-1)
+        index = target - vocab_start
+        mine = (index >= 0) & (index < n_local)
+        index = index.clamp(0, n_local - 1)
+        rows = torch.arange(shifted.shape[0], device=shifted.device)
+        picked = comm.all_reduce(shifted[rows, index] * mine, "cross_entropy target logit")
+        softmax = shifted.exp_()
+        sum_exp = comm.all_reduce(softmax.sum(dim=-1), "cross_entropy sum")
+        softmax.div_(sum_exp.unsqueeze(-1))
+        ctx.save_for_backward(softmax, index, mine)
+        ctx.logits_dtype = logits.dtype
+        return torch.log(sum_exp) - picked
+
+    @staticmethod
+    def backward(ctx, grad):
+        softmax, index, mine = ctx.saved_tensors
+        out = softmax.clone()
+        rows = torch.arange(out.shape[0], device=out.device)
+        out[rows, index] -= mine.to(out.dtype)
+        out.mul_(grad.unsqueeze(-1))
+        return out.to(ctx.logits_dtype), None, None, None
