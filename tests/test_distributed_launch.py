@@ -53,6 +53,33 @@ def launched(tmp_path_factory):
     return tmp, two, one, estimate
 
 
+@pytest.fixture(scope="module")
+def launched_tp(launched):
+    """The same job under torchrun with tensor parallelism (tp 2, sequence parallelism), and on one rank."""
+    tmp = launched[0]
+    tp = cli("-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+             "-m", "angel_ptm", "train", str(tmp / "job.yaml"), "--no-progress", "--set", f"run.dir={tmp / 'tp'}",
+             "--set", "parallel.tp=2", "--set", "parallel.sequence_parallel=true")
+    one = cli("-m", "angel_ptm", "train", str(tmp / "job.yaml"), "--no-progress", "--set", f"run.dir={tmp / 'tp1'}")
+    return tmp, tp, one
+
+
+def test_torchrun_tp2_with_sequence_parallelism_logs_the_losses_of_one_rank(launched_tp):
+    """Tensor-parallel peers take the same batches; the loss, the clipped norm and the validation loss are those of
+    one rank within 1e-5; rank 0 writes the metrics, each rank its trace."""
+    tmp, tp, one = launched_tp
+    assert tp.returncode == 0, tp.stderr[-3000:]
+    assert one.returncode == 0, one.stderr[-3000:]
+    got, expected = metrics(tmp / "tp"), metrics(tmp / "tp1")
+    assert [sorted(row) for row in got] == [sorted(row) for row in expected]
+    for a, e in zip(got, expected):
+        for key in ("loss", "grad_norm", "val_loss", "lr"):
+            if key in e:
+                assert a[key] == pytest.approx(e[key], rel=1e-5), (a["step"], key)
+    assert sorted(p.name for p in (tmp / "tp").glob("trace.rank*.jsonl")) == ["trace.rank0.jsonl",
+                                                                              "trace.rank1.jsonl"]
+
+
 def test_torchrun_two_ranks_log_the_losses_of_one_rank_with_grad_accum_2(launched):
     tmp, two, one, _ = launched
     assert two.returncode == 0, two.stderr[-3000:]
@@ -121,6 +148,16 @@ def test_a_rank_killed_while_saving_a_checkpoint_ends_the_other_with_a_checkpoin
     assert results[0]["type"] == "CheckpointError", results[0]
     assert time.monotonic() - t0 < 60
     assert not (tmp_path / "ckpt-dead-peer").exists()  # never renamed from .tmp: no checkpoint counts
+
+
+def test_a_tensor_parallel_peer_killed_mid_step_ends_the_other_with_a_collective_error(tmp_path):
+    """Rank 1 of tp 2 dies after its forward: rank 0's next tp collective (in backward) fails at once."""
+    t0 = time.monotonic()
+    results = spawn(2, die_mid_step, (job("die-tp", tp=2, timeout_s=60), str(tmp_path)), tmp_path, timeout_s=120)
+    assert results[1]["type"] == "exited"
+    assert results[0]["type"] == "CollectiveError", results[0]
+    assert results[0]["message"].startswith("rank 0 (tp rank 0 of 2): ")
+    assert time.monotonic() - t0 < 60
 
 
 def test_a_hung_rank_ends_the_other_with_a_collective_error_after_parallel_timeout_s(tmp_path):

@@ -51,7 +51,7 @@ class Collectives:
         self.mesh, self.group = mesh, group
         self.rank, self.size = group.index(mesh.rank), group.size
         self._pg = group.pg  # None: the default group (the group is the world)
-        self.who = (f"rank {self.rank} of {self.size}" if group.size == mesh.world_size
+        self.who = (f"rank {self.rank} of {self.size}" if group.size == mesh.world_size and group.name != "tp"
                     else f"rank {mesh.rank} ({group.name} rank {self.rank} of {self.size})")
         self.trace = trace or TraceRecorder(None)
         self.bytes_sent = 0  # bytes this rank contributed to collectives, cumulative (the estimate's figure)

@@ -129,6 +129,8 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
     if world % tp:
         raise DistributedError(f"parallel.tp: {tp} does not divide the world size {world}")
     dp = parallel.dp if parallel.dp is not None else world // tp
+    if world % dp:
+        raise DistributedError(f"parallel.dp: {dp} does not divide the world size {world}")
     if dp * tp != world:
         raise DistributedError(f"parallel.dp x parallel.tp = {dp} x {tp} = {dp * tp}, but the world has {world} "
                                f"ranks; set parallel.dp to {world // tp} (or null)")
