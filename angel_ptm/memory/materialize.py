@@ -32,6 +32,11 @@ off the meta device keep their values (their modules still replay their draws, a
 Cost: one scratch buffer of the largest module's own parameters; the generator runs twice over the
 construction-time draws (once to reach the state in which the model's rule starts, once to regenerate values).
 
+Tensor parallelism: a parameter that is one rank's shard of a larger tensor (its module's `tp_shards`,
+angel_ptm/parallel/tensor) gets a working copy of the full tensor's shape, initialized by the same rules and draws as
+one rank's build, and only this rank's slice is written: the shards equal the slices of the 1-rank values (the
+scratch is sized for full tensors).
+
 Buffers on the meta device (GPT's RoPE tables) are materialized on the compute device and filled by their
 module's `reset_buffers()`.
 """
