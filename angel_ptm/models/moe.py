@@ -1,0 +1,191 @@
+"""A Mixture-of-Experts feed-forward layer as a plain ``nn.Module``: a gate routes each token to experts, each
+expert (an ordinary module) computes on its tokens, and their outputs are combined with the gate's weights.
+
+    moe = MoE(dim, hidden, MoESpec(experts=8, top_k=2, gate="gshard", capacity_factor=1.25))
+    y = moe(x)                       # [batch, seq, dim] -> [batch, seq, dim]
+    moe.aux_loss                     # the gate's weighted auxiliary losses of this forward (add it to the loss)
+
+Routing (`route`): the gate gives, per token, k (expert, weight) choices. Each expert has `capacity`
+= k * ceil(T / E * capacity_factor) slots for the T tokens of a forward (`capacity_factor <= 0`: dropless, no
+limit); slots are given choice-major: every token's first choice, in token order, before any second choice, so a
+second choice never takes the place of a first. A choice past its expert's capacity is dropped: it contributes
+zero, and the block's residual carries the token on. The layer's output for token t is
+    sum over kept choices c of weight[t, c] * expert[e(t, c)](x[t])   (+ passthrough[t] * x[t] for BASE)
+which is what tests/test_moe.py checks against a dense reference (every expert on every token, combined with the
+capacity-masked weights). The gates are in models/gates.py.
+
+No parallel or paging code here: expert parallelism and paged experts are applied from outside (angel_ptm/parallel).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from angel_ptm.errors import ConfigValueError
+
+GATES = ("switch", "gshard", "ktop1", "hash", "base", "sam", "dts")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """An MoE layer's settings (GPT's `model.moe_*` keys)."""
+
+    experts: int = 8
+    top_k: int = 2  # switch and hash route 1; ktop1: one per prototype (top_k prototypes); base: 1
+    gate: str = "gshard"
+    capacity_factor: float = 1.25  # <= 0: dropless
+    aux_loss_weight: float = 0.01
+    z_loss_weight: float = 0.0  # router z-loss (ST-MoE): mean(logsumexp(logits)^2)
+    groups: int = 2  # sam: expert groups (top-1 group, then top_k inside it)
+    dts_start_temperature: float = 1.0
+    dts_end_temperature: float = 0.5
+    dts_decay: str = "exponential"  # or linear
+    dts_decay_steps: int = 1000  # steps over which the temperature decays
+    dts_top1_step: int = 2000  # from this step on, hard top-1
+    dts_threshold: float = 0.001  # dense-to-sparse: experts above this weight are active
+
+    def __post_init__(self) -> None:
+        if self.gate not in GATES:
+            raise ConfigValueError(f"model.moe_gate: {self.gate!r} is not a gate (known: {', '.join(GATES)})")
+        if self.experts < 1:
+            raise ConfigValueError(f"model.moe_experts: must be >= 1, got {self.experts}")
+        k = self.choices
+        if not 1 <= k <= self.experts:
+            raise ConfigValueError(f"model.moe_top_k: {self.top_k} choices for gate {self.gate} with "
+                                   f"{self.experts} experts: must be between 1 and the number of experts")
+        if self.gate == "ktop1" and self.experts % self.top_k:
+            raise ConfigValueError(f"model.moe_top_k: {self.top_k} prototypes must divide model.moe_experts "
+                                   f"({self.experts})")
+        if self.gate == "sam" and (self.experts % self.groups or self.top_k > self.experts // self.groups):
+            raise ConfigValueError(f"model.moe_groups: {self.groups} groups must divide model.moe_experts "
+                                   f"({self.experts}) into groups of at least moe_top_k ({self.top_k}) experts")
+        if self.dts_decay not in ("exponential", "linear"):
+            raise ConfigValueError(f"model.moe_dts_decay: exponential or linear, got {self.dts_decay!r}")
+
+    @property
+    def choices(self) -> int:
+        """Choices per token a routing holds (k)."""
+        if self.gate in ("switch", "hash", "base"):
+            return 1
+        if self.gate == "dts":
+            return self.experts  # dense to sparse: every expert is a choice, the inactive ones not kept
+        return self.top_k
+
+
+@dataclass
+class Routing:
+    """A gate's decision for T tokens: k choices each (`expert`, `weight`, `kept` are [T, k]); `capacity` the slots
+    per expert (0: dropless); `aux` the gate's auxiliary losses (name -> scalar, already weighted);
+    `passthrough` [T] the weight of the token itself in the output (BASE), else None."""
+
+    expert: torch.Tensor
+    weight: torch.Tensor
+    kept: torch.Tensor
+    capacity: int
+    aux: dict[str, torch.Tensor] = field(default_factory=dict)
+    passthrough: Optional[torch.Tensor] = None
+
+
+def capacity_of(tokens: int, experts: int, k: int, capacity_factor: float) -> int:
+    """Slots per expert: k * ceil(T / E * cf); 0 (dropless) for cf <= 0."""
+    if capacity_factor <= 0:
+        return 0
+    return k * math.ceil(tokens / experts * capacity_factor)
+
+
+def choice_major_slots(expert: torch.Tensor, experts: int, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each choice's slot in its expert (first choices of every token in token order, then second choices, ...)
+    and whether it is kept (slot < capacity; every choice with capacity 0). `expert`: [T, k] (-1: no choice)."""
+    t, k = expert.shape
+    order = expert.t().reshape(-1)  # choice-major
+    valid = order >= 0
+    onehot = F.one_hot(order.clamp(min=0), experts) * valid.unsqueeze(-1)
+    position = (onehot.cumsum(0) - 1).gather(1, order.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    slot = position.reshape(k, t).t()
+    kept = valid.reshape(k, t).t() & ((slot < capacity) if capacity > 0 else torch.ones_like(slot, dtype=torch.bool))
+    return slot, kept
+
+
+class MoE(nn.Module):
+    """Gate + experts (each a `make_expert()` module, by default GPT's SwiGLU feed-forward)."""
+
+    def __init__(self, dim: int, hidden: int, spec: MoESpec, make_expert=None, token_ids=None):
+        super().__init__()
+        from angel_ptm.models.gates import make_gate
+
+        self.spec = spec
+        self.gate = make_gate(dim, spec, token_ids)
+        make_expert = make_expert or (lambda: _SwiGLU(dim, hidden))
+        self.experts = nn.ModuleList(make_expert() for _ in range(spec.experts))
+        self.aux_loss: torch.Tensor | float = 0.0
+        self.stats = MoEStats(spec.experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing = self.gate(flat)
+        self.aux_loss = sum(routing.aux.values()) if routing.aux else flat.new_zeros(())
+        self.stats.add(routing)
+        return combine(flat, routing, self.experts).reshape(shape)
+
+
+def combine(flat: torch.Tensor, routing: Routing, experts: nn.ModuleList) -> torch.Tensor:
+    """sum over kept choices of weight * expert(x) (+ passthrough * x): each expert runs once on its tokens."""
+    out = flat.new_zeros(flat.shape)
+    weight = (routing.weight * routing.kept).to(flat.dtype)
+    for e, expert in enumerate(experts):
+        hit = (routing.expert == e) & routing.kept
+        tokens, choice = hit.nonzero(as_tuple=True)
+        if tokens.numel() == 0:
+            continue
+        y = expert(flat.index_select(0, tokens))
+        out = out.index_add(0, tokens, y * weight[tokens, choice].unsqueeze(-1))
+    if routing.passthrough is not None:
+        out = out + routing.passthrough.unsqueeze(-1).to(flat.dtype) * flat
+    return out
+
+
+class MoEStats:
+    """Tokens routed per expert and dropped choices since the last `take()` (the trainer logs them per step)."""
+
+    def __init__(self, experts: int):
+        self.experts = experts
+        self.reset()
+
+    def reset(self) -> None:
+        self.tokens = torch.zeros(self.experts, dtype=torch.int64)
+        self.choices = 0
+        self.dropped = 0
+        self.aux = 0.0
+
+    def add(self, routing: Routing) -> None:
+        with torch.no_grad():
+            valid = routing.expert >= 0
+            kept = routing.kept & valid
+            self.tokens += torch.bincount(routing.expert[kept].reshape(-1).cpu(), minlength=self.experts)
+            self.choices += int(valid.sum())
+            self.dropped += int((valid & ~routing.kept).sum())
+            self.aux += float(sum(v.detach().float() for v in routing.aux.values())) if routing.aux else 0.0
+
+    def take(self) -> dict:
+        out = {"tokens_per_expert": self.tokens.tolist(),
+               "drop_rate": self.dropped / self.choices if self.choices else 0.0, "aux_loss": self.aux}
+        self.reset()
+        return out
+
+
+class _SwiGLU(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
