@@ -434,7 +434,7 @@ def activation_footprint_of(model: nn.Module, config: Config, checkpoint: Option
                             offload: Optional[str] = None) -> Optional[ActivationFootprint]:
     """models.gpt.activation_footprint for a GPT at data.batch_size (one micro-batch), under the config's
     activations section (or the `checkpoint` / `offload` settings given); None for other models."""
-    if not isinstance(model, GPT):
+    if not isinstance(model, GPT) or model.cfg.moe is not None:  # MoE: routing decides; not modelled
         return None
     acts = config.activations
     dtype = compute_dtype(config)  # mixed precision: the model runs in it (the engine converts the parameters)

@@ -48,6 +48,7 @@ from angel_ptm.data import BatchSampler, load_tokens, split_train_val
 from angel_ptm.errors import CheckpointError, ConfigValueError, DataError, RunDirInUseError, Terminated
 from angel_ptm.lr import lr_at
 from angel_ptm.models import build_model
+from angel_ptm.models.moe import moe_metrics, set_moe_step
 from angel_ptm.parallel import Mesh, init_mesh, rank_device
 from angel_ptm.parallel.collectives import Collectives, world_group
 from angel_ptm.trace import TraceRecorder
@@ -167,6 +168,7 @@ class Trainer:
                 # Forward + backward over grad_accum micro-batches; dividing each loss makes the summed
                 # gradients those of the mean loss over the whole batch.
                 t_compute = trace.now()
+                set_moe_step(model, step - 1)  # gates with a schedule (DTS): the steps done
                 loss_sum = 0.0
                 for micro in range(tcfg.grad_accum):
                     x, y = train_batches.batch((step - 1) * micro_per_step + mesh.dp_rank * tcfg.grad_accum + micro)
@@ -199,6 +201,7 @@ class Trainer:
                         **schedule_metrics(stats.get("schedule")),
                         **precision_metrics(engine),
                         **({"osdp_replicated": stats["osdp_replicated"]} if stats.get("osdp_replicated") else {}),
+                        **({"moe": routed} if (routed := moe_metrics(model)) else {}),
                     })
                     if print_lines:
                         print(progress_line(step, tcfg.steps, step_loss, lr, tokens_per_step / step_s), flush=True)

@@ -186,9 +186,140 @@ def test_dts_temperature_decays_then_the_gate_turns_top1(decay):
 
 
 def test_specs_that_cannot_route_are_refused():
-    with pytest.raises(ConfigValueError, match="model.moe_gate: 'top3' is not a gate"):
+    with pytest.raises(ConfigValueError, match="model.moe.gate: 'top3' is not a gate"):
         MoESpec(gate="top3")
-    with pytest.raises(ConfigValueError, match="model.moe_top_k: 3 prototypes must divide model.moe_experts .8."):
+    with pytest.raises(ConfigValueError, match="model.moe.top_k: 3 prototypes must divide model.moe.experts .8."):
         MoESpec(gate="ktop1", experts=8, top_k=3)
-    with pytest.raises(ConfigValueError, match="model.moe_top_k: 9 choices"):
+    with pytest.raises(ConfigValueError, match="model.moe.top_k: 9 choices"):
         MoESpec(gate="gshard", experts=8, top_k=9)
+
+
+# ------------------------------------------------------------------------------------------------- GPT-MoE, engine
+def gpt_moe(**moe):
+    from angel_ptm.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=32,
+                         moe={"experts": 8, "top_k": 2, "gate": "gshard", "capacity_factor": 0.5, "every": 1,
+                              **moe}))
+
+
+def skewed_batches(steps=8):
+    """Token ids drawn mostly from a few values, so some experts get no token in some steps."""
+    g = torch.Generator().manual_seed(2)
+    weights = torch.tensor([0.25 ** i for i in range(64)])
+    return [(torch.multinomial(weights, 32, True, generator=g).view(2, 16),
+             torch.randint(0, 64, (2, 16), generator=g)) for _ in range(steps)]
+
+
+def train_torch(model, batches):
+    """torch.optim.AdamW (test_engine_equivalence's settings); the losses and, per step, each layer's tokens per
+    expert."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    losses, routed = [], []
+    for x, y in batches:
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()  # set_to_none: an expert that did not run keeps grad None and is skipped next step
+        losses.append(loss.item())
+        routed.append([block.feed_forward.stats.take()["tokens_per_expert"] for block in model.layers])
+    return losses, routed
+
+
+@pytest.mark.parametrize("gate", ["gshard", "switch", "hash"])
+@pytest.mark.parametrize("placement", ["device", "disk"])
+def test_gpt_moe_in_the_engine_trains_like_torch_adamw(tmp_path, gate, placement):
+    """The engine gives the losses of torch.optim.AdamW (fp32, within 1e-6), with pages smaller than the tensors.
+    An expert that got no token in a step has no gradient (it never ran): as torch skips a parameter whose .grad is
+    None, its update is skipped (moments and bias-correction step untouched), not applied to zeros."""
+    import angel_ptm
+    from conformance_cases import place
+    from test_engine_equivalence import assert_same_losses, engine_config, run_steps
+
+    batches = skewed_batches()
+    plain = gpt_moe(gate=gate)
+    torch.manual_seed(11)  # gshard's sampling
+    expected, routed = train_torch(plain, batches)
+    if gate != "gshard":  # (its sampled second choices reach every expert)
+        assert any(0 in tokens for step in routed for tokens in step), "no step left an expert idle"
+    model = gpt_moe(gate=gate)
+    memory = {"page_bytes": 4096, "disk_dir": str(tmp_path), "scheduler": "planned"}
+    engine = angel_ptm.initialize(model, place(engine_config(memory), model, placement))
+    try:
+        torch.manual_seed(11)
+        losses = run_steps(engine, batches, lambda m, x, y: m(x, y))
+    finally:
+        engine.close()
+    assert_same_losses(expected, losses)
+
+
+def test_configs_moe_trains_through_the_cli_with_loss_falling_and_logs_the_routing(tmp_path):
+    """`angel-ptm train configs/moe.yaml` (shrunk to seconds): the loss falls, and every step's metrics name each
+    MoE layer's tokens per expert, drop rate and aux loss; the DTS gate's schedule step is set by the trainer."""
+    import json
+    from pathlib import Path
+
+    from angel_ptm import cli
+
+    root = Path(__file__).resolve().parents[1]
+    run = tmp_path / "run"
+    code = cli.main(["train", str(root / "configs" / "moe.yaml"), "--no-progress",
+                     "--set", f"run.dir={run}", "--set", "trainer.steps=16", "--set", "trainer.eval_every=0",
+                     "--set", "model.dim=64", "--set", "model.n_head=2", "--set", "model.seq_len=32",
+                     "--set", "memory.page_bytes=64KiB", "--set", "memory.device_budget=4MiB",
+                     "--set", "memory.host_budget=2MiB"])
+    assert code == 0
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "loss" in row]
+    assert len(steps) == 16
+    assert sum(r["loss"] for r in steps[-4:]) < sum(r["loss"] for r in steps[:4])
+    for row in steps:
+        assert set(row["moe"]) == {"layers.1.feed_forward", "layers.3.feed_forward"}
+        for layer in row["moe"].values():
+            assert len(layer["tokens_per_expert"]) == 8 and 0 <= layer["drop_rate"] < 1 and layer["aux_loss"] > 0
+            # top-2 over 8 x 32 tokens, less the dropped choices
+            assert sum(layer["tokens_per_expert"]) == round(2 * 8 * 32 * (1 - layer["drop_rate"]))
+    dts = cli.main(["train", str(root / "configs" / "moe.yaml"), "--no-progress",
+                    "--set", f"run.dir={tmp_path / 'dts'}", "--set", "trainer.steps=3", "--set", "trainer.eval_every=0",
+                    "--set", "model.dim=64", "--set", "model.n_head=2", "--set", "model.seq_len=32",
+                    "--set", "model.moe.gate=dts", "--set", "model.moe.dts_top1_step=2",
+                    "--set", "model.moe.capacity_factor=0"])
+    assert dts == 0
+    last = [json.loads(line) for line in (tmp_path / "dts" / "metrics.jsonl").read_text().splitlines()][-1]
+    assert all(sum(layer["tokens_per_expert"]) == 8 * 32 for layer in last["moe"].values())  # top-1 from step 2
+
+
+def test_the_moe_settings_are_checked_by_key():
+    from angel_ptm.config import load_config
+    from angel_ptm.errors import UnknownKeyError
+
+    with pytest.raises(UnknownKeyError, match="unknown config key 'model.moe.expert' .valid keys in model.moe: every"):
+        load_config({"model": {"moe": {"expert": 8}}})
+    with pytest.raises(ConfigValueError, match="model.moe.every: must be >= 1, got 0"):
+        load_config(None, ["model.moe.every=0"])
+    config = load_config(None, ["model.moe.experts=4", "model.moe.gate=switch"])
+    assert config.model.moe["experts"] == 4 and config.model.moe["capacity_factor"] == 1.25
+    from angel_ptm.config import config_to_dict
+
+    assert load_config(config_to_dict(config)).model.moe == config.model.moe
+
+
+def test_a_gpt_moe_built_on_the_meta_device_materializes_the_values_of_a_normal_build(tmp_path):
+    import angel_ptm
+    from angel_ptm.models import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=32, moe={"experts": 4, "gate": "dts"})
+    torch.manual_seed(0)
+    expected = GPT(cfg).state_dict()
+    torch.manual_seed(0)
+    with torch.device("meta"):
+        model = GPT(cfg)
+    engine = angel_ptm.initialize(model, {"memory": {"disk_dir": str(tmp_path)}})
+    try:
+        got = engine.state_dict()
+    finally:
+        engine.close()
+    assert got.keys() == expected.keys() and "layers.0.feed_forward.gate.step" in got
+    for name, value in expected.items():
+        assert torch.equal(got[name], value), name

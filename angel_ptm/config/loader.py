@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from angel_ptm.config.schema import Config, field_types, section_classes
+from angel_ptm.config.schema import Config, MoESettings, field_types, section_classes
 from angel_ptm.config.sizes import show_value
 from angel_ptm.errors import ConfigError, ConfigTypeError, UnknownKeyError
 
@@ -139,7 +139,10 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         if section in section_classes():
             raise ConfigError(f"override {override!r}: name a field of {section}, e.g. {_field_keys(section)[0]}=...")
         raise _unknown_key(key)
+    name, _, sub = name.partition(".")  # model.moe.experts: a key inside a mapping-valued field
     if section not in section_classes() or name not in field_types(section_classes()[section]):
+        raise _unknown_key(key)
+    if sub and field_types(section_classes()[section])[name] is not MoESettings:
         raise _unknown_key(key)
     try:
         value = yaml.safe_load(value_text)
@@ -148,6 +151,12 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     if _is_text_field(section, name) and isinstance(value, (bool, int, float)):
         # `--set run.name=2024` means the text "2024", not a number YAML happened to see in it.
         value = value_text.strip()
+    if sub:
+        settings = _section_settings(raw, section)
+        if not isinstance(settings.get(name), dict):
+            settings[name] = {}
+        settings[name][sub] = value
+        return
     _section_settings(raw, section)[name] = value
 
 

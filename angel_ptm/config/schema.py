@@ -46,6 +46,22 @@ def parse_loss_scale(value: object, key: str) -> Union[str, float]:
 LossScale = Annotated[Union[str, float], parse_loss_scale]
 
 
+def parse_moe(value: object, key: str) -> Optional[dict]:
+    """`model.moe`: null (a dense model) or a mapping of MoE settings (models/moe.py MoESpec's fields and `every`),
+    checked here: unknown keys and impossible values are refused naming `model.moe.<key>`; missing ones take the
+    defaults. Returns every setting, so the saved config says what ran."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigTypeError(f"{key}: expected a mapping of MoE settings or null, got {show_value(value)}")
+    from angel_ptm.models.moe import moe_settings
+
+    return moe_settings(value, key)
+
+
+MoESettings = Annotated[Optional[dict], parse_moe]
+
+
 @functools.cache
 def field_types(cls: type) -> dict[str, Any]:
     """Field name -> resolved annotation (``Annotated`` kept: it carries the byte-size parsers); no ClassVars."""
@@ -95,6 +111,9 @@ class ModelConfig(_Section):
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    # Mixture of experts (null: dense): {experts, top_k, gate, capacity_factor, every, aux_loss_weight, ...}
+    # replaces the feed-forward of every `every`-th block with an MoE layer (angel_ptm/models/moe.py).
+    moe: MoESettings = None
 
     def validate(self) -> None:
         self._require_positive("vocab_size", "seq_len", "n_layer", "n_head", "dim")

@@ -124,7 +124,7 @@ class HashGate(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         ids = None if self.token_ids is None else self.token_ids.ids
         if ids is None or ids.numel() != x.shape[0]:
-            raise ConfigValueError("model.moe_gate hash: the layer needs the token ids of its tokens (the model "
+            raise ConfigValueError("model.moe.gate hash: the layer needs the token ids of its tokens (the model "
                                    "sets TokenIds.ids before its blocks run)")
         expert = ((ids.reshape(-1).long() * HASH_MULTIPLIER) % (1 << 32)) % self.spec.experts
         expert = expert.to(x.device).unsqueeze(-1)
@@ -146,7 +146,7 @@ class BaseGate(nn.Module):
         scores = _wide(self.centroids(x))
         t, experts = scores.shape
         if t % experts:
-            raise ConfigValueError(f"model.moe_gate base: {t} tokens do not divide over {experts} experts (BASE "
+            raise ConfigValueError(f"model.moe.gate base: {t} tokens do not divide over {experts} experts (BASE "
                                    f"gives every expert exactly T/E); choose a batch x sequence that does")
         expert = balanced_assignment(scores.detach(), t // experts).unsqueeze(-1)
         gate = torch.sigmoid(scores.gather(-1, expert))
@@ -215,6 +215,10 @@ class DTSGate(_LogitGate):
     def __init__(self, dim: int, spec: MoESpec):
         super().__init__(dim, spec)
         self.register_buffer("step", torch.zeros((), dtype=torch.int64))  # persistent: checkpoints keep it
+
+    def reset_buffers(self) -> None:
+        """The schedule's start (also after materializing a model built on the meta device)."""
+        self.step = torch.zeros((), dtype=torch.int64, device=self.step.device)
 
     def set_step(self, step: int) -> None:
         self.step.fill_(int(step))

@@ -33,6 +33,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    moe: Optional[dict] = None  # None: dense; else models/moe.py's settings (moe_settings: `every` and MoESpec)
 
     def __post_init__(self) -> None:
         for key in ("vocab_size", "seq_len", "n_layer", "n_head", "dim", "n_kv_head", "ffn_hidden"):
@@ -53,6 +54,10 @@ class GPTConfig:
             raise ConfigValueError(
                 f"head dim model.dim / model.n_head = {self.head_dim} must be even for rotary embeddings"
             )
+        if self.moe is not None:
+            from angel_ptm.models.moe import moe_settings
+
+            self.moe = moe_settings(self.moe)
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigValueError(
                 f"model.rope_theta ({self.rope_theta}), model.norm_eps ({self.norm_eps}) and "
@@ -163,12 +168,18 @@ class FeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: GPTConfig):
+    def __init__(self, cfg: GPTConfig, moe_spec=None, token_ids=None):
         super().__init__()
         self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
+        if moe_spec is None:
+            self.feed_forward = FeedForward(cfg.dim, cfg.hidden_dim)
+        else:  # each expert a SwiGLU of the dense width (models/moe.py)
+            from angel_ptm.models.moe import MoE
+
+            self.feed_forward = MoE(cfg.dim, cfg.hidden_dim, moe_spec,
+                                    make_expert=lambda: FeedForward(cfg.dim, cfg.hidden_dim), token_ids=token_ids)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope)
@@ -181,7 +192,17 @@ class GPT(nn.Module):
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
-        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.token_ids = None  # the ids of the forward in progress, for hash gates (a models.gates.TokenIds)
+        spec, every = None, 0
+        if cfg.moe is not None:
+            from angel_ptm.models.gates import TokenIds
+            from angel_ptm.models.moe import MoESpec
+
+            self.token_ids = TokenIds()
+            spec = MoESpec(**{k: v for k, v in cfg.moe.items() if k != "every"})
+            every = cfg.moe["every"]
+        self.layers = nn.ModuleList(Block(cfg, spec if every and (i + 1) % every == 0 else None, self.token_ids)
+                                    for i in range(cfg.n_layer))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -212,6 +233,8 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=self.cfg.init_std * scale)
         elif isinstance(module, RMSNorm):
             nn.init.ones_(module.weight)
+        elif hasattr(module, "reset_buffers"):  # a gate's schedule position (DTS)
+            module.reset_buffers()
 
     def forward(self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None) -> torch.Tensor:
         """Logits [batch, seq, vocab] for token ids ``idx`` [batch, seq]; with ``targets`` the mean
@@ -219,13 +242,21 @@ class GPT(nn.Module):
         t = idx.shape[1]
         if t > self.cfg.seq_len:
             raise ConfigValueError(f"input length {t} exceeds model.seq_len ({self.cfg.seq_len})")
+        if self.token_ids is not None:
+            self.token_ids.ids = idx.reshape(-1)
         h = self.tok_embeddings(idx)
         for layer in self.layers:
             h = layer(h, self.rope)
         logits = self.output(self.norm(h))
         if targets is None:
             return logits
-        return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        loss = F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1))
+        return loss + self.aux_loss() if self.cfg.moe is not None else loss
+
+    def aux_loss(self) -> torch.Tensor:
+        """The MoE layers' weighted auxiliary losses of the last forward (0 for a dense model)."""
+        return sum((layer.feed_forward.aux_loss for layer in self.layers if hasattr(layer.feed_forward, "gate")),
+                   torch.zeros(()))
 
     def num_params(self) -> int:
         """Distinct parameters (a tied embedding/output weight is counted once)."""

@@ -34,7 +34,7 @@ GATES = ("switch", "gshard", "ktop1", "hash", "base", "sam", "dts")
 
 @dataclass(frozen=True)
 class MoESpec:
-    """An MoE layer's settings (GPT's `model.moe_*` keys)."""
+    """An MoE layer's settings (the `model.moe` mapping, less `every`)."""
 
     experts: int = 8
     top_k: int = 2  # switch and hash route 1; ktop1: one per prototype (top_k prototypes); base: 1
@@ -52,21 +52,21 @@ class MoESpec:
 
     def __post_init__(self) -> None:
         if self.gate not in GATES:
-            raise ConfigValueError(f"model.moe_gate: {self.gate!r} is not a gate (known: {', '.join(GATES)})")
+            raise ConfigValueError(f"model.moe.gate: {self.gate!r} is not a gate (known: {', '.join(GATES)})")
         if self.experts < 1:
-            raise ConfigValueError(f"model.moe_experts: must be >= 1, got {self.experts}")
+            raise ConfigValueError(f"model.moe.experts: must be >= 1, got {self.experts}")
         k = self.choices
         if not 1 <= k <= self.experts:
-            raise ConfigValueError(f"model.moe_top_k: {self.top_k} choices for gate {self.gate} with "
+            raise ConfigValueError(f"model.moe.top_k: {self.top_k} choices for gate {self.gate} with "
                                    f"{self.experts} experts: must be between 1 and the number of experts")
         if self.gate == "ktop1" and self.experts % self.top_k:
-            raise ConfigValueError(f"model.moe_top_k: {self.top_k} prototypes must divide model.moe_experts "
+            raise ConfigValueError(f"model.moe.top_k: {self.top_k} prototypes must divide model.moe.experts "
                                    f"({self.experts})")
         if self.gate == "sam" and (self.experts % self.groups or self.top_k > self.experts // self.groups):
-            raise ConfigValueError(f"model.moe_groups: {self.groups} groups must divide model.moe_experts "
-                                   f"({self.experts}) into groups of at least moe_top_k ({self.top_k}) experts")
+            raise ConfigValueError(f"model.moe.groups: {self.groups} groups must divide model.moe.experts "
+                                   f"({self.experts}) into groups of at least top_k ({self.top_k}) experts")
         if self.dts_decay not in ("exponential", "linear"):
-            raise ConfigValueError(f"model.moe_dts_decay: exponential or linear, got {self.dts_decay!r}")
+            raise ConfigValueError(f"model.moe.dts_decay: exponential or linear, got {self.dts_decay!r}")
 
     @property
     def choices(self) -> int:
@@ -76,6 +76,34 @@ class MoESpec:
         if self.gate == "dts":
             return self.experts  # dense to sparse: every expert is a choice, the inactive ones not kept
         return self.top_k
+
+
+def moe_settings(value: dict, key: str = "model.moe") -> dict:
+    """`model.moe`'s mapping checked and completed: every MoESpec field and `every` (each `every`-th block's
+    feed-forward is an MoE layer; 1: all of them)."""
+    import dataclasses
+
+    from angel_ptm.config.coerce import coerce
+    from angel_ptm.errors import UnknownKeyError
+
+    names = {f.name: f.type for f in dataclasses.fields(MoESpec)}
+    types = {"experts": int, "top_k": int, "gate": str, "capacity_factor": float, "aux_loss_weight": float,
+             "z_loss_weight": float, "groups": int, "dts_start_temperature": float, "dts_end_temperature": float,
+             "dts_decay": str, "dts_decay_steps": int, "dts_top1_step": int, "dts_threshold": float}
+    assert set(types) == set(names), "moe_settings: a MoESpec field without its type here"
+    out = {}
+    for name, raw in value.items():
+        if name == "every":
+            continue
+        if name not in types:
+            raise UnknownKeyError(f"unknown config key '{key}.{name}' (valid keys in {key}: every, "
+                                  f"{', '.join(types)})")
+        out[name] = coerce(raw, types[name], f"{key}.{name}")
+    every = coerce(value.get("every", 1), int, f"{key}.every")
+    if every < 1:
+        raise ConfigValueError(f"{key}.every: must be >= 1, got {every}")
+    spec = MoESpec(**out)
+    return {**dataclasses.asdict(spec), "every": every}
 
 
 @dataclass
@@ -131,7 +159,8 @@ class MoE(nn.Module):
         flat = x.reshape(-1, shape[-1])
         routing = self.gate(flat)
         self.aux_loss = sum(routing.aux.values()) if routing.aux else flat.new_zeros(())
-        self.stats.add(routing)
+        if self.training and torch._C._current_graph_task_id() == -1:  # not evaluation, not a recomputation
+            self.stats.add(routing)
         return combine(flat, routing, self.experts).reshape(shape)
 
 
@@ -189,3 +218,16 @@ class _SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+def moe_metrics(model: nn.Module) -> dict:
+    """Per MoE layer of `model` (by name), its tokens per expert, drop rate and aux loss since the last call (the
+    trainer's metrics.jsonl `moe` field); {} for a dense model."""
+    return {name: module.stats.take() for name, module in model.named_modules() if isinstance(module, MoE)}
+
+
+def set_moe_step(model: nn.Module, step: int) -> None:
+    """Tell the gates with a schedule (DTS) which training step comes next (the trainer calls it every step)."""
+    for module in model.modules():
+        if callable(getattr(module, "set_step", None)):
+            module.set_step(step)

@@ -80,6 +80,9 @@ def plan_for(model: nn.Module) -> Plan:
     from angel_ptm.models.gpt import GPT
 
     if isinstance(model, GPT):
+        if model.cfg.moe is not None:
+            raise TensorParallelError("parallel.tp: tensor parallelism of MoE layers (model.moe) is not supported; "
+                                      "split the experts with expert parallelism instead")
         return gpt_plan(model)
     names = {name for name, _ in model.named_modules()}
     if {"model.embed_tokens", "lm_head", "model.norm"} <= names and any(".self_attn.q_proj" in n for n in names):
