@@ -259,6 +259,13 @@ class Collectives:
         self._run("reduce_scatter", what, sum(_nbytes(t) for t in inputs), dist.reduce_scatter, output, inputs,
                   group=self._pg)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
+                   input_splits: list[int], what: str) -> None:
+        """Rows input[sum(input_splits[:r]) ..] to group rank r; output gets rank r's rows at
+        sum(output_splits[:r]) (uneven splits; blocking)."""
+        self._run("all_to_all", what, _nbytes(input), dist.all_to_all_single, output, input, output_splits,
+                  input_splits, group=self._pg)
+
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
         """From group rank `src`."""
         self._run("broadcast", what, _nbytes(tensor) if src == self.rank else 0, dist.broadcast, tensor,

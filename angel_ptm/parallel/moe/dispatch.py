@@ -1,0 +1,128 @@
+"""Expert parallelism applied from outside: `apply_expert_parallel(model, comm)` keeps, in each MoE layer, only the
+experts of this rank (E / ep consecutive ones: rank r holds experts r*E/ep ..), and turns the layer into an
+`ExpertParallelMoE` whose forward dispatches every kept choice to its expert's rank and combines the results back:
+
+    1. the gate routes this rank's tokens (the gate is an ordinary data-parallel module);
+    2. the kept choices, sorted by expert (so by destination rank), with per-expert counts; the counts are
+       exchanged first (one all_to_all of E integers), so the token exchange has exact uneven splits: capacity
+       drops happen in the routing, and a dropless gate needs no capacity here either;
+    3. all_to_all of the chosen tokens' hidden states; each local expert runs once on everything it received;
+    4. all_to_all back, in the order sent; the sender combines with its gate weights.
+The exchanges are autograd functions (backward: the reverse all_to_all), so gradients reach the gate, the input and
+the experts; an expert's gradient on its rank sums every rank's tokens. The layer's output equals the unsplit
+layer's on the same tokens (tests/test_moe_parallel.py).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from angel_ptm.errors import ConfigValueError
+from angel_ptm.models.moe import MoE
+from angel_ptm.parallel.collectives import Collectives
+from angel_ptm.parallel.mesh import Group, Mesh
+
+
+class EPComm:
+    """One rank's expert-parallel group: its rank and size, and the collectives (none with ep 1)."""
+
+    def __init__(self, mesh: Mesh, group: Group | None = None):
+        group = group or mesh.ep_ranks
+        self.rank, self.size = group.index(mesh.rank), group.size
+        self.collectives = Collectives(mesh, group=group) if group.size > 1 else None
+
+    def exchange(self, x: torch.Tensor, send: list[int], receive: list[int], what: str) -> torch.Tensor:
+        out = x.new_empty((sum(receive),) + tuple(x.shape[1:]))
+        if self.collectives is None:
+            out.copy_(x)
+        else:
+            self.collectives.all_to_all(out, x.contiguous(), receive, send, f"ep {what}")
+        return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, comm, send, receive, what):
+        ctx.comm, ctx.send, ctx.receive, ctx.what = comm, send, receive, what
+        return comm.exchange(x, send, receive, what)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return ctx.comm.exchange(grad.contiguous(), ctx.receive, ctx.send, f"{ctx.what} backward"), None, None, None, \
+            None
+
+
+class ExpertParallelMoE(MoE):
+    """An MoE layer holding experts [expert_start, expert_start + len(experts)) of `spec.experts`."""
+
+    ep: EPComm
+    expert_start: int
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        flat = x.reshape(-1, shape[-1])
+        routing = self.gate(flat)
+        self.aux_loss = sum(routing.aux.values()) if routing.aux else flat.new_zeros(())
+        if self.training and torch._C._current_graph_task_id() == -1:
+            self.stats.add(routing)
+        return self._dispatch(flat, routing).reshape(shape)
+
+    def _dispatch(self, flat: torch.Tensor, routing) -> torch.Tensor:
+        experts, ep = self.spec.experts, self.ep
+        local = len(self.experts)
+        chosen = routing.kept & (routing.expert >= 0)
+        tokens, choice = chosen.nonzero(as_tuple=True)
+        expert = routing.expert[tokens, choice]
+        order = torch.argsort(expert, stable=True)  # by expert, so by destination rank
+        tokens, choice, expert = tokens[order], choice[order], expert[order]
+        counts = torch.bincount(expert, minlength=experts)
+        received = ep.exchange(counts.view(ep.size, local).cpu(), [1] * ep.size, [1] * ep.size, "expert counts")
+        send = counts.view(ep.size, local).sum(1).tolist()
+        receive = received.sum(1).tolist()
+        inputs = _AllToAll.apply(flat.index_select(0, tokens), ep, send, receive, "dispatch")
+        # rows arrive by source rank, within each by local expert: run each local expert once on all of its rows
+        owner = torch.arange(local).repeat(ep.size).repeat_interleave(received.reshape(-1)).to(flat.device)
+        outputs = inputs.new_zeros(inputs.shape)
+        for e, module in enumerate(self.experts):
+            rows = (owner == e).nonzero(as_tuple=True)[0]
+            if rows.numel():
+                outputs = outputs.index_copy(0, rows, module(inputs.index_select(0, rows)))
+        back = _AllToAll.apply(outputs, ep, receive, send, "combine")
+        weight = (routing.weight[tokens, choice]).to(flat.dtype).unsqueeze(-1)
+        out = flat.new_zeros(flat.shape).index_add(0, tokens, back * weight)
+        if routing.passthrough is not None:
+            out = out + routing.passthrough.unsqueeze(-1).to(flat.dtype) * flat
+        return out
+
+
+def apply_expert_parallel(model: nn.Module, comm: EPComm) -> nn.Module:
+    """Keep this rank's experts in every MoE layer of `model` (in place); every rank must apply it alike."""
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
+    if not layers:
+        raise ConfigValueError("parallel.ep: the model has no MoE layer (model.moe) whose experts could be split")
+    for layer in layers:
+        if isinstance(layer, ExpertParallelMoE):
+            raise ConfigValueError("parallel.ep: the model's experts are split already")
+        experts = layer.spec.experts
+        if experts % comm.size:
+            raise ConfigValueError(f"parallel.ep: {comm.size} ranks do not divide model.moe.experts ({experts})")
+        local = experts // comm.size
+        start = comm.rank * local
+        layer.experts = nn.ModuleList(list(layer.experts)[start:start + local])
+        layer.__class__ = ExpertParallelMoE
+        layer.ep, layer.expert_start = comm, start
+    model._angel_ep = comm
+    return model
+
+
+def expert_names(model: nn.Module) -> dict[str, str]:
+    """This rank's expert parameter names -> the names the unsplit model gives them (`...experts.<global>.`):
+    checkpoints and state dicts use the global ones."""
+    out = {}
+    for prefix, module in model.named_modules():
+        if isinstance(module, ExpertParallelMoE):
+            for name, _ in module.experts.named_parameters():
+                index, _, rest = name.partition(".")
+                out[f"{prefix}.experts.{name}"] = f"{prefix}.experts.{int(index) + module.expert_start}.{rest}"
+    return out
