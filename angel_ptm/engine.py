@@ -11,6 +11,8 @@ a ParamBinder that points parameters at pages around each module's forward and b
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import nn
 
@@ -29,6 +31,7 @@ from angel_ptm.optim.loss_scaler import LossScaler
 from angel_ptm.page_tensors import PageTensors
 from angel_ptm.paging import Paging, choose_disk_dir, open_paging
 from angel_ptm.parallel.data_parallel import DataParallel, SingleRank, agree_on_job, join
+from angel_ptm.parallel.moe import apply_expert_parallel_for, expert_names
 from angel_ptm.parallel.tensor import shards_of
 from angel_ptm.parallel.tensor.step import TensorParallelStep, apply_tensor_parallel
 from angel_ptm.schedule import Scheduler
@@ -66,12 +69,18 @@ class Engine(StateAccess):
                                                                         self.failure.collective_failed)
         # parallel.tp > 1: this rank's shards of the split layers (the built-in plan unless the user applied one)
         self.tp = apply_tensor_parallel(model, self.mesh, self.trace, self.failure.collective_failed)
+        # parallel.ep > 1: this rank's experts; their pages are rank-local (never sharded, gathered or reduced)
+        self.ep = apply_expert_parallel_for(model, self.mesh, self.trace, self.failure.collective_failed)
+        self.expert_names = expert_names(model)  # this rank's expert parameter names -> the unsplit model's
         self.compute_dtype = compute_dtype(config)  # None: fp32, the parameters are the master weights
         self.kinds = creation_order(config)
         self.layout = build_layout(model, mem.page_bytes, dp_world_size=self.mesh.dp,
-                                   compute_dtype=self.compute_dtype)
+                                   compute_dtype=self.compute_dtype, local=self.expert_names)
+        if self.layout.local_pages is not None:
+            self.ownership = dataclasses.replace(self.ownership, local_pages=self.layout.local_pages)
         # same job everywhere, then the data-parallel group's rank 0's initial values
-        self.world = agree_on_job(self.mesh, self.collectives, config, self.layout, model, self.trace)
+        self.world = agree_on_job(self.mesh, self.collectives, config, self.layout, model, self.trace,
+                                  set(self.expert_names))
         self.units = find_units(model, units)
         own = self.ownership
         disk_dir = choose_disk_dir(self._paging, mem.disk_dir)

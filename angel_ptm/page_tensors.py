@@ -48,8 +48,8 @@ class PageTensors:
         dtype = self.dtype(kind, slot.segments[0].page)
         out = torch.empty(slot.numel, dtype=dtype)
         for seg in slot.segments:
-            raw = self._from_owner(kind, seg.page) if self.ownership.sharded(kind) else \
-                self._peek(self.pages[kind][seg.page])
+            shared = self.ownership.sharded(kind) and not self.ownership.rank_local(seg.page)
+            raw = self._from_owner(kind, seg.page) if shared else self._peek(self.pages[kind][seg.page])
             out[seg.start : seg.start + seg.numel] = raw.view(dtype)[seg.offset : seg.offset + seg.numel].cpu()
         return out.view(slot.shape)
 

@@ -57,8 +57,26 @@ def llama_batches():
     return next_tokens()
 
 
+def gpt_moe():
+    """A GPT-MoE: 4 experts in every block, top-2 by k-top-1 (deterministic, so ranks and one rank route alike)
+    with drops (capacity 0.5 of the even share)."""
+    from angel_ptm.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=32,
+                         moe={"experts": 4, "top_k": 2, "gate": "ktop1", "capacity_factor": 0.5}))
+
+
+def gpt_moe_batches():
+    g = torch.Generator().manual_seed(2)
+    weights = torch.tensor([0.8 ** i for i in range(64)])  # skewed: some experts get no token in some steps
+    return [(torch.multinomial(weights, 64, True, generator=g).view(4, 16), torch.randint(0, 64, (4, 16), generator=g))
+            for _ in range(8)]
+
+
 # a copy: other modules parametrize over theirs
-CASES = {**CASES, "branchy": (Branchy, branchy_batches, mlp_loss), "llama": (hf_llama_tp, llama_batches, llama_loss)}
+CASES = {**CASES, "branchy": (Branchy, branchy_batches, mlp_loss), "llama": (hf_llama_tp, llama_batches, llama_loss),
+         "gpt-moe": (gpt_moe, gpt_moe_batches, CASES["gpt"][2])}
 
 STEPS = 4
 # Per-rank budgets of 4 KiB pages. The GPT's paging unit (a block with the root's pages) takes 21 pages; ZeRO-3
@@ -91,7 +109,7 @@ def config_of(spec: dict, world: int, disk_dir: str) -> dict:
     cfg = engine_config(memory, spec["clip"], dtype=spec["dtype"], staleness=spec["staleness"])
     cfg["trainer"]["grad_accum"] = spec["accum"]
     cfg["parallel"] = {"zero": spec["zero"], "timeout_s": spec.get("timeout_s", 60), "osdp": spec.get("osdp", False),
-                       "tp": spec.get("tp", 1), "sequence_parallel": spec.get("sp", False)}
+                       "tp": spec.get("tp", 1), "sequence_parallel": spec.get("sp", False), "ep": spec.get("ep", 1)}
     cfg["optimizer"].update(spec.get("optimizer", {}))
     if spec.get("activations"):  # a checkpoint setting or a whole activations section
         act = spec["activations"]

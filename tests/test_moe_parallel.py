@@ -11,6 +11,7 @@ import torch
 from angel_ptm.models.moe import MoE, MoESpec
 
 from dist_harness import spawn, values
+from dist_jobs import job, run_jobs, train
 
 DIM, HIDDEN, TOKENS, EXPERTS = 12, 16, 20, 4
 SPECS = {
@@ -53,12 +54,6 @@ def split_layers(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("ep2")
-    return values(spawn(2, split_layers, (str(tmp),), tmp))
-
-
 @pytest.mark.parametrize("name", list(SPECS))
 def test_ep2_gives_the_unsplit_layers_outputs_and_gradients(two_ranks, name):
     whole = layer(name)
@@ -81,3 +76,59 @@ def test_ep2_gives_the_unsplit_layers_outputs_and_gradients(two_ranks, name):
         owner = 0 if int(n.split(".")[1]) < EXPERTS // 2 else 1
         got = two_ranks[owner][name]["grads"][f"moe.{n}"]
         torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------ in the engine
+ROOM = {"device_budget": "512KiB", "host_budget": "256KiB"}  # a block with its 4 experts (2 per rank at ep 2)
+ENGINE_JOBS = [job(f"ep2-zero{z}", zero=z, ep=2, model="gpt-moe", steps=6, memory=ROOM) for z in (0, 1, 3)] + [
+    job("ep2-zero2-device+host", zero=2, ep=2, model="gpt-moe", steps=6, placement="device+host", clip=0.5,
+        memory=ROOM)]
+
+
+def both(rank: int, world: int, tmp: str) -> dict:
+    out = split_layers(rank, world, tmp)
+    out.update(run_jobs(rank, world, ENGINE_JOBS, tmp))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep2")
+    return values(spawn(2, both, (str(tmp),), tmp))
+
+
+@pytest.mark.parametrize("name", [j["name"] for j in ENGINE_JOBS])
+def test_ep2_in_the_engine_gives_the_losses_of_one_rank_with_grad_accum_2(two_ranks, name, tmp_path):
+    """Each rank holds half the experts (rank-local pages: never sharded, gathered or reduced; their gradients, the
+    sums over every rank's tokens, divided by dp like a mean), the rest data-parallel under ZeRO; the losses are
+    those of one rank taking both micro-batches, within 1e-5 (clipping too: the norm sums every rank's experts)."""
+    spec = next(j for j in ENGINE_JOBS if j["name"] == name)
+    got = two_ranks[0][name]
+    assert "error" not in got, got.get("error")
+    assert two_ranks[1][name]["losses"] == got["losses"]
+    one = train(0, 1, dict(spec, ep=1, accum=2), str(tmp_path))
+    for step, (a, e) in enumerate(zip(got["losses"], one["losses"])):
+        assert a == pytest.approx(e, rel=1e-5), f"step {step}: one rank {e}, ep 2 {a}"
+    whole = one["param_numel"]
+    local = got["param_numel"]
+    experts = [n for n in whole if ".experts." in n]
+    assert sum(local.get(n, 0) for n in experts) == sum(whole[n] for n in experts) // 2  # half the experts each
+
+
+def test_an_ep2_checkpoint_resumes_on_one_rank_and_the_reverse(tmp_path):
+    """Checkpoints name experts by their index in the unsplit layer: ep 2's ranks each write their own experts, and
+    one rank (every expert) resumes from them, within 1e-5 of the run that saved; one rank's checkpoint resumes at
+    ep 2 likewise."""
+    base = dict(job("ckpt", zero=3, ep=2, model="gpt-moe", steps=6, memory=ROOM), save_at=3)
+    specs = [dict(base, name="save", save_to=str(tmp_path / "ep2"))]
+    one = train(0, 1, dict(base, ep=1, accum=2, save_to=str(tmp_path / "ep1")), str(tmp_path))
+    specs.append(dict(base, name="load", save_at=None, load=str(tmp_path / "ep1")))
+    two = values(spawn(2, run_jobs, (specs, str(tmp_path)), tmp_path))
+    saved, loaded = two[0]["save"], two[0]["load"]
+    assert "error" not in saved and "error" not in loaded, (saved.get("error"), loaded.get("error"))
+    resumed = train(0, 1, dict(base, ep=1, accum=2, save_at=None, load=str(tmp_path / "ep2")), str(tmp_path))
+    for got, expected in ((resumed["losses"], saved["losses"][3:]), (loaded["losses"], one["losses"][3:]),
+                          (saved["losses"], one["losses"])):
+        assert len(got) == len(expected)
+        for a, e in zip(got, expected):
+            assert a == pytest.approx(e, rel=1e-5)

@@ -94,6 +94,12 @@ def full_box(engine, name: str, offsets: tuple, shape: tuple) -> tuple[tuple, tu
     return tuple(full), tuple(shard.full_shape)
 
 
+def global_fqn(engine, kind: str, name: str) -> str:
+    """The checkpoint's name of this rank's tensor `name` of `kind`: an expert of an expert-parallel layer by its
+    index in the unsplit layer (parallel/moe), every other tensor by its own name."""
+    return f"{kind}.{engine.expert_names.get(name, name)}"
+
+
 def held_pages(engine, kind: str) -> list[tuple[int, Page]]:
     """(index, page) of every page of `kind` this rank holds as its own."""
     return [(i, p) for i, p in enumerate(engine.pages.get(kind, ())) if p is not None and p.home is None]
@@ -232,7 +238,7 @@ class PageSavePlanner(SavePlanner):
     def __init__(self, engine, objects: dict[str, object], tensors: dict[str, torch.Tensor]):
         self.engine, self.objects, self.tensors = engine, objects, tensors
         self.runs: dict[tuple[str, tuple], Run] = {}
-        layout, rank = engine.layout, engine.ownership.rank
+        layout = engine.layout
         items: list[WriteItem] = [WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
                                   for fqn in self.objects]
         for fqn, tensor in self.tensors.items():
@@ -240,7 +246,7 @@ class PageSavePlanner(SavePlanner):
         self.order: list[Page] = []
         on_page = segments_by_page(layout)
         for index in range(layout.n_pages):
-            if layout.owner(index) != rank:
+            if not engine.ownership.owns(index):  # (rank-local pages: every rank writes its own experts)
                 continue
             for kind in SAVED_KINDS:
                 pages = engine.pages.get(kind, ())
@@ -254,6 +260,7 @@ class PageSavePlanner(SavePlanner):
                     continue
                 self.order.append(page)
                 for fqn, offsets, run in runs:
+                    fqn = global_fqn(engine, kind, run.name)
                     offsets, shape = full_box(engine, run.name, offsets, layout.slot(run.name).shape)
                     self.runs[(fqn, offsets)] = run
                     items.append(_tensor_item(fqn, offsets, run.sizes, run.dtype, shape))
@@ -360,7 +367,9 @@ class PageLoadPlanner(LoadPlanner):
             for index, _page in held_pages(engine, kind):
                 for fqn, offsets, run in page_runs(layout, on_page[index], kind, index,
                                                    engine.tensors.dtype(kind, index)):
-                    source = _source(fqn, kind, run.name, md, "master" in engine.pages)
+                    fqn = global_fqn(engine, kind, run.name)
+                    source = _source(fqn, kind, engine.expert_names.get(run.name, run.name), md,
+                                     "master" in engine.pages)
                     saved = md.get(source)
                     if not isinstance(saved, TensorStorageMetadata):
                         problems.append(f"no '{fqn}'")

@@ -87,8 +87,9 @@ def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None, backgrou
         engine.manager.disk.settle(engine.manager.pages, kept)
     objects = {f"{RNG}{rank}": rng_state()}
     tensors = {}
+    named = named_by_every_rank(engine)  # (a collective under expert parallelism: each rank names its own experts)
     if rank == 0:
-        objects[ENGINE] = engine_state(engine, lagging)
+        objects[ENGINE] = engine_state(engine, lagging, named)
         objects[EXTRA] = extra
         tensors = {f"buffer.{k}": v.detach().to("cpu", copy=True)
                    for k, v in _persistent_buffers(engine.model).items()}
@@ -284,16 +285,30 @@ def _typed(error: BaseException, rank: int, distributed: bool) -> CheckpointErro
 
 
 # ---------------------------------------------------------------------------------------------------- the records
-def engine_state(engine, lagging: bool) -> dict:
+def named_by_every_rank(engine) -> dict:
+    """The per-tensor optimizer step counts and the model's state-dict keys under the unsplit model's names: with
+    expert parallelism each rank holds other experts, so every rank's are gathered (one collective); else this
+    rank's, which are every rank's."""
+    rename = engine.expert_names
+    steps = {rename.get(n, n): v for n, v in engine.optimizer.slot_steps.items()}
+    keys = [(rename.get(k, k), kind, rename.get(saved, saved)) for k, kind, saved in state_dict_keys(engine.model)]
+    if engine.ep is not None:
+        everyone = engine.world.all_gather_object((steps, keys), "expert step counts and names")
+        steps = {name: value for theirs, _ in everyone for name, value in theirs.items()}
+        keys = list(dict.fromkeys(key for _, theirs in everyone for key in theirs))
+    return {"slot_steps": steps, "state_dict_keys": keys}
+
+
+def engine_state(engine, lagging: bool, named: dict) -> dict:
     opt = engine.optimizer
     scaler = engine.loss_scaler
     return {"format": 1, "steps_done": engine._steps_done, "schedule_on": engine._schedule.on,
-            "step_count": opt.step_count, "slot_steps": dict(opt.slot_steps), "lr": opt.lr, "betas": opt.betas,
+            "step_count": opt.step_count, "slot_steps": named["slot_steps"], "lr": opt.lr, "betas": opt.betas,
             "eps": opt.eps, "weight_decay": opt.weight_decay,
             "loss_scaler": scaler.state_dict() if scaler is not None else None, "params_lag_master": lagging,
             "world_size": engine.mesh.world_size, "zero": engine.ownership.stage,
             "page_bytes": engine.layout.page_bytes, "layout": engine.layout.fingerprint(),
-            "state_dict_keys": state_dict_keys(engine.model), "hf_config": hf_config(engine.model),
+            "state_dict_keys": named["state_dict_keys"], "hf_config": hf_config(engine.model),
             "config": config_to_dict(engine.config)}
 
 
@@ -327,11 +342,12 @@ def hf_config(model) -> dict | None:
 def apply_engine_state(engine, state: dict) -> None:
     opt = engine.optimizer
     steps = state["slot_steps"]
-    unknown = sorted(set(opt.slot_steps) - set(steps))
+    rename = engine.expert_names  # this rank's experts by their unsplit names
+    unknown = sorted(rename.get(n, n) for n in opt.slot_steps if rename.get(n, n) not in steps)
     if unknown:
         raise CheckpointError(f"checkpoint: no optimizer step count for {unknown[:4]} (another model's checkpoint?)")
     for name in opt.slot_steps:
-        opt.slot_steps[name] = int(steps[name])
+        opt.slot_steps[name] = int(steps[rename.get(name, name)])
     opt.step_count = int(state["step_count"])
     opt.lr, opt.betas = float(state["lr"]), tuple(float(b) for b in state["betas"])
     opt.eps, opt.weight_decay = float(state["eps"]), float(state["weight_decay"])

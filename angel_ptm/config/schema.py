@@ -268,6 +268,9 @@ class ParallelConfig(_Section):
     # Tensor-parallel ranks (Megatron 1-D: each layer's weights split over tp consecutive ranks, the communication in
     # the layers' autograd functions; angel_ptm/parallel/tensor). 1: none.
     tp: int = 1
+    # Expert-parallel ranks: each MoE layer's experts split over ep data-parallel ranks, tokens exchanged by
+    # all-to-all (angel_ptm/parallel/moe). 1: none. This version needs ep = dp (each rank's experts are its own).
+    ep: int = 1
     # Sequence parallelism (tp > 1): norms and the residual stream on sequence shards; all-gather before the
     # column-parallel linears, reduce-scatter after the row-parallel ones.
     sequence_parallel: bool = False
@@ -289,6 +292,7 @@ class ParallelConfig(_Section):
         if self.dp is not None:
             self._require("dp", self.dp >= 1, ">= 1 or null")
         self._require("tp", self.tp >= 1, ">= 1")
+        self._require("ep", self.ep >= 1, ">= 1")
         if self.sequence_parallel:
             self._require("sequence_parallel", self.tp > 1, "false unless tp > 1 (it splits the sequence over tp)")
         if self.osdp:

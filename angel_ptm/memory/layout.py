@@ -71,6 +71,9 @@ class PageLayout:
     page_used_bytes: list[int] = field(default_factory=list)  # as packed (fp32 bytes under mixed precision)
     master_dtype: torch.dtype | None = None  # mixed precision: the dtype of master and optimizer-state pages
     n_trainable_pages: int | None = None  # pages of trainable tensors (None: all); frozen ones follow
+    # Pages [start, end) of rank-local tensors (expert parallelism: each rank holds other experts under the same
+    # names): whole page groups after the shared trainable ones, never sharded, gathered or reduced. None: none.
+    local_pages: tuple[int, int] | None = None
 
     @property
     def n_pages(self) -> int:
@@ -85,6 +88,15 @@ class PageLayout:
         """How many pages of `kind` the layout has: every page is a parameter page, the trainable ones only are
         gradient, master and optimizer-state pages too."""
         return self.n_pages if kind == "param" else self.trainable_pages
+
+    @property
+    def shared_trainable_pages(self) -> int:
+        """Trainable pages every data-parallel rank holds the same tensors in (reduced, sharded by ZeRO): those
+        before the rank-local ones."""
+        return self.local_pages[0] if self.local_pages is not None else self.trainable_pages
+
+    def is_local(self, page: int) -> bool:
+        return self.local_pages is not None and self.local_pages[0] <= page < self.local_pages[1]
 
     def frozen(self, slot: "TensorSlot") -> bool:
         return slot.segments[0].page >= self.trainable_pages
@@ -124,15 +136,19 @@ class PageLayout:
                            f"{self.trainable_pages}".encode())
         if self.master_dtype is not None:
             h.update(f"master {self.master_dtype}".encode())
+        if self.local_pages is not None:
+            h.update(f"local {self.local_pages}".encode())
         for s in self.slots:
             h.update(f"{s.name}{s.shape}{s.dtype}{s.segments}".encode())
         return h.hexdigest()[:16]
 
     @classmethod
     def build(cls, tensors: Iterable[tuple[str, torch.Tensor]], page_bytes: int, dp_world_size: int = 1,
-              compute_dtype: torch.dtype | None = None, frozen: Iterable[str] = ()) -> "PageLayout":
+              compute_dtype: torch.dtype | None = None, frozen: Iterable[str] = (),
+              local: Iterable[str] = ()) -> "PageLayout":
         """`compute_dtype` (bf16/fp16): mixed precision, floating tensors stored in it and packed at fp32's size.
-        `frozen`: names of tensors without gradients, which must come after every trainable one."""
+        `frozen`: names of tensors without gradients, which must come after every trainable one. `local`: names of
+        rank-local trainable tensors, which must come after the other trainable ones and start a page group."""
         if page_bytes <= 0 or page_bytes % ALIGN_BYTES:
             raise ValueError(f"page_bytes must be a positive multiple of {ALIGN_BYTES}, got {page_bytes}")
         if dp_world_size < 1:
@@ -148,9 +164,18 @@ class PageLayout:
             return len(page_dtypes) - 1
 
         master_dtype = torch.float32 if compute_dtype is not None else None
-        frozen = set(frozen)
+        frozen, local = set(frozen), set(local)
         n_trainable = None
+        local_start = None
         for name, tensor in tensors:
+            if name in local and local_start is None:  # the rank-local section starts a page group of its own
+                if name in frozen or n_trainable is not None:
+                    raise ValueError(f"rank-local tensor '{name}' must be trainable and come before frozen ones")
+                while len(page_dtypes) % dp_world_size:
+                    new_page(page_dtypes[-1] if page_dtypes else torch.float32)
+                local_start, open_page = len(page_dtypes), {}
+            elif local_start is not None and name not in local and name not in frozen:
+                raise ValueError(f"rank-local tensors must come after the other trainable ones: '{name}' follows one")
             if name in frozen and n_trainable is None:  # the frozen section starts on fresh pages, a whole group
                 while len(page_dtypes) % dp_world_size:
                     new_page(page_dtypes[-1] if page_dtypes else torch.float32)
@@ -182,7 +207,10 @@ class PageLayout:
 
         while len(page_dtypes) % dp_world_size:  # pad to whole page groups
             new_page(page_dtypes[-1] if page_dtypes else torch.float32)
-        return cls(page_bytes, dp_world_size, slots, page_dtypes, used, master_dtype, n_trainable)
+        local_pages = None
+        if local_start is not None:
+            local_pages = (local_start, n_trainable if n_trainable is not None else len(page_dtypes))
+        return cls(page_bytes, dp_world_size, slots, page_dtypes, used, master_dtype, n_trainable, local_pages)
 
 
 def first_use_order(module: nn.Module, *example_inputs, **example_kwargs) -> list[str]:
@@ -209,17 +237,22 @@ def first_use_order(module: nn.Module, *example_inputs, **example_kwargs) -> lis
 
 
 def build_layout(module: nn.Module, page_bytes: int, dp_world_size: int = 1,
-                 order: Sequence[str] | None = None, compute_dtype: torch.dtype | None = None) -> PageLayout:
-    """The layout of `module`'s parameters (shared parameters once), in `order` or registration order, the frozen
-    ones (`requires_grad=False`) last; `compute_dtype`: mixed precision (PageLayout.build)."""
+                 order: Sequence[str] | None = None, compute_dtype: torch.dtype | None = None,
+                 local: Iterable[str] = ()) -> PageLayout:
+    """The layout of `module`'s parameters (shared parameters once), in `order` or registration order, the
+    rank-local ones (`local`: expert parallelism's experts) after the other trainable ones, the frozen ones
+    (`requires_grad=False`) last; `compute_dtype`: mixed precision (PageLayout.build)."""
     params = dict(module.named_parameters())
     names = list(order) if order is not None else list(params)
     missing = set(params) - set(names)
     if missing:
         raise ValueError(f"order leaves out parameters: {sorted(missing)[:5]}")
     frozen = {n for n in names if not params[n].requires_grad}
-    names = [n for n in names if n not in frozen] + [n for n in names if n in frozen]
-    return PageLayout.build(((n, params[n]) for n in names), page_bytes, dp_world_size, compute_dtype, frozen)
+    local = set(local) - frozen
+    names = ([n for n in names if n not in frozen and n not in local] + [n for n in names if n in local]
+             + [n for n in names if n in frozen])
+    return PageLayout.build(((n, params[n]) for n in names), page_bytes, dp_world_size, compute_dtype, frozen,
+                            local)
 
 
 def largest_module(model: nn.Module, layout: PageLayout) -> tuple[str, int]:

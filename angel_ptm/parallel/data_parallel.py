@@ -39,13 +39,13 @@ def join(config, trace=None, on_failure=None) -> tuple[Mesh, torch.device, Owner
                                "the step ends; staleness 1 publishes the update during the next step)")
     mesh = init_mesh(config.parallel, compute_device(config.trainer.device).type)
     device = rank_device(compute_device(config.trainer.device), mesh)
-    ownership = Ownership(mesh.dp_rank, mesh.dp, config.parallel.zero)
+    ownership = Ownership(mesh.dp_rank, mesh.dp, config.parallel.zero)  # (rank-local pages: set with the layout)
     collectives = Collectives(mesh, trace, on_failure=on_failure) if mesh.dp > 1 else None
     return mesh, device, ownership, collectives
 
 
 def agree_on_job(mesh: Mesh, collectives: Collectives | None, config, layout: PageLayout, model: nn.Module,
-                 trace=None) -> Collectives | None:
+                 trace=None, local: set[str] = frozenset()) -> Collectives | None:
     """Every rank runs rank 0's job (`check_same_job`, over the whole world) and starts from its data-parallel
     group's rank 0's values (`broadcast_module`; tensor-parallel peers hold different shards). Returns the world's
     collectives (the data-parallel ones when they span it; None for a world of one)."""
@@ -55,7 +55,7 @@ def agree_on_job(mesh: Mesh, collectives: Collectives | None, config, layout: Pa
                                                                                        group=world_group(mesh))
     check_same_job(world, config_digest(config_to_dict(config)), layout)
     if collectives is not None:
-        broadcast_module(model, collectives)
+        broadcast_module(model, collectives, local)
     return world
 
 
@@ -170,12 +170,14 @@ class DataParallel:
         self.collectives.close()
 
 
-def broadcast_module(model: nn.Module, collectives: Collectives) -> None:
+def broadcast_module(model: nn.Module, collectives: Collectives, skip: set[str] = frozenset()) -> None:
     """Rank 0's parameter and buffer values on every rank (as DDP does at construction): ranks that built the model
     with different random states start equal. A model on the meta device has no values yet: rank 0's random state is
-    taken instead, so every rank materializes the same values."""
+    taken instead, so every rank materializes the same values. `skip`: rank-local parameters (each rank's own
+    experts, sliced from values made equal before)."""
     device = collectives.mesh.comm_device
-    tensors = list(dict.fromkeys(t for t in list(model.parameters()) + list(model.buffers())))
+    params = [p for n, p in model.named_parameters() if n not in skip]
+    tensors = list(dict.fromkeys(t for t in params + list(model.buffers())))
     if any(t.is_meta for t in tensors):
         state = collectives.broadcast_object(torch.get_rng_state(), 0, "rank 0's random state")
         torch.set_rng_state(state)

@@ -74,7 +74,10 @@ class GradSync:
         for slot in layout.slots:
             for seg in slot.segments:
                 self._on[seg.page].append(slot.name)
-        self.n_groups = layout.trainable_pages // self.dp  # the trainable pages are whole groups (layout pads them)
+        # The shared trainable pages are whole groups (the layout pads them); rank-local ones (expert parallelism)
+        # follow and are never reduced: each rank's are its own experts, scaled by 1/dp like a mean (reduce()).
+        self.n_shared = layout.shared_trainable_pages
+        self.n_groups = self.n_shared // self.dp
         self.overlap = overlap and ownership.stage >= 2 and self.dp > 1  # reductions during backward
         self._order: list[int] | None = None  # the agreed reduction order (None: not known yet, layout order)
         self._next_order: list[int] | None = None  # agreed for the next step
@@ -98,6 +101,7 @@ class GradSync:
         here has its regions zeroed here, so the reduction adds nothing for this rank. The same all-reduce agrees
         next step's reduction order (each group's latest position over ranks)."""
         slots = self.layout.slots
+        own = [self.layout.is_local(s.segments[0].page) for s in slots]  # rank-local: no agreement, no zeroing
         positions = [float(self._final_at.get(g, self.n_groups)) for g in range(self.n_groups)]
         vector = torch.tensor([0.0 if s.name in local_without else 1.0 for s in slots] + positions,
                               dtype=torch.float32)
@@ -106,7 +110,8 @@ class GradSync:
         if self.overlap:  # in force from the next step's backward (this step's finishes in the order it began)
             self._next_order = sorted(range(self.n_groups), key=lambda g: (latest[g], g))
             self._final_at = {}
-        without = {s.name for s, flag in zip(slots, flags) if flag == 0.0}
+        without = {s.name for s, flag, mine in zip(slots, flags, own) if flag == 0.0 and not mine}
+        without |= {s.name for s, mine in zip(slots, own) if mine and s.name in local_without}
         for slot in slots:
             if slot.name in local_without and slot.name not in without and not self.layout.frozen(slot):
                 self._zero_region(slot)
@@ -143,7 +148,7 @@ class GradSync:
     def page_final(self, index: int) -> None:
         """Every gradient on page `index` is in (last backward): once its whole group is, the group's reduction may
         start (in the agreed order)."""
-        if not self._open or index >= self.layout.trainable_pages:
+        if not self._open or index >= self.n_shared:
             return
         group = index // self.dp
         self._left[group] -= 1
@@ -197,9 +202,12 @@ class GradSync:
         all-reduces, so every rank gets every page; stages 1-3 reduce-scatter (only the owner's update reads a
         page's mean) and drop the pages they do not own, unwritten. Reductions already issued during backward
         (stages 2-3) are landed; the rest are issued in the agreed order."""
-        n = self.layout.trainable_pages
-        needed = [any(name not in without_grad for name in self._on[i]) for i in range(n)]
+        n = self.n_shared
+        needed = [any(name not in without_grad for name in self._on[i]) for i in range(self.layout.trainable_pages)]
         grads = self.pages["grad"]
+        for i in range(n, self.layout.trainable_pages):  # rank-local: this rank's tokens' and the others' sums
+            if needed[i]:
+                self._scale_page(grads[i], i, 1.0 / self.dp)
         if self.own.stage == 0:
             for i in range(n):
                 if needed[i]:
@@ -292,6 +300,13 @@ class GradSync:
                                           device=self.manager.pools[self.tier].device)
         return self._zero_page[:numel]
 
+    def _scale_page(self, page: Page, index: int, factor: float) -> None:
+        self.manager.acquire([page], self.tier)
+        try:
+            page.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)].mul_(factor)
+        finally:
+            self.manager.release([page], dirty=True)
+
     def _all_reduce_page(self, page: Page, index: int) -> None:
         self.manager.acquire([page], self.tier)
         try:
@@ -311,8 +326,14 @@ class GradSync:
         """The global L2 norm from each page's sum of squares (`squares`: this rank's updated pages). Pages are
         summed exactly (math.fsum), so the result does not depend on which rank summed which page."""
         n = self.layout.trainable_pages
-        if self.own.stage == 0:  # every rank reduced and holds every page: nothing to exchange
+        if self.own.stage == 0 and self.layout.local_pages is None:  # every rank holds every page, reduced
             return math.sqrt(math.fsum(squares.values()))
+        if self.own.stage == 0:  # the shared pages alike everywhere; the rank-local ones summed over ranks
+            mine = torch.tensor([math.fsum(v for i, v in squares.items() if self.layout.is_local(i))],
+                                dtype=torch.float64)
+            self.comm.all_reduce(mine, "gradient norm (rank-local pages)")
+            shared = math.fsum(v for i, v in squares.items() if not self.layout.is_local(i))
+            return math.sqrt(shared + float(mine.item()))
         vector = torch.zeros(n, dtype=torch.float64)
         for index, value in squares.items():
             vector[index] = value
@@ -325,7 +346,7 @@ class GradSync:
         if self.own.stage not in (1, 2):
             return
         params = self.pages["param"]
-        n = self.layout.trainable_pages
+        n = self.n_shared
         for first in range(0, n, self.dp):
             pages = params[first : first + self.dp]
             self.manager.acquire(pages, self.tier)

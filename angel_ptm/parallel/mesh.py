@@ -57,6 +57,7 @@ class Mesh:
     backend: str | None = None  # None: a world of one, no process group
     tp: int = 1
     sequence_parallel: bool = False
+    ep: int = 1
     dp_group: Group | None = field(default=None, compare=False)  # None: every rank (tp 1)
     tp_group: Group | None = field(default=None, compare=False)
 
@@ -76,6 +77,11 @@ class Mesh:
     def dp_ranks(self) -> Group:
         """This rank's data-parallel group."""
         return self.dp_group or Group("dp", tuple(range(self.world_size)))
+
+    @property
+    def ep_ranks(self) -> Group:
+        """This rank's expert-parallel group: its data-parallel group (ep = dp in this version)."""
+        return self.dp_ranks
 
     @property
     def tp_ranks(self) -> Group:
@@ -139,8 +145,15 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
         tp_group = _make_groups("tp", mesh_groups("tp", dp, tp), rank, backend, parallel.timeout_s)
         dp_group = (_make_groups("dp", mesh_groups("dp", dp, tp), rank, backend, parallel.timeout_s) if dp > 1
                     else Group("dp", (rank,)))
+    ep = parallel.ep
+    if ep > 1 and ep != dp:
+        raise DistributedError(f"parallel.ep: {ep} expert-parallel ranks with parallel.dp {dp}: this version splits "
+                               f"the experts over the whole data-parallel group (ep = dp); set parallel.ep to {dp}")
+    if ep > 1 and tp > 1:
+        raise DistributedError("parallel.ep with parallel.tp > 1: expert and tensor parallelism together are not "
+                               "supported yet")
     return Mesh(rank, world, local_rank, local_world, dp, parallel.timeout_s, backend, tp,
-                parallel.sequence_parallel and tp > 1, dp_group, tp_group)
+                parallel.sequence_parallel and tp > 1, ep, dp_group, tp_group)
 
 
 def mesh_groups(name: str, dp: int, tp: int) -> list[list[int]]:

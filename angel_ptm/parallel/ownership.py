@@ -28,13 +28,19 @@ class Ownership:
     rank: int = 0
     dp: int = 1
     stage: int = 0
+    # Pages [start, end) of rank-local tensors (PageLayout.local_pages: expert parallelism's experts, other ones on
+    # every rank): this rank's own in every stage, never sharded, gathered or reduced.
+    local_pages: tuple[int, int] | None = None
 
     def sharded(self, kind: str) -> bool:
         """Pages of `kind` live on their owner only (REMOTE elsewhere for parameters, absent for optimizer states)."""
         return self.dp > 1 and kind in SHARDED_KINDS[self.stage]
 
+    def rank_local(self, index: int) -> bool:
+        return self.local_pages is not None and self.local_pages[0] <= index < self.local_pages[1]
+
     def home(self, index: int) -> int:
-        return index % self.dp
+        return self.rank if self.rank_local(index) else index % self.dp
 
     def owns(self, index: int) -> bool:
         return self.home(index) == self.rank

@@ -66,7 +66,7 @@ class ParamGatherer:
         self._decided = replicable == 0
 
     def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None) -> None:
-        groups = tuple(dict.fromkeys(page.index // self.dp for page in pages))
+        groups = tuple(dict.fromkeys(page.index // self.dp for page in pages if not self.own.rank_local(page.index)))
         self._advance(groups)
         for group in groups:
             if group in self.held:  # gathered ahead: compute waits only if its data is not here yet
@@ -82,14 +82,16 @@ class ParamGatherer:
                 self._exposed[group] += waited
         self.access.acquire(pages, tier, label=label)
         for page in pages:
-            self._in_use[page.index // self.dp] += 1
+            if not self.own.rank_local(page.index):
+                self._in_use[page.index // self.dp] += 1
         if self._following:
             self._prefetch()
 
     def release(self, pages: Sequence[Page]) -> None:
         self.access.release(pages)
         for page in pages:
-            self._in_use[page.index // self.dp] -= 1
+            if not self.own.rank_local(page.index):
+                self._in_use[page.index // self.dp] -= 1
 
     def _advance(self, groups: tuple[int, ...]) -> None:
         """Follow the recorded sequence: this access is the next one, or the step has left it."""

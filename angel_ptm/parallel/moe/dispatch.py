@@ -83,7 +83,8 @@ class ExpertParallelMoE(MoE):
         inputs = _AllToAll.apply(flat.index_select(0, tokens), ep, send, receive, "dispatch")
         # rows arrive by source rank, within each by local expert: run each local expert once on all of its rows
         owner = torch.arange(local).repeat(ep.size).repeat_interleave(received.reshape(-1)).to(flat.device)
-        outputs = inputs.new_zeros(inputs.shape)
+        # (from `inputs`, even when no local expert runs: both exchanges' backward must run on every rank alike)
+        outputs = inputs * 0.0
         for e, module in enumerate(self.experts):
             rows = (owner == e).nonzero(as_tuple=True)[0]
             if rows.numel():
@@ -97,16 +98,26 @@ class ExpertParallelMoE(MoE):
 
 
 def apply_expert_parallel(model: nn.Module, comm: EPComm) -> nn.Module:
-    """Keep this rank's experts in every MoE layer of `model` (in place); every rank must apply it alike."""
+    """Keep this rank's experts in every MoE layer of `model` (in place); every rank must apply it alike. The
+    experts are sliced from ep rank 0's values (broadcast first), so every rank starts from the 1-rank weights."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ConfigValueError("parallel.ep: the model has no MoE layer (model.moe) whose experts could be split")
     for layer in layers:
         if isinstance(layer, ExpertParallelMoE):
             raise ConfigValueError("parallel.ep: the model's experts are split already")
+        if layer.spec.experts % comm.size:
+            raise ConfigValueError(f"parallel.ep: {comm.size} ranks do not divide model.moe.experts "
+                                   f"({layer.spec.experts})")
+    if any(p.is_meta for p in model.parameters()):
+        raise ConfigValueError("parallel.ep: a model built on the meta device cannot be split into experts yet; "
+                               "build it on the CPU")
+    for layer in layers:
         experts = layer.spec.experts
-        if experts % comm.size:
-            raise ConfigValueError(f"parallel.ep: {comm.size} ranks do not divide model.moe.experts ({experts})")
+        if comm.collectives is not None:
+            with torch.no_grad():
+                for param in layer.experts.parameters():
+                    comm.collectives.broadcast(param.data, 0, "ep initial experts")
         local = experts // comm.size
         start = comm.rank * local
         layer.experts = nn.ModuleList(list(layer.experts)[start:start + local])
@@ -126,3 +137,16 @@ def expert_names(model: nn.Module) -> dict[str, str]:
                 index, _, rest = name.partition(".")
                 out[f"{prefix}.experts.{name}"] = f"{prefix}.experts.{int(index) + module.expert_start}.{rest}"
     return out
+
+
+def apply_expert_parallel_for(model: nn.Module, mesh: Mesh, trace=None, on_failure=None) -> EPComm | None:
+    """parallel.ep > 1: this rank's experts of every MoE layer (the engine calls it); None with ep 1."""
+    if mesh.ep == 1:
+        return None
+    comm = EPComm(mesh)
+    if comm.collectives is not None:
+        if trace is not None:
+            comm.collectives.trace = trace
+        comm.collectives.on_failure = on_failure
+    apply_expert_parallel(model, comm)
+    return comm
