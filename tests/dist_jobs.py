@@ -109,7 +109,8 @@ def config_of(spec: dict, world: int, disk_dir: str) -> dict:
     cfg = engine_config(memory, spec["clip"], dtype=spec["dtype"], staleness=spec["staleness"])
     cfg["trainer"]["grad_accum"] = spec["accum"]
     cfg["parallel"] = {"zero": spec["zero"], "timeout_s": spec.get("timeout_s", 60), "osdp": spec.get("osdp", False),
-                       "tp": spec.get("tp", 1), "sequence_parallel": spec.get("sp", False), "ep": spec.get("ep", 1)}
+                       "tp": spec.get("tp", 1), "sequence_parallel": spec.get("sp", False), "ep": spec.get("ep", 1),
+                       "moe_a2a": spec.get("moe_a2a", "flat")}
     cfg["optimizer"].update(spec.get("optimizer", {}))
     if spec.get("activations"):  # a checkpoint setting or a whole activations section
         act = spec["activations"]

@@ -31,15 +31,15 @@ def tokens(rank: int) -> torch.Tensor:
     return torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(10 + rank), requires_grad=True)
 
 
-def split_layers(rank: int, world: int, tmp: str) -> dict:
+def split_layers(rank: int, world: int, tmp: str, hierarchical: bool = False, names=tuple(SPECS)) -> dict:
     from angel_ptm.config import load_config
     from angel_ptm.parallel.mesh import init_mesh
     from angel_ptm.parallel.moe import EPComm, apply_expert_parallel, expert_names
 
     mesh = init_mesh(load_config({}).parallel)
-    comm = EPComm(mesh, mesh.dp_ranks)
+    comm = EPComm(mesh, mesh.dp_ranks, hierarchical=hierarchical, node_size=2)  # 4 ranks: 2 "nodes" of 2
     out = {}
-    for name in SPECS:
+    for name in names:
         moe = layer(name)
         holder = torch.nn.Module()
         holder.moe = moe
@@ -54,17 +54,42 @@ def split_layers(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
+def four_ways(rank: int, world: int, tmp: str) -> dict:
+    names = ("switch-drops", "top2-drops", "top2-dropless")
+    return {"flat": split_layers(rank, world, tmp, False, names), "hierarchical": split_layers(rank, world, tmp, True,
+                                                                                                names)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep4")
+    return values(spawn(4, four_ways, (str(tmp),), tmp))
+
+
+@pytest.mark.parametrize("a2a", ["flat", "hierarchical"])
+@pytest.mark.parametrize("name", ["switch-drops", "top2-drops", "top2-dropless"])
+def test_ep4_as_two_nodes_of_two_flat_and_hierarchical_give_the_unsplit_layer(four_ranks, a2a, name):
+    """4 ranks as 2 "nodes" x 2: the hierarchical all-to-all (gather on each node's leader, leaders exchange,
+    scatter) delivers what the flat one does; both give the unsplit layer's outputs and gradients."""
+    check_against_the_unsplit_layer([r[a2a] for r in four_ranks], name)
+
+
 @pytest.mark.parametrize("name", list(SPECS))
 def test_ep2_gives_the_unsplit_layers_outputs_and_gradients(two_ranks, name):
+    check_against_the_unsplit_layer(two_ranks, name)
+
+
+def check_against_the_unsplit_layer(results, name):
     whole = layer(name)
+    world = len(results)
     expert_grads: dict[str, torch.Tensor] = {}
-    for rank in (0, 1):
+    for rank in range(world):
         whole.zero_grad(set_to_none=True)
         x = tokens(rank)
         y = whole(x)
         (y * y).sum().backward()
-        got = two_ranks[rank][name]
-        assert got["experts"] == EXPERTS // 2
+        got = results[rank][name]
+        assert got["experts"] == EXPERTS // world
         torch.testing.assert_close(torch.tensor(got["y"]), y.detach(), rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(torch.tensor(got["x_grad"]), x.grad, rtol=1e-5, atol=1e-6)
         gate = got["grads"]["moe.gate.router.weight"]
@@ -73,8 +98,8 @@ def test_ep2_gives_the_unsplit_layers_outputs_and_gradients(two_ranks, name):
             if ".experts." in f".{n}" and p.grad is not None:
                 expert_grads[n] = expert_grads.get(n, 0) + p.grad
     for n, expected in expert_grads.items():
-        owner = 0 if int(n.split(".")[1]) < EXPERTS // 2 else 1
-        got = two_ranks[owner][name]["grads"][f"moe.{n}"]
+        owner = int(n.split(".")[1]) // (EXPERTS // world)
+        got = results[owner][name]["grads"][f"moe.{n}"]
         torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-5, atol=1e-6)
 
 
@@ -82,7 +107,8 @@ def test_ep2_gives_the_unsplit_layers_outputs_and_gradients(two_ranks, name):
 ROOM = {"device_budget": "512KiB", "host_budget": "256KiB"}  # a block with its 4 experts (2 per rank at ep 2)
 ENGINE_JOBS = [job(f"ep2-zero{z}", zero=z, ep=2, model="gpt-moe", steps=6, memory=ROOM) for z in (0, 1, 3)] + [
     job("ep2-zero2-device+host", zero=2, ep=2, model="gpt-moe", steps=6, placement="device+host", clip=0.5,
-        memory=ROOM)]
+        memory=ROOM),
+    job("ep2-hierarchical", zero=3, ep=2, model="gpt-moe", steps=6, memory=ROOM, moe_a2a="hierarchical")]
 
 
 def both(rank: int, world: int, tmp: str) -> dict:

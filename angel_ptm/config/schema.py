@@ -271,6 +271,9 @@ class ParallelConfig(_Section):
     # Expert-parallel ranks: each MoE layer's experts split over ep data-parallel ranks, tokens exchanged by
     # all-to-all (angel_ptm/parallel/moe). 1: none. This version needs ep = dp (each rank's experts are its own).
     ep: int = 1
+    # How an MoE layer's all-to-all runs with ep > 1: flat (one exchange over the ep group) or hierarchical
+    # (HetuMoE: gathered on each node's first rank, exchanged between nodes, scattered; nodes of LOCAL_WORLD_SIZE).
+    moe_a2a: Literal["flat", "hierarchical"] = "flat"
     # Sequence parallelism (tp > 1): norms and the residual stream on sequence shards; all-gather before the
     # column-parallel linears, reduce-scatter after the row-parallel ones.
     sequence_parallel: bool = False

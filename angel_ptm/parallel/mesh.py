@@ -58,6 +58,7 @@ class Mesh:
     tp: int = 1
     sequence_parallel: bool = False
     ep: int = 1
+    moe_a2a: str = "flat"
     dp_group: Group | None = field(default=None, compare=False)  # None: every rank (tp 1)
     tp_group: Group | None = field(default=None, compare=False)
 
@@ -153,7 +154,7 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
         raise DistributedError("parallel.ep with parallel.tp > 1: expert and tensor parallelism together are not "
                                "supported yet")
     return Mesh(rank, world, local_rank, local_world, dp, parallel.timeout_s, backend, tp,
-                parallel.sequence_parallel and tp > 1, ep, dp_group, tp_group)
+                parallel.sequence_parallel and tp > 1, ep, parallel.moe_a2a, dp_group, tp_group)
 
 
 def mesh_groups(name: str, dp: int, tp: int) -> list[list[int]]:

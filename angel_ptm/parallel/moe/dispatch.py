@@ -16,6 +16,7 @@ layer's on the same tokens (tests/test_moe_parallel.py).
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from angel_ptm.errors import ConfigValueError
@@ -25,19 +26,104 @@ from angel_ptm.parallel.mesh import Group, Mesh
 
 
 class EPComm:
-    """One rank's expert-parallel group: its rank and size, and the collectives (none with ep 1)."""
+    """One rank's expert-parallel group: its rank and size, and the collectives (none with ep 1).
 
-    def __init__(self, mesh: Mesh, group: Group | None = None):
+    `hierarchical` (HetuMoE's all-to-all, `parallel.moe_a2a: hierarchical`): the group's ranks form nodes of
+    `node_size` consecutive ranks (torchrun's LOCAL_WORLD_SIZE); an exchange gathers every rank's rows on its
+    node's first rank (the leader), the leaders exchange what crosses nodes, and each leader scatters what its
+    node's ranks receive: one message per pair of nodes on the slow links instead of one per pair of ranks. The
+    rows each rank receives, and their order (by source rank), are the flat exchange's."""
+
+    def __init__(self, mesh: Mesh, group: Group | None = None, hierarchical: bool = False,
+                 node_size: int | None = None):
         group = group or mesh.ep_ranks
         self.rank, self.size = group.index(mesh.rank), group.size
         self.collectives = Collectives(mesh, group=group) if group.size > 1 else None
+        self.hierarchical = hierarchical and self.collectives is not None
+        if self.hierarchical:
+            node = node_size or mesh.local_world_size
+            if node < 1 or self.size % node:
+                raise ConfigValueError(f"parallel.moe_a2a hierarchical: nodes of {node} ranks (LOCAL_WORLD_SIZE) do "
+                                       f"not divide the {self.size} expert-parallel ranks")
+            self.node_size, self.nodes = node, self.size // node
+            nodes = [list(group.ranks[n * node:(n + 1) * node]) for n in range(self.nodes)]
+            leaders = [ranks[0] for ranks in nodes]
+            self.local = self.leaders = None
+            for ranks in nodes:  # every rank makes every group, in the same order
+                made = Group("ep-node", tuple(ranks), dist.new_group(ranks, backend=mesh.backend))
+                if mesh.rank in ranks:
+                    self.local = Collectives(mesh, group=made) if node > 1 else None
+            made = Group("ep-leaders", tuple(leaders), dist.new_group(leaders, backend=mesh.backend))
+            if mesh.rank in leaders and len(leaders) > 1:
+                self.leaders = Collectives(mesh, group=made)
 
     def exchange(self, x: torch.Tensor, send: list[int], receive: list[int], what: str) -> torch.Tensor:
         out = x.new_empty((sum(receive),) + tuple(x.shape[1:]))
         if self.collectives is None:
             out.copy_(x)
+        elif self.hierarchical:
+            out = self._hierarchical(x.contiguous(), send, f"ep {what}")
         else:
             self.collectives.all_to_all(out, x.contiguous(), receive, send, f"ep {what}")
+        return out
+
+    def _hierarchical(self, x: torch.Tensor, send: list[int], what: str) -> torch.Tensor:
+        n, node = self.size, self.node_size
+        counts = torch.tensor(send, dtype=torch.int64)
+        rows = [torch.empty_like(counts) for _ in range(n)]
+        self.collectives.all_gather_list(rows, counts, f"{what} counts")
+        m = torch.stack(rows).tolist()  # m[s][d]: rows group rank s sends to group rank d
+        me, first = self.rank, self.rank - self.rank % node
+        mine = range(first, first + node)  # this node's ranks
+        tail = tuple(x.shape[1:])
+        # 1. every rank's rows to its leader (local rank 0)
+        gathered = x
+        if self.local is not None:
+            to_leader = [x.shape[0] if r == 0 else 0 for r in range(node)]
+            from_ranks = [sum(m[s]) if me == first else 0 for s in mine]
+            gathered = x.new_empty((sum(from_ranks),) + tail)
+            self.local.all_to_all(gathered, x, from_ranks, to_leader, f"{what} to the leader")
+        if me != first:
+            received = x.new_empty((0,) + tail)
+        else:
+            # 2. the leaders: to each node, for each local source in order, its rows to that node's ranks
+            blocks, start = {}, 0
+            for s in mine:
+                for d in range(n):
+                    blocks[(s, d)] = (start, m[s][d])
+                    start += m[s][d]
+            parts, out_splits = [], []
+            for other in range(self.nodes):
+                theirs = range(other * node, (other + 1) * node)
+                sent = 0
+                for s in mine:
+                    a = blocks[(s, theirs[0])][0]
+                    size = sum(m[s][d] for d in theirs)
+                    parts.append(gathered[a:a + size])
+                    sent += size
+                out_splits.append(sent)
+            in_splits = [sum(m[s][d] for s in range(o * node, (o + 1) * node) for d in mine)
+                         for o in range(self.nodes)]
+            outgoing = torch.cat(parts) if parts else gathered
+            if self.leaders is not None:
+                received = x.new_empty((sum(in_splits),) + tail)
+                self.leaders.all_to_all(received, outgoing, in_splits, out_splits, f"{what} between nodes")
+            else:
+                received = outgoing
+            # 3. what each of this node's ranks receives, by global source rank
+            at, start = {}, 0
+            for s in range(n):  # received: by source node, source rank, then this node's destination
+                for d in mine:
+                    at[(s, d)] = (start, m[s][d])
+                    start += m[s][d]
+            received = torch.cat([received[a:a + size] for d in mine for s in range(n)
+                                  for a, size in [at[(s, d)]]]) if n else received
+        if self.local is None:
+            return received
+        per_rank = [sum(m[s][d] for s in range(n)) for d in mine]
+        out = x.new_empty((per_rank[me - first],) + tail)
+        self.local.all_to_all(out, received, [per_rank[me - first] if r == 0 else 0 for r in range(node)],
+                              per_rank if me == first else [0] * node, f"{what} from the leader")
         return out
 
 
@@ -143,7 +229,7 @@ def apply_expert_parallel_for(model: nn.Module, mesh: Mesh, trace=None, on_failu
     """parallel.ep > 1: this rank's experts of every MoE layer (the engine calls it); None with ep 1."""
     if mesh.ep == 1:
         return None
-    comm = EPComm(mesh)
+    comm = EPComm(mesh, hierarchical=mesh.moe_a2a == "hierarchical")
     if comm.collectives is not None:
         if trace is not None:
             comm.collectives.trace = trace
