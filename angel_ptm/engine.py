@@ -31,9 +31,7 @@ from angel_ptm.optim.loss_scaler import LossScaler
 from angel_ptm.page_tensors import PageTensors
 from angel_ptm.paging import Paging, choose_disk_dir, open_paging
 from angel_ptm.parallel.data_parallel import DataParallel, SingleRank, agree_on_job, join
-from angel_ptm.parallel.moe import apply_expert_parallel_for, expert_names
-from angel_ptm.parallel.tensor import shards_of
-from angel_ptm.parallel.tensor.step import TensorParallelStep, apply_tensor_parallel
+from angel_ptm.parallel.split import split_model
 from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import StateAccess
 from angel_ptm.step import StepDriver, cast_master_into_parameters, copy_masters_into_params
@@ -68,10 +66,10 @@ class Engine(StateAccess):
         self.mesh, self.device, self.ownership, self.collectives = join(config, self.trace,
                                                                         self.failure.collective_failed)
         # parallel.tp > 1: this rank's shards of the split layers (the built-in plan unless the user applied one)
-        self.tp = apply_tensor_parallel(model, self.mesh, self.trace, self.failure.collective_failed)
-        # parallel.ep > 1: this rank's experts; their pages are rank-local (never sharded, gathered or reduced)
-        self.ep = apply_expert_parallel_for(model, self.mesh, self.trace, self.failure.collective_failed)
-        self.expert_names = expert_names(model)  # this rank's expert parameter names -> the unsplit model's
+        # and parallel.ep > 1: this rank's experts, whose pages are rank-local (never sharded, gathered or reduced)
+        self.split = split_model(model, self.mesh, self.trace, self.failure.collective_failed)
+        self.tp, self.ep, self.tp_shards = self.split.tp, self.split.ep, self.split.tp_shards
+        self.expert_names = self.split.expert_names  # this rank's expert parameter names -> the unsplit model's
         self.compute_dtype = compute_dtype(config)  # None: fp32, the parameters are the master weights
         self.kinds = creation_order(config)
         self.layout = build_layout(model, mem.page_bytes, dp_world_size=self.mesh.dp,
@@ -96,7 +94,6 @@ class Engine(StateAccess):
         # The front door of the step's page accesses: the binder, the optimizer and the gatherer go through it.
         self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
                                    activation_bytes=lambda: self.binder.take_activation_peak(), trace=self.trace)
-        self.tp_shards = shards_of(model)  # parameter name -> its Shard of the full tensor (checkpoints name those)
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         # Parameter values into their pages (a meta-device model materialized straight into them: `meta_init`)
         self.meta_init = self.tensors.fill_from(model)
@@ -131,9 +128,7 @@ class Engine(StateAccess):
         self.data_parallel = SingleRank() if self.collectives is None else DataParallel(
             self.collectives, own, self.manager, self.scheduler, self.layout, self.pages, update_tier,
             self.estimate.gather_groups, self.estimate.largest_unit_groups, config.parallel.osdp)
-        if self.tp is not None:  # the gradient norm and fp16 overflows agreed over the tp group too
-            self.data_parallel = TensorParallelStep(self.data_parallel, self.tp,
-                                                    {s.name for s in self.layout.slots} - set(self.tp_shards))
+        self.data_parallel = self.split.wrap_step(self.data_parallel, self.layout)  # tp: norm, overflow over tp
         if self.data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
             self.binder.param_access = self.data_parallel.gatherer
         # Updates during backward (planned scheduler, no clipping, no loss scaling, staleness 0) need every gradient
