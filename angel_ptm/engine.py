@@ -36,7 +36,7 @@ from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import StateAccess
 from angel_ptm.step import StepDriver, cast_master_into_parameters, copy_masters_into_params
 from angel_ptm.trace import TraceRecorder
-from angel_ptm.units import UnitsSpec, find_units
+from angel_ptm.units import UnitsSpec, find_units, optional_page_indexes
 
 STATE_KINDS = CREATION_ORDER  # the fp32 job's kinds in creation order (placement.creation_order: per job)
 
@@ -94,6 +94,9 @@ class Engine(StateAccess):
         # The front door of the step's page accesses: the binder, the optimizer and the gatherer go through it.
         self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
                                    activation_bytes=lambda: self.binder.take_activation_peak(), trace=self.trace)
+        optional = optional_page_indexes(model, self.layout)  # MoE experts: touched only when routed to
+        self.scheduler.optional_pages = frozenset(p.id for ps in self.pages.values() for i, p in enumerate(ps)
+                                                  if p is not None and i in optional)
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         # Parameter values into their pages (a meta-device model materialized straight into them: `meta_init`)
         self.meta_init = self.tensors.fill_from(model)

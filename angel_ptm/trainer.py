@@ -440,8 +440,12 @@ def schedule_metrics(schedule: dict | None) -> dict[str, Any]:
     """The scheduler's figures for the step just finished (an engine without a scheduler reports none)."""
     if not schedule:
         return {}
-    return {"stall_s": schedule["stall_s"], "deviations": schedule["deviations"],
-            "planned_moves": schedule["issued"], "replanned": schedule["replanned"]}
+    out = {"stall_s": schedule["stall_s"], "deviations": schedule["deviations"],
+           "planned_moves": schedule["issued"], "replanned": schedule["replanned"]}
+    if schedule.get("optional_skipped") or schedule.get("optional_unplanned"):  # MoE: experts routed or not
+        out.update(expert_accesses_skipped=schedule["optional_skipped"],
+                   expert_accesses_unplanned=schedule["optional_unplanned"])
+    return out
 
 
 def write_metrics(file: Any, record: dict[str, Any]) -> None:

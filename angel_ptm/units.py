@@ -7,7 +7,8 @@ not in `out_proj`'s, and that is fine once the attention's layer is the unit.
 
 Default units: the children of the model's repeated block lists — an `nn.ModuleList` (or an `nn.Sequential` of two
 or more) whose parameter-owning children are all of one type: GPT's `layers`, `TransformerEncoder.layers`,
-HuggingFace's `model.layers` / `transformer.h`. Lists inside a unit are not split further. `units=` overrides:
+HuggingFace's `model.layers` / `transformer.h`. Lists inside a unit are not split further, except an MoE layer's
+experts (models/moe.py): each is a unit inside its block's, so a step brings in only the experts it routes to. `units=` overrides:
 a list of module types (as FSDP's `ModuleWrapPolicy`) or a predicate `module -> bool`.
 
 The device must hold, at once, the pages of a unit and of every unit around it (their forwards are still running):
@@ -49,9 +50,30 @@ def _owns_parameters(module: nn.Module) -> bool:
     return any(True for _ in module.parameters())
 
 
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The experts of `model`'s MoE layers (a module with a `gate` and an `experts` list, models/moe.py): each is
+    a paging unit of its own, so only the experts a step routes tokens to bring their pages in."""
+    return [expert for module in model.modules()
+            if hasattr(module, "gate") and isinstance(getattr(module, "experts", None), nn.ModuleList)
+            for expert in module.experts]
+
+
+def optional_page_indexes(model: nn.Module, layout) -> set[int]:
+    """Layout pages that hold only MoE experts' tensors: a step touches them only for the experts it routes to
+    (the scheduler's optional pages)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    expert = {names[id(p)] for m in expert_modules(model) for p in m.parameters()}
+    on_page: dict[int, set[str]] = {}
+    for slot in layout.slots:
+        for page in slot.pages:
+            on_page.setdefault(page, set()).add(slot.name)
+    return {page for page, tensors in on_page.items() if tensors <= expert}
+
+
 def default_unit_modules(model: nn.Module) -> set[nn.Module]:
-    """The children of repeated block lists, outermost lists only."""
-    found: set[nn.Module] = set()
+    """The children of repeated block lists, outermost lists only; and every MoE layer's experts (inside their
+    block's unit)."""
+    found: set[nn.Module] = set(expert_modules(model))
 
     def visit(module: nn.Module) -> None:
         if isinstance(module, (nn.ModuleList, nn.Sequential)):

@@ -323,3 +323,52 @@ def test_a_gpt_moe_built_on_the_meta_device_materializes_the_values_of_a_normal_
     assert got.keys() == expected.keys() and "layers.0.feed_forward.gate.step" in got
     for name, value in expected.items():
         assert torch.equal(got[name], value), name
+
+
+def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_plan(tmp_path):
+    """Each expert is a paging unit of its own (inside its block's) and its pages are optional to the scheduler: with
+    a skewed router (Zipf token ids, hash gate) and a device budget far below the experts, a step brings in only the
+    experts it routes to, the planned scheduler never counts a deviation (a planned expert access that does not
+    come, or an unplanned one, is expected of MoE routing), and the losses are torch's. Against the same job with the
+    experts inside their blocks' units (every expert brought in whenever its block runs), far fewer bytes move."""
+    import angel_ptm
+    from angel_ptm.models import GPT, GPTConfig
+    from angel_ptm.models.gpt import Block
+    from test_engine_equivalence import engine_config
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, dim=64,
+                             moe={"experts": 16, "top_k": 1, "gate": "hash", "capacity_factor": 0}))
+
+    g = torch.Generator().manual_seed(2)
+    zipf = torch.tensor([1.0 / (i + 1) ** 2 for i in range(256)])
+    batches = [(torch.multinomial(zipf, 4 * 32, True, generator=g).view(4, 32),
+                torch.randint(0, 256, (4, 32), generator=g)) for _ in range(6)]
+    expected, _ = train_torch(build(), batches)
+
+    def run(units):
+        memory = {"page_bytes": "16KiB", "disk_dir": str(tmp_path / str(units)), "scheduler": "planned",
+                  "device_budget": "3MiB", "host_budget": "32MiB"}
+        engine = angel_ptm.initialize(build(), engine_config(memory), units=units)
+        losses, deviations, skipped = [], [], 0
+        try:
+            for x, y in batches:
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                stats = engine.scheduler.last_stats
+                deviations.append(stats.deviations)
+                skipped += stats.optional_skipped
+            return losses, deviations, skipped, engine.memory_stats()["moved"]
+        finally:
+            engine.close()
+
+    losses, deviations, skipped, moved = run(None)
+    assert losses == pytest.approx(expected, rel=1e-6)
+    assert deviations == [0] * len(batches)
+    assert skipped > 0  # planned expert accesses the routing did not make
+    whole, _, _, moved_whole = run([Block])  # experts inside their blocks' units
+    assert whole == losses
+    assert moved["host->device"] < 0.6 * moved_whole["host->device"]

@@ -55,11 +55,14 @@ class StepStats:
     dropped: int = 0  # planned moves that could not start (the state differed from the plan)
     replanned: bool = False
     early_reads: int = 0  # planned disk reads started before their time, into free host slots
+    optional_skipped: int = 0  # planned accesses to optional pages (experts no token was routed to) not made
+    optional_unplanned: int = 0  # accesses to optional pages the plan did not have (served on demand, learned)
 
     def as_dict(self) -> dict:
         return {"accesses": self.accesses, "stall_s": round(self.stall_s, 6), "stalls": self.stalls,
                 "schedule_s": round(self.schedule_s, 6), "deviations": self.deviations, "issued": self.issued,
                 "skipped": self.skipped, "dropped": self.dropped, "replanned": self.replanned,
+                "optional_skipped": self.optional_skipped, "optional_unplanned": self.optional_unplanned,
                 "early_reads": self.early_reads}
 
 
@@ -155,6 +158,11 @@ class Scheduler:
         self.last_stats = StepStats()
         self.plan_s = 0.0
         self.early_reads = EARLY_READS
+        # Pages whose accesses a step may or may not make (an MoE layer's experts: only those the gate routed to
+        # run): a planned access to them that does not come is not a deviation, and one the plan lacks is served on
+        # demand and learned (the next plan follows this step's routing), not a deviation either.
+        self.optional_pages: frozenset[int] = frozenset()
+        self._learn = False
         self._keys: list[tuple] = []
         self._positions: dict[tuple, list[int]] = {}
         self._offsets: list[int] = []
@@ -202,7 +210,10 @@ class Scheduler:
         self._matched = None
         if self.plan is not None:
             self._matched = self._match((ids, tier))
-            if self._matched is None:
+            if self._matched is None and self._optional(ids):
+                self.stats.optional_unplanned += 1
+                self._learn = True
+            elif self._matched is None:
                 self.stats.deviations += 1
             elif isinstance(self.manager.policy, BeladyPolicy):
                 self.manager.policy.seek(self._offsets[self._matched])
@@ -256,9 +267,18 @@ class Scheduler:
             return None
         i = bisect.bisect_left(positions, cursor)
         if i < len(positions) and positions[i] - cursor <= RESYNC_WINDOW:
-            self.stats.deviations += 1  # skipped accesses
+            skipped = range(cursor, positions[i])
+            if all(self._optional(self._keys[j][0]) for j in skipped):  # experts nothing was routed to
+                self.stats.optional_skipped += len(skipped)
+                for j in skipped:  # their planned moves for later accesses still serve those
+                    self.executor.submit(self.plan.ops_after[j])
+            else:
+                self.stats.deviations += 1  # skipped accesses
             return positions[i]
         return None
+
+    def _optional(self, ids: Sequence[int]) -> bool:
+        return bool(ids) and all(i in self.optional_pages for i in ids)
 
     # ------------------------------------------------------------------ steps
     def end_step(self) -> StepStats:
@@ -267,13 +287,18 @@ class Scheduler:
         trace = self.recorder.finish()
         stats = self.stats
         if self.plan is not None and self._cursor != len(self._keys):
-            stats.deviations += 1  # the step ended before (or after) the plan did
+            rest = range(self._cursor, len(self._keys))
+            if all(self._optional(self._keys[j][0]) for j in rest):
+                stats.optional_skipped += len(rest)
+            else:
+                stats.deviations += 1  # the step ended before (or after) the plan did
         counts = self.executor.counts
         stats.issued, stats.skipped, stats.dropped = counts["issued"], counts["skipped"], counts["dropped"]
         counts.clear()
-        if self.planned and len(trace) and (self.plan is None or stats.deviations):
+        if self.planned and len(trace) and (self.plan is None or stats.deviations or self._learn):
             self._replan(trace)
             stats.replanned = True
+        self._learn = False
         self.last_trace = trace
         self._cursor = 0
         self.executor.next_step(len(self._keys))
