@@ -264,12 +264,14 @@ def test_configs_moe_trains_through_the_cli_with_loss_falling_and_logs_the_routi
 
     root = Path(__file__).resolve().parents[1]
     run = tmp_path / "run"
-    code = cli.main(["train", str(root / "configs" / "moe.yaml"), "--no-progress",
-                     "--set", f"run.dir={run}", "--set", "trainer.steps=16", "--set", "trainer.eval_every=0",
-                     "--set", "model.dim=64", "--set", "model.n_head=2", "--set", "model.seq_len=32",
-                     "--set", "memory.page_bytes=64KiB", "--set", "memory.device_budget=4MiB",
-                     "--set", "memory.host_budget=2MiB"])
-    assert code == 0
+
+    def train(run_dir, steps, *overrides):
+        small = ["model.dim=64", "model.n_head=2", "model.seq_len=32", "trainer.eval_every=0",
+                 f"trainer.steps={steps}", f"run.dir={run_dir}", *overrides]
+        return cli.main(["train", str(root / "configs" / "moe.yaml"), "--no-progress",
+                         *[arg for key in small for arg in ("--set", key)]])
+
+    assert train(run, 16, "memory.page_bytes=64KiB", "memory.device_budget=4MiB", "memory.host_budget=2MiB") == 0
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [row for row in rows if "loss" in row]
     assert len(steps) == 16
@@ -280,12 +282,8 @@ def test_configs_moe_trains_through_the_cli_with_loss_falling_and_logs_the_routi
             assert len(layer["tokens_per_expert"]) == 8 and 0 <= layer["drop_rate"] < 1 and layer["aux_loss"] > 0
             # top-2 over 8 x 32 tokens, less the dropped choices
             assert sum(layer["tokens_per_expert"]) == round(2 * 8 * 32 * (1 - layer["drop_rate"]))
-    dts = cli.main(["train", str(root / "configs" / "moe.yaml"), "--no-progress",
-                    "--set", f"run.dir={tmp_path / 'dts'}", "--set", "trainer.steps=3", "--set", "trainer.eval_every=0",
-                    "--set", "model.dim=64", "--set", "model.n_head=2", "--set", "model.seq_len=32",
-                    "--set", "model.moe.gate=dts", "--set", "model.moe.dts_top1_step=2",
-                    "--set", "model.moe.capacity_factor=0"])
-    assert dts == 0
+    assert train(tmp_path / "dts", 3, "model.moe.gate=dts", "model.moe.dts_top1_step=2",
+                 "model.moe.capacity_factor=0") == 0
     last = [json.loads(line) for line in (tmp_path / "dts" / "metrics.jsonl").read_text().splitlines()][-1]
     assert all(sum(layer["tokens_per_expert"]) == 8 * 32 for layer in last["moe"].values())  # top-1 from step 2
 

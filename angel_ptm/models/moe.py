@@ -141,7 +141,7 @@ def choice_major_slots(expert: torch.Tensor, experts: int, capacity: int) -> tup
 
 
 class MoE(nn.Module):
-    """Gate + experts (each a `make_expert()` module, by default GPT's SwiGLU feed-forward)."""
+    """Gate + experts (each a `make_expert()` module, by default GPT's SwiGLU feed-forward of width `hidden`)."""
 
     def __init__(self, dim: int, hidden: int, spec: MoESpec, make_expert=None, token_ids=None):
         super().__init__()
@@ -149,7 +149,10 @@ class MoE(nn.Module):
 
         self.spec = spec
         self.gate = make_gate(dim, spec, token_ids)
-        make_expert = make_expert or (lambda: _SwiGLU(dim, hidden))
+        if make_expert is None:
+            from angel_ptm.models.gpt import FeedForward  # GPT's SwiGLU (imported here: gpt.py builds MoE layers)
+
+            make_expert = lambda: FeedForward(dim, hidden)  # noqa: E731
         self.experts = nn.ModuleList(make_expert() for _ in range(spec.experts))
         self.aux_loss: torch.Tensor | float = 0.0
         self.stats = MoEStats(spec.experts)
@@ -207,17 +210,6 @@ class MoEStats:
                "drop_rate": self.dropped / self.choices if self.choices else 0.0, "aux_loss": self.aux}
         self.reset()
         return out
-
-
-class _SwiGLU(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
 def moe_metrics(model: nn.Module) -> dict:
