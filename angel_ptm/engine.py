@@ -95,8 +95,8 @@ class Engine(StateAccess):
         self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
                                    activation_bytes=lambda: self.binder.take_activation_peak(), trace=self.trace)
         optional = optional_page_indexes(model, self.layout)  # MoE experts: touched only when routed to
-        self.scheduler.optional_pages = frozenset(p.id for ps in self.pages.values() for i, p in enumerate(ps)
-                                                  if p is not None and i in optional)
+        self.scheduler.optional_pages = self.manager.watched = frozenset(
+            p.id for ps in self.pages.values() for i, p in enumerate(ps) if p is not None and i in optional)
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         # Parameter values into their pages (a meta-device model materialized straight into them: `meta_init`)
         self.meta_init = self.tensors.fill_from(model)
@@ -212,6 +212,7 @@ class Engine(StateAccess):
     # ------------------------------------------------------------------ introspection
     def memory_stats(self) -> dict:
         return {"in_use": self.manager.in_use(), "moved": dict(self.manager.bytes_moved),
+                **({"expert_moved": dict(self.manager.watched_moved)} if self.manager.watched else {}),
                 "zero_copy": self.manager.zero_copy,
                 "schedule": self.scheduler.last_stats.as_dict(), **self.data_parallel.stats()}
 

@@ -157,6 +157,7 @@ class Trainer:
             device = getattr(engine, "device", device)  # where the engine computes, if it says
             evaluate = Evaluator(engine, split.val, cfg, device) if evaluate_every else None
             moved_before = engine.memory_stats()["moved"]
+            experts_before = engine.memory_stats().get("expert_moved", {})
             last_checkpoint = None
 
             for step in range(done + 1, tcfg.steps + 1):
@@ -191,6 +192,9 @@ class Trainer:
                 stats = engine.memory_stats()
                 moved = {pair: stats["moved"][pair] - moved_before.get(pair, 0) for pair in stats["moved"]}
                 moved_before = stats["moved"]
+                experts_moved = {pair: n - experts_before.get(pair, 0)
+                                 for pair, n in stats.get("expert_moved", {}).items()}
+                experts_before = stats.get("expert_moved", {})
                 if metrics is not None and (step % tcfg.log_every == 0 or step == tcfg.steps):
                     write_metrics(metrics, {
                         "step": step, "loss": step_loss, "lr": lr,
@@ -202,6 +206,7 @@ class Trainer:
                         **precision_metrics(engine),
                         **({"osdp_replicated": stats["osdp_replicated"]} if stats.get("osdp_replicated") else {}),
                         **({"moe": routed} if (routed := moe_metrics(model)) else {}),
+                        **({"expert_moved": experts_moved} if "expert_moved" in stats else {}),
                     })
                     if print_lines:
                         print(progress_line(step, tcfg.steps, step_loss, lr, tokens_per_step / step_s), flush=True)

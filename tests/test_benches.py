@@ -108,3 +108,14 @@ def test_tp_bench_runs_tp1_and_two_ranks_and_reports_every_figure(tmp_path, caps
     positive(report, "tp1_step_s", "tp_step_s", "comm_s", "comm_share", "param_bytes_tp1", "param_bytes_per_rank")
     assert 0.5 <= report["param_fraction"] < 0.55  # half of every split tensor; the norms stay whole
     assert report["loss_max_rel_diff"] < 1e-5
+
+
+def test_moe_bench_runs_the_four_ways_and_reports_every_figure(tmp_path, capsys):
+    from tools.bench import moe
+
+    report = moe.main(["--dir", str(tmp_path), "--experts", "4", "--dim", "32", "--layers", "2", "--seq", "16",
+                       "--batch", "2", "--page-kib", "8", "--steps", "2", "--warmup", "1", "--repeats", "1", "--json"])
+    assert last_json_line(capsys) == report
+    positive(report, "paged_s", "stream_all_s", "on_demand_s", "resident_s", "ratio_vs_resident",
+             "expert_bytes_moved", "stream_all_bytes_moved", "max_experts_on_ssd")
+    assert report["paged_deviations_per_step"] == [0, 0]

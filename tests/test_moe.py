@@ -278,6 +278,7 @@ def test_configs_moe_trains_through_the_cli_with_loss_falling_and_logs_the_routi
     assert sum(r["loss"] for r in steps[-4:]) < sum(r["loss"] for r in steps[:4])
     for row in steps:
         assert set(row["moe"]) == {"layers.1.feed_forward", "layers.3.feed_forward"}
+        assert "expert_moved" in row and "deviations" in row and "stall_s" in row  # the experts' own traffic
         for layer in row["moe"].values():
             assert len(layer["tokens_per_expert"]) == 8 and 0 <= layer["drop_rate"] < 1 and layer["aux_loss"] > 0
             # top-2 over 8 x 32 tokens, less the dropped choices
@@ -359,14 +360,16 @@ def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_p
                 stats = engine.scheduler.last_stats
                 deviations.append(stats.deviations)
                 skipped += stats.optional_skipped
-            return losses, deviations, skipped, engine.memory_stats()["moved"]
+            stats = engine.memory_stats()
+            return losses, deviations, skipped, stats["moved"], stats["expert_moved"]
         finally:
             engine.close()
 
-    losses, deviations, skipped, moved = run(None)
+    losses, deviations, skipped, moved, experts = run(None)
     assert losses == pytest.approx(expected, rel=1e-6)
     assert deviations == [0] * len(batches)
     assert skipped > 0  # planned expert accesses the routing did not make
-    whole, _, _, moved_whole = run([Block])  # experts inside their blocks' units
+    whole, _, _, moved_whole, _ = run([Block])  # experts inside their blocks' units
     assert whole == losses
     assert moved["host->device"] < 0.6 * moved_whole["host->device"]
+    assert 0 < experts["host->device"] <= moved["host->device"]  # the experts' share, counted apart

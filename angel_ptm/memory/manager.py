@@ -49,6 +49,8 @@ class PageManager(RemotePages, NonBlockingMoves):
         # owner may know that most of the page is overwritten before it is read, and clear only the rest.
         self.clearers: dict[str, Callable[[int, torch.Tensor], None]] = {}
         self.bytes_moved: Counter = Counter()  # "src->dst" -> bytes, cumulative
+        self.watched: frozenset[int] = frozenset()  # page ids whose moves are also counted apart (MoE experts)
+        self.watched_moved: Counter = Counter()  # "src->dst" -> bytes of the watched pages, cumulative
 
     # ------------------------------------------------------------------ pages
     def create_page(self, kind: str, dtype: torch.dtype, index: int | None = None, tier: Tier = Tier.HOST,
@@ -404,7 +406,10 @@ class PageManager(RemotePages, NonBlockingMoves):
         self._moved(move)
 
     def _moved(self, move: Move) -> None:
-        self.bytes_moved[f"{move.src.value}->{move.dst.value}"] += self.page_bytes
+        pair = f"{move.src.value}->{move.dst.value}"
+        self.bytes_moved[pair] += self.page_bytes
+        if move.page.id in self.watched:
+            self.watched_moved[pair] += self.page_bytes
         self._emit("moved", move.page, move.src, move.dst)
         if self.trace.enabled:  # the span from issue to settling, on the lane of the queue that carried it
             lane = "disk" if Tier.DISK in (move.src, move.dst) else "copy"
