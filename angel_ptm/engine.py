@@ -68,8 +68,6 @@ class Engine(StateAccess):
         # parallel.tp > 1: this rank's shards of the split layers (the built-in plan unless the user applied one)
         # and parallel.ep > 1: this rank's experts, whose pages are rank-local (never sharded, gathered or reduced)
         self.split = split_model(model, self.mesh, self.trace, self.failure.collective_failed)
-        self.tp, self.ep, self.tp_shards = self.split.tp, self.split.ep, self.split.tp_shards
-        self.expert_names = self.split.expert_names  # this rank's expert parameter names -> the unsplit model's
         self.compute_dtype = compute_dtype(config)  # None: fp32, the parameters are the master weights
         self.kinds = creation_order(config)
         self.layout = build_layout(model, mem.page_bytes, dp_world_size=self.mesh.dp,
@@ -193,6 +191,12 @@ class Engine(StateAccess):
     def zero_grad(self) -> None:
         self._check_alive()
         self.driver.zero_grad()
+
+    # The model's split (parallel/split.py): the tp and ep communicators, the shards, this rank's expert names.
+    tp = property(lambda self: self.split.tp)
+    ep = property(lambda self: self.split.ep)
+    tp_shards = property(lambda self: self.split.tp_shards)
+    expert_names = property(lambda self: self.split.expert_names)  # this rank's expert names -> the unsplit model's
 
     # The step's state, for callers that look at it (optim/step.py holds it).
     delayed = property(lambda self: self.driver.delayed)

@@ -156,8 +156,8 @@ class Trainer:
             self.signals.save_first = cfg.checkpoint.on_signal and can_checkpoint
             device = getattr(engine, "device", device)  # where the engine computes, if it says
             evaluate = Evaluator(engine, split.val, cfg, device) if evaluate_every else None
-            moved_before = engine.memory_stats()["moved"]
-            experts_before = engine.memory_stats().get("expert_moved", {})
+            start_stats = engine.memory_stats()
+            moved_before, experts_before = start_stats["moved"], start_stats.get("expert_moved", {})
             last_checkpoint = None
 
             for step in range(done + 1, tcfg.steps + 1):

@@ -164,7 +164,11 @@ class MoE(nn.Module):
         self.aux_loss = sum(routing.aux.values()) if routing.aux else flat.new_zeros(())
         if self.training and torch._C._current_graph_task_id() == -1:  # not evaluation, not a recomputation
             self.stats.add(routing)
-        return combine(flat, routing, self.experts).reshape(shape)
+        return self.combine(flat, routing).reshape(shape)
+
+    def combine(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
+        """The experts' outputs for the routed tokens (expert parallelism overrides it: parallel/moe)."""
+        return combine(flat, routing, self.experts)
 
 
 def combine(flat: torch.Tensor, routing: Routing, experts: nn.ModuleList) -> torch.Tensor:
@@ -191,23 +195,25 @@ class MoEStats:
         self.reset()
 
     def reset(self) -> None:
-        self.tokens = torch.zeros(self.experts, dtype=torch.int64)
-        self.choices = 0
-        self.dropped = 0
-        self.aux = 0.0
+        # tokens per expert, then choices, dropped choices and the aux loss, summed on the routing's device: no
+        # host sync per forward (take() reads them once)
+        self._sums: torch.Tensor | None = None
 
     def add(self, routing: Routing) -> None:
         with torch.no_grad():
             valid = routing.expert >= 0
             kept = routing.kept & valid
-            self.tokens += torch.bincount(routing.expert[kept].reshape(-1).cpu(), minlength=self.experts)
-            self.choices += int(valid.sum())
-            self.dropped += int((valid & ~routing.kept).sum())
-            self.aux += float(sum(v.detach().float() for v in routing.aux.values())) if routing.aux else 0.0
+            tokens = torch.bincount(routing.expert[kept].reshape(-1), minlength=self.experts).double()
+            aux = sum(v.detach().double() for v in routing.aux.values()) if routing.aux else tokens.new_zeros(())
+            row = torch.cat([tokens, torch.stack([valid.sum().double(), (valid & ~routing.kept).sum().double(),
+                                                  aux.reshape(())])])
+            self._sums = row if self._sums is None else self._sums + row
 
     def take(self) -> dict:
-        out = {"tokens_per_expert": self.tokens.tolist(),
-               "drop_rate": self.dropped / self.choices if self.choices else 0.0, "aux_loss": self.aux}
+        sums = [0.0] * (self.experts + 3) if self._sums is None else self._sums.tolist()
+        choices, dropped, aux = sums[self.experts:]
+        out = {"tokens_per_expert": [int(n) for n in sums[:self.experts]],
+               "drop_rate": dropped / choices if choices else 0.0, "aux_loss": aux}
         self.reset()
         return out
 

@@ -167,13 +167,13 @@ def mesh_groups(name: str, dp: int, tp: int) -> list[list[int]]:
     return [list(range(dp * tp))]
 
 
-def _make_groups(name: str, enumeration: list[list[int]], rank: int, backend: str | None,
-                 timeout_s: float) -> Group:
+def _make_groups(name: str, enumeration: list[list[int]], rank: int, backend: str | None, timeout_s: float,
+                 world_is_default: bool = True) -> Group:
     """Every group of `enumeration` (all ranks call this alike); this rank's. A group of the whole world is the
-    default process group."""
+    default process group unless `world_is_default` is False."""
     mine = None
     for ranks in enumeration:
-        if len(ranks) == sum(len(r) for r in enumeration):
+        if world_is_default and len(ranks) == sum(len(r) for r in enumeration):
             pg = None
         else:
             pg = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=timeout_s))
@@ -185,13 +185,9 @@ def _make_groups(name: str, enumeration: list[list[int]], rank: int, backend: st
 def new_groups_like(group: Group, mesh: Mesh, backend: str) -> Group:
     """A second process group over the same ranks as `group` (and its siblings: every rank makes all of them, at
     the same point), e.g. for reductions beside the group's other collectives, or gloo for CPU objects."""
-    enumeration = mesh_groups(group.name if group.name in ("dp", "tp") else "world", mesh.dp, mesh.tp)
-    mine = None
-    for ranks in enumeration:
-        pg = dist.new_group(ranks, backend=backend, timeout=timedelta(seconds=mesh.timeout_s))
-        if mesh.rank in ranks:
-            mine = Group(group.name, tuple(ranks), pg)
-    return mine
+    kind = group.name if group.name in ("dp", "tp") else "world"
+    return _make_groups(group.name, mesh_groups(kind, mesh.dp, mesh.tp), mesh.rank, backend, mesh.timeout_s,
+                        world_is_default=False)
 
 
 def rank_device(device: torch.device, mesh: Mesh) -> torch.device:

@@ -58,13 +58,12 @@ class EPComm:
                 self.leaders = Collectives(mesh, group=made)
 
     def exchange(self, x: torch.Tensor, send: list[int], receive: list[int], what: str) -> torch.Tensor:
-        out = x.new_empty((sum(receive),) + tuple(x.shape[1:]))
         if self.collectives is None:
-            out.copy_(x)
-        elif self.hierarchical:
-            out = self._hierarchical(x.contiguous(), send, f"ep {what}")
-        else:
-            self.collectives.all_to_all(out, x.contiguous(), receive, send, f"ep {what}")
+            return x.clone()
+        if self.hierarchical:
+            return self._hierarchical(x.contiguous(), send, f"ep {what}")
+        out = x.new_empty((sum(receive),) + tuple(x.shape[1:]))
+        self.collectives.all_to_all(out, x.contiguous(), receive, send, f"ep {what}")
         return out
 
     def _hierarchical(self, x: torch.Tensor, send: list[int], what: str) -> torch.Tensor:
@@ -145,16 +144,7 @@ class ExpertParallelMoE(MoE):
     ep: EPComm
     expert_start: int
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        flat = x.reshape(-1, shape[-1])
-        routing = self.gate(flat)
-        self.aux_loss = sum(routing.aux.values()) if routing.aux else flat.new_zeros(())
-        if self.training and torch._C._current_graph_task_id() == -1:
-            self.stats.add(routing)
-        return self._dispatch(flat, routing).reshape(shape)
-
-    def _dispatch(self, flat: torch.Tensor, routing) -> torch.Tensor:
+    def combine(self, flat: torch.Tensor, routing) -> torch.Tensor:
         experts, ep = self.spec.experts, self.ep
         local = len(self.experts)
         chosen = routing.kept & (routing.expert >= 0)

@@ -62,6 +62,14 @@ def shard_parameter(param: nn.Parameter, dim: int, comm: TPComm, what: str) -> t
     return nn.Parameter(local, requires_grad=param.requires_grad), shard
 
 
+def shared_shard(shared: dict, param: nn.Parameter, dim: int, comm: TPComm, what: str) -> tuple[nn.Parameter, Shard]:
+    """`param`'s shard along `dim`, made once per parameter (`shared`: id -> shard, across the plan, so a tied
+    weight split by two layers stays one parameter)."""
+    if id(param) not in shared:
+        shared[id(param)] = shard_parameter(param, dim, comm, what)
+    return shared[id(param)]
+
+
 def _move_into(new: nn.Module, old: nn.Module) -> None:
     """`new` takes `old`'s hooks and training flag (it replaces `old` in its parent)."""
     new.train(old.training)
@@ -92,8 +100,7 @@ class ColumnParallelLinear(nn.Linear):
             if param is None:
                 self.register_parameter(key, None)
                 continue
-            local, shard = shared.get(id(param)) or shard_parameter(param, 0, comm, f"{name}.{key} (out_features)")
-            shared[id(param)] = (local, shard)
+            local, shard = shared_shard(shared, param, 0, comm, f"{name}.{key} (out_features)")
             setattr(self, key, local)
             self.tp_shards[key] = shard
         _move_into(self, linear)
@@ -123,8 +130,7 @@ class RowParallelLinear(nn.Linear):
         self.comm = comm
         self.tp_shards = {}
         weight = linear.weight
-        local, shard = shared.get(id(weight)) or shard_parameter(weight, 1, comm, f"{name}.weight (in_features)")
-        shared[id(weight)] = (local, shard)
+        local, shard = shared_shard(shared, weight, 1, comm, f"{name}.weight (in_features)")
         self.weight = local
         self.tp_shards["weight"] = shard
         self.bias = linear.bias  # whole on every rank (its gradient is the same everywhere)
@@ -158,9 +164,7 @@ class VocabParallelEmbedding(nn.Embedding):
         self.padding_idx, self.max_norm, self.norm_type = emb.padding_idx, None, emb.norm_type
         self.scale_grad_by_freq, self.sparse = emb.scale_grad_by_freq, False
         self.comm, self.whole = comm, whole
-        local, shard = shared.get(id(emb.weight)) or shard_parameter(emb.weight, 0, comm,
-                                                                      f"{name}.weight (vocabulary)")
-        shared[id(emb.weight)] = (local, shard)
+        local, shard = shared_shard(shared, emb.weight, 0, comm, f"{name}.weight (vocabulary)")
         self.weight = local
         self.tp_shards = {"weight": shard}
         self.vocab_start, self.vocab_end = shard.start, shard.start + shard.length
