@@ -52,10 +52,28 @@ def test_round_trip_gpu_host_disk_is_bitwise_identical(tmp_path, io_engine, dtyp
         manager.close()
 
 
-def test_host_pool_is_pinned_and_the_device_pool_is_on_the_gpu():
-    host = BufferPool(Tier.HOST, PAGE, 2 * PAGE, "cpu", pin=True)
+def copy_blocks_the_host(host: torch.Tensor) -> bool:
+    """Whether a non_blocking copy from the GPU into `host` held the calling thread until it was done: it does
+    into pageable memory (the driver stages it), never into page-locked memory. (torch's `is_pinned()` knows only
+    its own allocator's blocks, not memory registered with cudaHostRegister.)"""
+    busy = torch.randn(4096, 4096, device="cuda")
+    source = torch.ones(host.numel(), dtype=host.dtype, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(50):  # ~tens of ms of GPU work queued ahead of the copy
+        busy = busy @ busy
+        busy /= busy.norm()
+    host.copy_(source, non_blocking=True)
+    blocked = torch.cuda.current_stream().query()  # all done already: the copy call waited for it
+    torch.cuda.synchronize()
+    assert torch.all(host == 1)
+    return blocked
+
+
+def test_host_pool_is_page_locked_and_the_device_pool_is_on_the_gpu():
+    host = BufferPool(Tier.HOST, 1 << 24, 2 << 24, "cpu", pin=True)
     device = BufferPool(Tier.DEVICE, PAGE, 2 * PAGE, "cuda")
-    assert host.alloc().is_pinned()
+    assert not copy_blocks_the_host(host.alloc())
+    assert copy_blocks_the_host(torch.empty(1 << 24, dtype=torch.uint8))  # the check tells pageable memory apart
     assert device.alloc().is_cuda
     assert not host.can_trade(device)  # different kinds of memory: pages are copied, never traded
 
@@ -181,3 +199,132 @@ def test_a_training_job_runs_on_the_gpu_with_pages_on_every_tier(dtype, tmp_path
     moves = [json.loads(line) for line in (result.run_dir / "trace.jsonl").read_text().splitlines()]
     assert {"host->disk", "disk->host", "device->host", "host->device"} <= {
         f"{event['src']}->{event['dst']}" for event in moves if event["event"] == "moved"}
+
+
+# ------------------------------------------------------------------------------------- NCCL (a world of one GPU)
+@pytest.fixture
+def nccl_world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_every_collective_runs_over_nccl_with_gpu_tensors_and_cpu_ones_staged(nccl_world_of_one):
+    """Each collective the engine issues, over NCCL (one rank: the results are the inputs), blocking and in flight;
+    CPU tensors (agreements, host-tier pages) go through a GPU copy, counted in staged_bytes."""
+    from angel_ptm.parallel.collectives import MAX, Collectives, world_group
+    from angel_ptm.parallel.mesh import Mesh
+
+    mesh = Mesh(backend="nccl")
+    comm = Collectives(mesh, group=world_group(mesh))
+    try:
+        for device in ("cuda", "cpu"):
+            staged_before = comm.staged_bytes
+            x = torch.randn(64, device=device)
+            out = [torch.full_like(x, float("nan"))]
+            comm.all_gather(out, x, "gather")
+            assert torch.equal(out[0], x)
+            out = [torch.full_like(x, float("nan"))]
+            comm.all_gather(out, x, "gather in flight", async_op=True).wait()
+            assert torch.equal(out[0], x)
+            reduced = torch.full_like(x, float("nan"))
+            comm.reduce_scatter(reduced, [x], "reduce")
+            assert torch.equal(reduced, x)
+            reduced = torch.full_like(x, float("nan"))
+            pending = comm.reduce_scatter(reduced, [x], "reduce in flight", async_op=True)
+            assert pending.wait_for(30)
+            pending.wait()
+            assert torch.equal(reduced, x)
+            y = x.clone()
+            comm.all_reduce(y, "max", op=MAX)
+            comm.broadcast(y, 0, "broadcast")
+            assert torch.equal(y, x)
+            listed = [torch.full_like(x, float("nan"))]
+            comm.all_gather_list(listed, x, "gather list")
+            comm.reduce_scatter_list(y, [x], "reduce list")
+            assert torch.equal(listed[0], x) and torch.equal(y, x)
+            rows = torch.full((64, 1), float("nan"), device=device)
+            comm.all_to_all(rows, x.view(64, 1), [64], [64], "all to all")
+            assert torch.equal(rows.view(-1), x)
+            assert (comm.staged_bytes > staged_before) is (device == "cpu")
+        assert comm.all_gather_object({"step": 3}, "objects") == [{"step": 3}]
+        assert comm.broadcast_object("rank 0's", 0, "object") == "rank 0's"
+        comm.verify_sequence("the end")  # the collectives' digest, agreed over NCCL
+        side = [None]
+        torch.distributed.all_gather_object(side, "gloo", group=comm.side_group())
+        assert side == ["gloo"]
+    finally:
+        comm.close()
+
+
+def test_torchrun_with_one_gpu_trains_over_an_nccl_process_group(tmp_path):
+    """`torchrun --nproc-per-node 1 -m angel_ptm train` on the GPU: the engine sets up NCCL's process group (a
+    world of one), takes cuda:0 and trains with pages on every tier."""
+    import subprocess
+    import sys
+
+    run = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "-m", "angel_ptm", "train",
+         "--set", "trainer.device=cuda", "--set", "trainer.steps=5", "--set", "trainer.eval_every=0",
+         "--set", f"run.dir={run}", "--set", f"memory.disk_dir={tmp_path / 'pages'}"],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) == 5 and all(math.isfinite(loss) for loss in losses)
+
+
+# ------------------------------------------------------------------------------ activations, checkpoints, MoE
+@pytest.mark.parametrize("setting", ["full", "selective", "offload-host", "offload-disk", "full+offload-disk"])
+def test_each_activations_setting_on_the_gpu_gives_keeps_losses(setting, tmp_path):
+    """Recomputation and activation pages in GPU memory, pinned host memory and on disk: keep-everything's losses
+    (1e-5 relative: the embedding's CUDA backward adds in no fixed order)."""
+    import test_activations as act
+
+    section = {"checkpoint": "full"} if setting == "full" else dict(act.SETTINGS[setting])
+    kept, _, _ = act.train("gpt", "host", "planned", tmp_path / "keep", "none", device="cuda")
+    losses, recomputed, _ = act.train("gpt", "host", "planned", tmp_path / setting, section, device="cuda")
+    assert losses == pytest.approx(kept, rel=CUDA_REL, abs=0)
+    assert recomputed == (15 * 2 if "checkpoint" in section else 0)
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_a_checkpoint_saved_on_the_gpu_resumes_bitwise(staleness, tmp_path, monkeypatch):
+    """Save at step 5 on the GPU (pages on every tier, the CUDA RNG state included), resume into a scrambled model:
+    steps 6-10 and every state bit for bit (an MLP: no atomics in its backward)."""
+    import test_checkpoint as ck
+
+    on_cpu = ck.batches
+    monkeypatch.setattr(ck, "batches", lambda case="gpt", count=ck.STEPS: on_cuda(on_cpu(case, count)))
+    cfg = ck.config(tmp_path, "gpu", staleness=staleness)
+    cfg["trainer"]["device"] = "cuda"
+    losses, states = ck.train_with_checkpoint(tmp_path, "mlp", cfg, tmp_path / "ckpt")
+    resumed, resumed_states = ck.resume_from("mlp", cfg, tmp_path / "ckpt")
+    assert resumed == losses[ck.AT:]
+    ck.assert_bitwise(states, resumed_states)
+
+
+@pytest.mark.parametrize("gate", ["switch", "hash"])
+def test_gpt_moe_on_the_gpu_trains_like_torch_adamw_with_experts_paged(gate, tmp_path):
+    import test_moe
+    from conformance_cases import place
+    from test_engine_equivalence import engine_config
+
+    batches = on_cuda(test_moe.skewed_batches())
+    expected, _ = test_moe.train_torch(test_moe.gpt_moe(gate=gate).cuda(), batches)
+    model = test_moe.gpt_moe(gate=gate)
+    memory = {"page_bytes": 4096, "disk_dir": str(tmp_path), "scheduler": "planned"}
+    engine = angel_ptm.initialize(model, place(engine_config(memory, device="cuda"), model, "disk"))
+    try:
+        losses = run_steps(engine, batches, lambda m, x, y: m(x, y))
+    finally:
+        engine.close()
+    assert_same_losses(expected, losses, rel=CUDA_REL)

@@ -15,7 +15,7 @@ WORK=$(mktemp -d /tmp/angel-gpu.XXXX)
 PHASES=${*:-setup cuda_tests train benches}
 STEPS=${BENCH_STEPS:-5}
 SUMMARY="$OUT/summary.txt"
-: >"$SUMMARY"
+
 
 phase() {  # phase NAME LIMIT_S COMMAND...: runs COMMAND with a time limit, logging to $OUT/NAME.log
     local name=$1 limit=$2

@@ -46,8 +46,8 @@ class Collectives:
         """`group`: the ranks they run over (default: this rank's data-parallel group; `world_group(mesh)` for
         every rank). `rank` and `size` are this rank's place in it; peers are named by group rank."""
         group = group or mesh.dp_ranks
-        if group.size < 2:
-            raise ValueError(f"collectives need a group of more than one rank, got {group}")
+        if group.size < 1:
+            raise ValueError(f"collectives need a group of at least one rank, got {group}")
         self.mesh, self.group = mesh, group
         self.rank, self.size = group.index(mesh.rank), group.size
         self._pg = group.pg  # None: the default group (the group is the world)
@@ -55,6 +55,10 @@ class Collectives:
                     else f"rank {mesh.rank} ({group.name} rank {self.rank} of {self.size})")
         self.trace = trace or TraceRecorder(None)
         self.bytes_sent = 0  # bytes this rank contributed to collectives, cumulative (the estimate's figure)
+        # NCCL moves CUDA tensors only: a CPU tensor handed to a collective goes through a GPU copy (and back),
+        # counted here -- correct wherever a caller's tensor lives, and a figure that says when that costs
+        self.staged_bytes = 0
+        self._stage_to = mesh.comm_device if mesh.backend == "nccl" else None
         self.calls = 0
         self.seconds = 0.0  # wall time the calling threads spent inside collectives (and waits), cumulative
         self.on_failure = on_failure  # called with the error before it is raised (the engine fails for good)
@@ -124,7 +128,7 @@ class Collectives:
         """Every rank issued the same collectives, in the same order, since the last check (one small all-gather),
         and the same reductions up to the last `seal_reductions`; otherwise a CollectiveError on every rank naming
         the ranks that differ from rank 0, and the engine fails."""
-        mine = torch.tensor([self._sequence, self._since_check, *self._sealed], dtype=torch.int64)
+        mine = self._to_comm(torch.tensor([self._sequence, self._since_check, *self._sealed], dtype=torch.int64))
         self._sealed = (0, 0)
         everyone = [torch.empty_like(mine) for _ in range(self.size)]
         self._run("all_gather", f"collective sequence check ({what})", _nbytes(mine), dist.all_gather, everyone,
@@ -154,13 +158,15 @@ class Collectives:
             works = self._run("all_gather", what, _nbytes(tensor), self._exchange,
                               [(tensor, r) for r in peers], [(outputs[r], r) for r in peers])
         else:
-            works = [self._run("all_gather", what, _nbytes(tensor), dist.all_gather, list(outputs), tensor,
-                               group=self._pg, async_op=async_op)]
+            staged = [self._to_comm(out, copy=False) for out in outputs]
+            works = [self._run("all_gather", what, _nbytes(tensor), dist.all_gather, staged,
+                               self._to_comm(tensor), group=self._pg, async_op=async_op)]
+            then = _copy_back(outputs, staged)
         # While `gathers_observed`, an asynchronous pairwise gather is waited on by a thread of its own, so `done()`
         # tells whether its data is here (OSDP measures what compute really waited for; a thread hop per gather
         # costs CPU, so only then)
-        pending = Pending(self, works, what, background=async_op and self.pairwise and self.gathers_observed,
-                          channel="gathers")
+        pending = Pending(self, works, what, then=None if self.pairwise else then,
+                          background=async_op and self.pairwise and self.gathers_observed, channel="gathers")
         if not async_op:
             pending.wait()
             return None
@@ -174,12 +180,14 @@ class Collectives:
         with other collectives differently on different ranks, as long as the reductions come in the same order."""
         nbytes = sum(_nbytes(t) for t in inputs)
         if not self.pairwise:
-            works = [self._run("reduce_scatter", what, nbytes, dist.reduce_scatter, output, list(inputs),
+            staged = self._to_comm(output, copy=False)
+            works = [self._run("reduce_scatter", what, nbytes, dist.reduce_scatter, staged,
+                               [self._to_comm(t) for t in inputs],
                                group=self._reduction_group if self._reduction_group is not None else self._pg,
                                async_op=async_op)]
             # NCCL's work says when it is done (a CUDA event); gloo's only once waited on: a thread waits for it
-            pending = Pending(self, works, what, background=async_op and self.mesh.backend != "nccl",
-                              channel="reductions")
+            pending = Pending(self, works, what, then=_copy_back([output], [staged]),
+                              background=async_op and self.mesh.backend != "nccl", channel="reductions")
         else:
             peers = [r for r in range(self.size) if r != self.rank]
             received = {r: self._take_buffer(inputs[self.rank]) for r in peers}
@@ -247,29 +255,50 @@ class Collectives:
         buffer = spare.pop() if spare else torch.empty(like.numel(), dtype=like.dtype, device=like.device)
         return buffer.view(like.shape)
 
+    def _to_comm(self, tensor: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        """`tensor` where this backend can move it: itself, or (NCCL, a tensor off the GPU) a GPU copy of it (an
+        uninitialized one for an output, `copy=False`)."""
+        if self._stage_to is None or tensor.device.type == "cuda":
+            return tensor
+        self.staged_bytes += _nbytes(tensor)
+        if copy:
+            return tensor.to(self._stage_to)
+        return torch.empty(tensor.shape, dtype=tensor.dtype, device=self._stage_to)
+
     def all_reduce(self, tensor: torch.Tensor, what: str, op=SUM) -> None:
-        self._run("all_reduce", what, _nbytes(tensor), dist.all_reduce, tensor, op=op, group=self._pg)
+        staged = self._to_comm(tensor)
+        self._run("all_reduce", what, _nbytes(tensor), dist.all_reduce, staged, op=op, group=self._pg)
+        _land([tensor], [staged])
 
     def all_gather_list(self, outputs: list[torch.Tensor], tensor: torch.Tensor, what: str) -> None:
         """outputs[r] <- group rank r's `tensor`, with the backend's own all-gather (blocking)."""
-        self._run("all_gather", what, _nbytes(tensor), dist.all_gather, outputs, tensor, group=self._pg)
+        staged = [self._to_comm(out, copy=False) for out in outputs]
+        self._run("all_gather", what, _nbytes(tensor), dist.all_gather, staged, self._to_comm(tensor),
+                  group=self._pg)
+        _land(outputs, staged)
 
     def reduce_scatter_list(self, output: torch.Tensor, inputs: list[torch.Tensor], what: str) -> None:
         """output <- the sum over the group of inputs[self.rank], with the backend's own reduce-scatter (blocking)."""
-        self._run("reduce_scatter", what, sum(_nbytes(t) for t in inputs), dist.reduce_scatter, output, inputs,
-                  group=self._pg)
+        staged = self._to_comm(output, copy=False)
+        self._run("reduce_scatter", what, sum(_nbytes(t) for t in inputs), dist.reduce_scatter, staged,
+                  [self._to_comm(t) for t in inputs], group=self._pg)
+        _land([output], [staged])
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
                    input_splits: list[int], what: str) -> None:
         """Rows input[sum(input_splits[:r]) ..] to group rank r; output gets rank r's rows at
         sum(output_splits[:r]) (uneven splits; blocking)."""
-        self._run("all_to_all", what, _nbytes(input), dist.all_to_all_single, output, input, output_splits,
-                  input_splits, group=self._pg)
+        staged = self._to_comm(output, copy=False)
+        self._run("all_to_all", what, _nbytes(input), dist.all_to_all_single, staged, self._to_comm(input),
+                  output_splits, input_splits, group=self._pg)
+        _land([output], [staged])
 
     def broadcast(self, tensor: torch.Tensor, src: int, what: str) -> None:
         """From group rank `src`."""
-        self._run("broadcast", what, _nbytes(tensor) if src == self.rank else 0, dist.broadcast, tensor,
+        staged = self._to_comm(tensor)
+        self._run("broadcast", what, _nbytes(tensor) if src == self.rank else 0, dist.broadcast, staged,
                   src=self.group.ranks[src], group=self._pg)
+        _land([tensor], [staged])
 
     def all_gather_object(self, obj: Any, what: str) -> list[Any]:
         out: list[Any] = [None] * self.size
@@ -281,6 +310,24 @@ class Collectives:
         self._run("broadcast_object", what, 0, dist.broadcast_object_list, box, src=self.group.ranks[src],
                   group=self._pg)
         return box[0]
+
+
+def _copy_back(originals: Sequence[torch.Tensor], staged: Sequence[torch.Tensor]):
+    """What lands a staged collective's outputs in the caller's tensors (None when nothing was staged)."""
+    pairs = [(o, s) for o, s in zip(originals, staged) if o is not s]
+    if not pairs:
+        return None
+
+    def land() -> None:
+        for original, copy in pairs:
+            original.copy_(copy)
+    return land
+
+
+def _land(originals: Sequence[torch.Tensor], staged: Sequence[torch.Tensor]) -> None:
+    land = _copy_back(originals, staged)
+    if land is not None:
+        land()
 
 
 def _nbytes(tensor: torch.Tensor) -> int:

@@ -11,7 +11,8 @@ with one rank). Every rank creates every group, in the same order (torch.distrib
 
 Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT set) the default process group is
 initialized here unless the user's script already did: NCCL for CUDA tensors, gloo on CPU, with
-`parallel.timeout_s` as the collectives' timeout. A plain `python` run is a world of one and never touches
+`parallel.timeout_s` as the collectives' timeout, after making cuda:LOCAL_RANK the current GPU (NCCL binds to it).
+torchrun's world of one gets a process group too; a plain `python` run is a world of one and never touches
 torch.distributed.
 """
 
@@ -116,14 +117,20 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         backend = str(dist.get_backend())
+        if "LOCAL_RANK" in os.environ:  # otherwise the script chose its GPU itself
+            _use_local_gpu(device_type, _env_int("LOCAL_RANK", 0))
     else:
         world = _env_int("WORLD_SIZE", 1)
         rank = _env_int("RANK", 0)
         backend = None
-        if world > 1:
+        # torchrun's world of one gets its process group too (NCCL's path with one GPU; scripts may call dist)
+        launched = bool(os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("MASTER_ADDR"))
+        if world > 1 or launched:
             if not dist.is_available():
                 raise DistributedError("WORLD_SIZE > 1 but this torch build has no torch.distributed")
             backend = "nccl" if device_type == "cuda" else "gloo"
+            # NCCL binds each rank's communicators to its current GPU: cuda:LOCAL_RANK, set before the group exists
+            _use_local_gpu(device_type, _env_int("LOCAL_RANK", rank % max(1, _env_int("LOCAL_WORLD_SIZE", world))))
             try:
                 dist.init_process_group(backend, timeout=timedelta(seconds=parallel.timeout_s))
             except (RuntimeError, ValueError) as exc:
@@ -155,6 +162,15 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
                                "supported yet")
     return Mesh(rank, world, local_rank, local_world, dp, parallel.timeout_s, backend, tp,
                 parallel.sequence_parallel and tp > 1, ep, parallel.moe_a2a, dp_group, tp_group)
+
+
+def _use_local_gpu(device_type: str, local_rank: int) -> None:
+    """Make cuda:LOCAL_RANK this process's current GPU (NCCL's communicators and object collectives use it)."""
+    if device_type == "cuda" and torch.cuda.is_available():
+        if local_rank >= torch.cuda.device_count():
+            raise DistributedError(f"LOCAL_RANK {local_rank}: this machine has {torch.cuda.device_count()} GPU(s); "
+                                   f"start at most that many processes per node")
+        torch.cuda.set_device(local_rank)
 
 
 def mesh_groups(name: str, dp: int, tp: int) -> list[list[int]]:

@@ -157,6 +157,11 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
     from angel_ptm.parallel import Ownership
 
     device = torch.device(args.device if args.device != "cuda" else f"cuda:{rank}")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    # The process group made here, as a torchrun script would (the engine uses it): a world of one too, so the
+    # collectives FSDP2 runs exist there (NCCL's path with one GPU)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank, world_size=world)
     page_bytes = args.page_kib << 10
     n_params = sum(p.numel() for p in make_model(args).parameters())
     states = STATE_KINDS * n_params * 4 // world  # this rank's share, roughly (gradients are whole: see the note)
@@ -187,7 +192,8 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
         engine_step(scheduled, x0, y0)
         replay = None
         for i, (x, y) in enumerate(data):
-            sent, gathered = scheduled.collectives.bytes_sent, scheduled.data_parallel.gatherer
+            comm = scheduled.collectives  # None: a world of one (nothing to communicate)
+            sent, gathered = comm.bytes_sent if comm else 0, scheduled.data_parallel.gatherer
             before = gathered.gathers if gathered is not None else 0
             steps = {
                 "scheduled": lambda: engine_step(scheduled, x, y),
@@ -197,9 +203,9 @@ def worker(rank: int, world: int, port: int, args, out: str) -> None:
             }
             seconds = {name: timed(fn, name) for name, fn in (steps.items() if i % 2 == 0 else reversed(steps.items()))}
             gathers.append((gathered.gathers - before) if gathered is not None else 0)
-            comm_bytes.append(scheduled.collectives.bytes_sent - sent)
+            comm_bytes.append((comm.bytes_sent if comm else 0) - sent)
             if replay is None:
-                replay = CommReplay(scheduled, gathers[-1])
+                replay = CommReplay(scheduled, gathers[-1]) if comm else (lambda: None)
             seconds["comm"] = timed(replay, "comm")
             if i >= args.warmup:
                 for name, s in seconds.items():
