@@ -3,6 +3,7 @@ and optimizer as tests/test_engine_equivalence.py, with micro-batches dealt over
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import time
@@ -118,6 +119,22 @@ def config_of(spec: dict, world: int, disk_dir: str) -> dict:
     return cfg
 
 
+def one_thread(fn):
+    """Run with one intra-op thread, as the spawned ranks do (dist_harness): an in-process reference run compared
+    bitwise with them must sum in the same order, which a matrix product with another thread count may not (seen
+    on a 16-core machine: the last bit of a loss)."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.set_num_threads(threads)
+    return wrapped
+
+
+@one_thread
 def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
     """Train `spec` on this rank: step s, micro-batch m takes global micro-batch s*world*accum + rank*accum + m
     (what 1 rank with grad_accum world*accum takes in step s). The logged loss is the mean over ranks and
@@ -247,6 +264,7 @@ def start_with(rank: int, world: int, spec: dict, tmp: str) -> str:
     return "started"
 
 
+@one_thread
 def resume(rank: int, world: int, spec: dict, tmp: str) -> list:
     """Train `spec`'s steps, take model.state_dict() and AdamW's state dict (collective reads), load them into a
     fresh engine over a differently initialized model (writes of each rank's own pages), and train as many steps

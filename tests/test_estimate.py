@@ -30,6 +30,7 @@ from angel_ptm.trainer import Trainer
 from angel_ptm.viz.reader import ReadIssues, iter_events
 
 KiB, MiB = 1 << 10, 1 << 20
+CPU = torch.device("cpu")
 TIERS = ("device", "host", "disk")
 DEFAULT = cli.default_config_path()
 SMALL_GPT = ["model.dim=128", "model.n_layer=2", "model.n_head=4", "model.seq_len=64"]
@@ -103,7 +104,7 @@ def test_page_counts_equal_the_real_layout(name):
 
 
 def test_the_default_job_in_numbers():
-    estimate = estimate_job(job("default"))
+    estimate = estimate_job(job("default"), device=CPU)  # (trainer.device auto: a CUDA machine would plan a GPU)
     assert (estimate.params, estimate.page_bytes, estimate.n_pages) == (10_720_128, MiB, 60)
     assert estimate.master_extra_bytes == 0  # fp32 parameter pages are the master weights
     assert (estimate.largest_layer, estimate.largest_layer_pages) == ("layers.1", 13)  # a block's unit
@@ -289,7 +290,7 @@ def test_optimizer_update_needs_four_pages_on_its_tier(tmp_path):
 
 def test_pools_and_activations_beyond_available_ram_are_refused(monkeypatch):
     monkeypatch.setattr(estimate_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=200 * MiB))
-    estimate = estimate_job(job("default"))
+    estimate = estimate_job(job("default"), device=CPU)
     # On a CPU the device pool is RAM too: 56 + 72 MiB of pools and the activation peak.
     assert estimate.host_ram_needed == 128 * MiB + estimate.activation_bytes
     with pytest.raises(BudgetError) as info:
@@ -431,8 +432,8 @@ def test_reduce_scatter_buffers_count_in_ram_on_a_cpu_for_zero_2_and_3_only():
 
     page = MiB  # the default job's pages
     for stage, expected in ((1, 0), (2, GradSync.IN_FLIGHT * 2 * 2 * page), (3, GradSync.IN_FLIGHT * 2 * 2 * page)):
-        estimate = estimate_job(job("default"), ownership=Ownership(0, 2, stage), local_world_size=2)
-        alone = estimate_job(job("default"), ownership=Ownership(0, 2, 1), local_world_size=2)
+        estimate = estimate_job(job("default"), ownership=Ownership(0, 2, stage), local_world_size=2, device=CPU)
+        alone = estimate_job(job("default"), ownership=Ownership(0, 2, 1), local_world_size=2, device=CPU)
         assert estimate.collective_buffer_bytes == expected, stage
         assert estimate.host_ram_needed - expected == alone.host_ram_needed  # the same pools otherwise
         assert ("reduce-scatter buffers" in estimate.format_table()) == bool(expected)

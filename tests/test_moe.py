@@ -321,7 +321,7 @@ def test_a_gpt_moe_built_on_the_meta_device_materializes_the_values_of_a_normal_
         engine.close()
     assert got.keys() == expected.keys() and "layers.0.feed_forward.gate.step" in got
     for name, value in expected.items():
-        assert torch.equal(got[name], value), name
+        assert torch.equal(got[name].cpu(), value), name  # (the engine's device: a GPU where there is one)
 
 
 def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_plan(tmp_path):

