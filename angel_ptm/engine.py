@@ -225,6 +225,10 @@ class Engine(StateAccess):
         with one rank."""
         return self.data_parallel.mean(float(value), "mean over ranks")
 
+    def sum_over_ranks(self, tensor: torch.Tensor) -> None:
+        """`tensor` summed over the data-parallel ranks, in place (every rank must call it; nothing with one)."""
+        self.data_parallel.sum(tensor, "sum over ranks")
+
     @property
     def loss_scale(self) -> float | None:
         """The fp16 loss scale the next backward uses (None: no loss scaling)."""

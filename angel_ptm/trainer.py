@@ -195,7 +195,10 @@ class Trainer:
                 experts_moved = {pair: n - experts_before.get(pair, 0)
                                  for pair, n in stats.get("expert_moved", {}).items()}
                 experts_before = stats.get("expert_moved", {})
-                if metrics is not None and (step % tcfg.log_every == 0 or step == tcfg.steps):
+                log_now = step % tcfg.log_every == 0 or step == tcfg.steps
+                # the whole job's routing: every rank's tokens, summed over ranks (every rank takes part)
+                routed = moe_metrics(model, getattr(engine, "sum_over_ranks", None)) if log_now else {}
+                if metrics is not None and log_now:
                     write_metrics(metrics, {
                         "step": step, "loss": step_loss, "lr": lr,
                         # strict JSON: a non-finite norm (an fp16 overflow, the step skipped) is logged as null
@@ -205,7 +208,7 @@ class Trainer:
                         **schedule_metrics(stats.get("schedule")),
                         **precision_metrics(engine),
                         **({"osdp_replicated": stats["osdp_replicated"]} if stats.get("osdp_replicated") else {}),
-                        **({"moe": routed} if (routed := moe_metrics(model)) else {}),
+                        **({"moe": routed} if routed else {}),
                         **({"expert_moved": experts_moved} if "expert_moved" in stats else {}),
                     })
                     if print_lines:

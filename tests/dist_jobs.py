@@ -11,6 +11,7 @@ import time
 import torch
 
 import angel_ptm
+from angel_ptm.models.moe import moe_metrics
 from angel_ptm.parallel import collectives as collectives_module
 from torch import nn
 
@@ -157,7 +158,7 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
         engine = angel_ptm.initialize(model, config_of(spec, world, disk_dir))
     finally:
         collectives_module.PAIRWISE_ON_GLOO = True
-    losses, skipped, scales = [], [], []
+    losses, skipped, scales, routed = [], [], [], []
     eager = 0  # page groups updated during the last backward of a step (reduced there first with >1 rank)
     try:
         pages = {kind: sum(1 for p in ps if p is not None and p.home is None) for kind, ps in engine.pages.items()}
@@ -184,6 +185,8 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
                 engine.clip_grad_norm(spec["clip"])
             engine.step()
             losses.append(engine.mean_over_ranks(total / accum))
+            if spec.get("routing"):  # the step's routing, every rank's tokens (the trainer's metrics `moe`)
+                routed.append(moe_metrics(model, engine.sum_over_ranks))
             skipped.append(engine.last_step_skipped)
             scales.append(engine.loss_scale)
             if spec.get("save_at") == step + 1:  # background: written while the next steps train
@@ -201,7 +204,7 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
             states |= {"model": digests(engine.state_dict()),
                       "optimizer": digests({f"{i}.{k}": v for i, s in engine.optimizer_state_dict()["state"].items()
                                             for k, v in s.items()})}
-        return {"losses": losses, "skipped": skipped, "scales": scales, "pages": pages, "moved": stats["moved"],
+        return {"losses": losses, "routed": routed, "skipped": skipped, "scales": scales, "pages": pages, "moved": stats["moved"],
                 "gathers": gatherer.gathers if gatherer is not None else 0, "states": states,
                 "comm_bytes": engine.collectives.bytes_sent if engine.collectives is not None else 0,
                 "eager_updates": eager,

@@ -105,7 +105,8 @@ def check_against_the_unsplit_layer(results, name):
 
 # ------------------------------------------------------------------------------------------------ in the engine
 ROOM = {"device_budget": "512KiB", "host_budget": "256KiB"}  # a block with its 4 experts (2 per rank at ep 2)
-ENGINE_JOBS = [job(f"ep2-zero{z}", zero=z, ep=2, model="gpt-moe", steps=6, memory=ROOM) for z in (0, 1, 3)] + [
+ENGINE_JOBS = [job(f"ep2-zero{z}", zero=z, ep=2, model="gpt-moe", steps=6, memory=ROOM, routing=z == 3)
+               for z in (0, 1, 3)] + [
     job("ep2-zero2-device+host", zero=2, ep=2, model="gpt-moe", steps=6, placement="device+host", clip=0.5,
         memory=ROOM),
     job("ep2-hierarchical", zero=3, ep=2, model="gpt-moe", steps=6, memory=ROOM, moe_a2a="hierarchical")]
@@ -139,6 +140,14 @@ def test_ep2_in_the_engine_gives_the_losses_of_one_rank_with_grad_accum_2(two_ra
     local = got["param_numel"]
     experts = [n for n in whole if ".experts." in n]
     assert sum(local.get(n, 0) for n in experts) == sum(whole[n] for n in experts) // 2  # half the experts each
+    if spec.get("routing"):  # the logged routing is the job's: both ranks' tokens, as one rank taking both batches
+        assert got["routed"] == two_ranks[1][name]["routed"]
+        for step, (a, e) in enumerate(zip(got["routed"], one["routed"])):
+            for layer in e:
+                assert a[layer]["tokens_per_expert"] == e[layer]["tokens_per_expert"], (step, layer)
+                assert a[layer]["drop_rate"] == pytest.approx(e[layer]["drop_rate"], abs=1e-12), (step, layer)
+                assert a[layer]["aux_loss"] == pytest.approx(e[layer]["aux_loss"], rel=1e-5), (step, layer)
+        assert all(sum(layer["tokens_per_expert"]) > 0 for layer in got["routed"][0].values())
 
 
 def test_an_ep2_checkpoint_resumes_on_one_rank_and_the_reverse(tmp_path):

@@ -209,19 +209,36 @@ class MoEStats:
                                                   aux.reshape(())])])
             self._sums = row if self._sums is None else self._sums + row
 
-    def take(self) -> dict:
-        sums = [0.0] * (self.experts + 3) if self._sums is None else self._sums.tolist()
-        choices, dropped, aux = sums[self.experts:]
-        out = {"tokens_per_expert": [int(n) for n in sums[:self.experts]],
-               "drop_rate": dropped / choices if choices else 0.0, "aux_loss": aux}
+    def take_sums(self) -> torch.Tensor:
+        """The sums since the last take (float64 on the CPU: tokens per expert, choices, dropped, aux), reset."""
+        sums = torch.zeros(self.experts + 3, dtype=torch.float64) if self._sums is None else self._sums.cpu()
         self.reset()
-        return out
+        return sums
+
+    def summary(self, sums: torch.Tensor) -> dict:
+        values = sums.tolist()
+        choices, dropped, aux = values[self.experts:]
+        return {"tokens_per_expert": [int(n) for n in values[:self.experts]],
+                "drop_rate": dropped / choices if choices else 0.0, "aux_loss": aux}
+
+    def take(self) -> dict:
+        return self.summary(self.take_sums())
 
 
-def moe_metrics(model: nn.Module) -> dict:
+def moe_metrics(model: nn.Module, sum_over_ranks=None) -> dict:
     """Per MoE layer of `model` (by name), its tokens per expert, drop rate and aux loss since the last call (the
-    trainer's metrics.jsonl `moe` field); {} for a dense model."""
-    return {name: module.stats.take() for name, module in model.named_modules() if isinstance(module, MoE)}
+    trainer's metrics.jsonl `moe` field); {} for a dense model. `sum_over_ranks` (a float64 CPU tensor, summed in
+    place over the data-parallel ranks: every rank calls it, once per call here): the whole job's routing, every
+    rank's tokens (the aux loss summed over their forwards, as one rank's is over its micro-batches)."""
+    layers = [(name, module) for name, module in model.named_modules() if isinstance(module, MoE)]
+    if not layers:
+        return {}
+    sums = [module.stats.take_sums() for _, module in layers]
+    if sum_over_ranks is not None:  # one collective for every layer
+        flat = torch.cat(sums)
+        sum_over_ranks(flat)
+        sums = list(flat.split([len(s) for s in sums]))
+    return {name: module.stats.summary(row) for (name, module), row in zip(layers, sums)}
 
 
 def set_moe_step(model: nn.Module, step: int) -> None:

@@ -98,6 +98,9 @@ class SingleRank:
     def mean(self, value: float, what: str) -> float:
         return value
 
+    def sum(self, tensor: torch.Tensor, what: str) -> None:
+        pass
+
     def close(self) -> None:
         pass
 
@@ -158,6 +161,10 @@ class DataParallel:
 
     def mean(self, value: float, what: str) -> float:
         return self.sync.mean_over_ranks(value, what)
+
+    def sum(self, tensor: torch.Tensor, what: str) -> None:
+        """`tensor` summed over the data-parallel ranks, in place (every rank calls it)."""
+        self.collectives.all_reduce(tensor, what)
 
     def close(self) -> None:
         """Land the gathers still in flight (the step's end starts the next step's first ones) and drop their
