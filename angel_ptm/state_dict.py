@@ -8,6 +8,8 @@
   per parameter index `step`, `exp_avg`, `exp_avg_sq`; `param_groups`: one group over `model.parameters()` in
   order), so a run can move from or to plain PyTorch. As with torch, a parameter that never received a gradient
   (frozen, or never used) has no state.
+Under tensor parallelism every one of them holds whole tensors (gathered over the tp group; each rank writes its
+slice), so a state dict moves between tp degrees and to plain PyTorch unchanged.
 """
 
 from __future__ import annotations
@@ -25,8 +27,35 @@ MOMENTS = ("exp_avg", "exp_avg_sq")
 
 
 def model_state_dict(engine) -> dict[str, torch.Tensor]:
-    """`model.state_dict()` with real parameter values (the binder's state-dict hooks read them from pages)."""
-    return dict(engine.model.state_dict())
+    """`model.state_dict()` with real parameter values (the binder's state-dict hooks read them from pages); under
+    tensor parallelism each split parameter whole, gathered over the tp group (every tp rank must call)."""
+    state = dict(engine.model.state_dict())
+    shards = _shards(engine)
+    if shards:
+        names = {id(p): n for n, p in engine.model.named_parameters()}
+        for key, param in _parameter_keys(engine.model).items():  # the same order on every rank
+            name = names[id(param)]
+            if key in state and name in shards:
+                state[key] = _whole(engine, shards[name], state[key], f"state_dict {key}")
+    return state
+
+
+def _shards(engine) -> dict:
+    """Parameter name -> its tensor-parallel Shard ({} without tensor parallelism)."""
+    return engine.tp_shards if getattr(engine, "tp", None) is not None else {}
+
+
+def _whole(engine, shard, local: torch.Tensor, what: str) -> torch.Tensor:
+    return engine.tp.all_gather(local.contiguous(), shard.dim, what)
+
+
+def _expected_shape(shards: dict, name: str, param: torch.Tensor) -> tuple:
+    return tuple(shards[name].full_shape) if name in shards else tuple(param.shape)
+
+
+def _local(shards: dict, name: str, value: torch.Tensor) -> torch.Tensor:
+    """This rank's slice of a whole tensor of parameter `name` (the tensor itself when it is not split)."""
+    return shards[name].take(value) if name in shards else value
 
 
 def _parameter_keys(model: nn.Module) -> dict[str, nn.Parameter]:
@@ -53,18 +82,22 @@ def load_model_state_dict(engine, state_dict: dict, strict: bool = True) -> Inco
     if strict and (missing or unexpected):
         raise StateDictError(f"load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                              f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
+    names = {id(p): n for n, p in model.named_parameters()}  # the layout's name of each distinct parameter
+    shards = _shards(engine)  # tensor parallelism: whole tensors in, this rank's slices written
     for key, value in state_dict.items():
         target = params.get(key, buffers.get(key))
-        if target is not None and tuple(value.shape) != tuple(target.shape):
-            raise StateDictError(f"load_state_dict: '{key}' has shape {tuple(value.shape)}, the model's is "
-                                 f"{tuple(target.shape)}")
-    names = {id(p): n for n, p in model.named_parameters()}  # the layout's name of each distinct parameter
+        if target is None:
+            continue
+        shape = _expected_shape(shards, names[id(target)], target) if key in params else tuple(target.shape)
+        if tuple(value.shape) != shape:
+            raise StateDictError(f"load_state_dict: '{key}' has shape {tuple(value.shape)}, the model's is {shape}"
+                                 + (" (whole, split over parallel.tp)" if shape != tuple(target.shape) else ""))
     written: set[str] = set()
     for key, param in params.items():
         name = names[id(param)]
         if key in state_dict and name not in written:
             written.add(name)
-            engine.write_parameter(name, state_dict[key].detach())
+            engine.write_parameter(name, _local(shards, name, state_dict[key].detach()))
     with torch.no_grad():
         for key, buffer in buffers.items():
             if key in state_dict:
@@ -76,12 +109,14 @@ def load_model_state_dict(engine, state_dict: dict, strict: bool = True) -> Inco
 def optimizer_state_dict(engine) -> dict:
     """The page-wise AdamW's state as `torch.optim.AdamW.state_dict()` would give it for `model.parameters()`."""
     opt = engine.optimizer
+    shards = _shards(engine)
     state = {}
     for index, (name, _param) in enumerate(engine.model.named_parameters()):
-        steps = opt.slot_steps[name]
+        steps = opt.slot_steps[name]  # (tp peers step the same tensors: one rank's count holds for all)
         if steps:
-            state[index] = {"step": torch.tensor(float(steps)),
-                            **{kind: engine.state(kind, name) for kind in MOMENTS}}
+            state[index] = {"step": torch.tensor(float(steps)), **{
+                kind: (_whole(engine, shards[name], engine.state(kind, name), f"optimizer state {kind} {name}")
+                       if name in shards else engine.state(kind, name)) for kind in MOMENTS}}
     beta1, beta2 = opt.betas
     group = {"lr": opt.lr, "betas": (beta1, beta2), "eps": opt.eps, "weight_decay": opt.weight_decay,
              "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
@@ -107,6 +142,7 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
             raise StateDictError(f"load_optimizer_state_dict: param_groups[0].{flag} is true; the page-wise AdamW "
                                  f"has no {flag}")
     opt = engine.optimizer
+    shards = _shards(engine)
     for i, (name, param) in enumerate(named):
         entry = state_dict.get("state", {}).get(group["params"][i], {})
         steps = int(float(entry["step"])) if "step" in entry else 0
@@ -115,15 +151,15 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
                 raise StateDictError(f"load_optimizer_state_dict: state[{group['params'][i]}] is for '{name}', "
                                      f"which is frozen (requires_grad=False) and has no optimizer state")
             continue
+        shape = _expected_shape(shards, name, param)
         for kind in MOMENTS:
             value = entry.get(kind)
             if value is None:
-                value = torch.zeros(param.shape, dtype=torch.float32)
-            elif tuple(value.shape) != tuple(param.shape):
+                value = torch.zeros(shape, dtype=torch.float32)
+            elif tuple(value.shape) != shape:
                 raise StateDictError(f"load_optimizer_state_dict: state[{group['params'][i]}].{kind} "
-                                     f"('{name}') has shape {tuple(value.shape)}, the parameter's is "
-                                     f"{tuple(param.shape)}")
-            engine.write_state(kind, name, value)
+                                     f"('{name}') has shape {tuple(value.shape)}, the parameter's is {shape}")
+            engine.write_state(kind, name, _local(shards, name, value))
         opt.slot_steps[name] = steps
     opt.step_count = max(opt.slot_steps.values(), default=0)
     opt.lr = float(group["lr"])

@@ -102,7 +102,47 @@ def activation_peaks(rank: int, world: int, spec: dict, tmp: str) -> dict:
     return out
 
 
-SPECIAL = {"layers": layer_grads, "activations": activation_peaks}
+def whole_state_dicts(rank: int, world: int, spec: dict, tmp: str) -> dict:
+    """State dicts at tp 2: the model's (whole tensors, the initial ones equal to the unsplit model's), after two
+    steps the model's and AdamW's (rank 0 saves them for the test), and their round trip through a second tp 2
+    engine over a scrambled model."""
+    import os
+
+    from dist_jobs import config_of
+
+    build, _, loss_fn = CASES[spec["model"]]
+    expected = build().state_dict()
+    engine = angel_ptm.initialize(build(), config_of(spec, 1, os.path.join(tmp, f"sd-{rank}")))
+    try:
+        initial = engine.state_dict()
+        differ = [k for k in expected if not torch.equal(initial[k], expected[k])]
+        for batch in micro_batches(spec["model"], 2):
+            engine.backward(loss_fn(engine, *batch))
+            engine.step()
+        model_sd, optim_sd = engine.state_dict(), engine.optimizer_state_dict()
+    finally:
+        engine.close()
+    if rank == 0:
+        torch.save({"model": model_sd, "optimizer": optim_sd}, os.path.join(tmp, "tp2-state.pt"))
+    scrambled = build()
+    with torch.no_grad():
+        for p in scrambled.parameters():
+            p.normal_()
+    again = angel_ptm.initialize(scrambled, config_of(spec, 1, os.path.join(tmp, f"sd2-{rank}")))
+    try:
+        again.load_state_dict(model_sd)
+        again.load_optimizer_state_dict(optim_sd)
+        back, back_optim = again.state_dict(), again.optimizer_state_dict()
+    finally:
+        again.close()
+    return {"initial_differs": differ, "shapes": {k: list(v.shape) for k, v in model_sd.items()},
+            "round_trip": all(torch.equal(back[k], model_sd[k]) for k in model_sd) and all(
+                torch.equal(back_optim["state"][i][kind], s[kind])
+                for i, s in optim_sd["state"].items() for kind in ("exp_avg", "exp_avg_sq")),
+            "path": os.path.join(tmp, "tp2-state.pt")}
+
+
+SPECIAL = {"layers": layer_grads, "activations": activation_peaks, "state_dicts": whole_state_dicts}
 
 
 def run_all(rank: int, world: int, specs: list, tmp: str) -> dict:
@@ -116,12 +156,14 @@ def run_all(rank: int, world: int, specs: list, tmp: str) -> dict:
 LAYER_JOBS = [dict(name=f"layers-{m}-{'sp' if sp else 'tp'}", kind="layers", model=m, sp=sp)
               for m in ("gpt", "llama") for sp in (False, True)]
 ACTIVATION_JOBS = [dict(name=f"activations-{'sp' if sp else 'tp'}", kind="activations", sp=sp) for sp in (False, True)]
+STATE_DICT_JOB = job("state-dicts", kind="state_dicts", tp=2, placement="device+host")
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp2")
-    return values(spawn(2, run_all, (list(TP_JOBS) + LAYER_JOBS + ACTIVATION_JOBS, str(tmp)), tmp))
+    return values(spawn(2, run_all, (list(TP_JOBS) + LAYER_JOBS + ACTIVATION_JOBS + [STATE_DICT_JOB], str(tmp)),
+                        tmp))
 
 
 @pytest.fixture(scope="module")
@@ -329,3 +371,30 @@ def test_a_tp2_checkpoint_resumes_at_tp1_and_the_reverse(tmp_path):
     assert_close(loaded["losses"], one["losses"][3:], rel=1e-6)  # tp 1's state, trained on at tp 2
     resumed = train(0, 1, dict(base, name="resumed", save_at=None, load=str(tmp_path / "tp2")), str(tmp_path))
     assert_close(resumed["losses"], saved["losses"][3:], rel=1e-6)  # tp 2's state, trained on at tp 1
+
+
+def test_state_dicts_at_tp2_hold_whole_tensors_that_load_at_tp1_and_round_trip(two_ranks, tmp_path):
+    """engine.state_dict() and optimizer_state_dict() at tp 2 give whole tensors (gathered over the tp group): the
+    initial ones are the unsplit model's, both ranks agree, they load back into a tp 2 engine bit for bit, and a
+    tp 1 engine takes them as plain PyTorch does (and gives them back unchanged)."""
+    from test_engine_equivalence import engine_config
+
+    got = result(two_ranks, "state-dicts")
+    assert got["initial_differs"] == [] and got["round_trip"] is True
+    assert two_ranks[1]["state-dicts"]["shapes"] == got["shapes"]
+    build = CASES["gpt"][0]
+    assert got["shapes"] == {k: list(v.shape) for k, v in build().state_dict().items()}  # whole, not shards
+    saved = torch.load(got["path"])
+    engine = angel_ptm.initialize(build(), engine_config({"page_bytes": "4KiB", "disk_dir": str(tmp_path)}))
+    try:
+        engine.load_state_dict(saved["model"])
+        engine.load_optimizer_state_dict(saved["optimizer"])
+        back = engine.state_dict()
+        assert all(torch.equal(back[k], v) for k, v in saved["model"].items())
+        moments = engine.optimizer_state_dict()["state"]
+        assert all(torch.equal(moments[i][kind], s[kind]) for i, s in saved["optimizer"]["state"].items()
+                   for kind in ("exp_avg", "exp_avg_sq"))
+    finally:
+        engine.close()
+    plain = build()  # and torch itself takes the model's
+    plain.load_state_dict(saved["model"])
