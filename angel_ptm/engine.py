@@ -216,7 +216,8 @@ class Engine(StateAccess):
     # ------------------------------------------------------------------ introspection
     def memory_stats(self) -> dict:
         return {"in_use": self.manager.in_use(), "moved": dict(self.manager.bytes_moved),
-                **({"expert_moved": dict(self.manager.watched_moved)} if self.manager.watched else {}),
+                **({"expert_moved": dict(self.manager.watched_moved),
+                    "expert_prefetch_wasted": self.manager.watched_wasted} if self.manager.watched else {}),
                 "zero_copy": self.manager.zero_copy,
                 "schedule": self.scheduler.last_stats.as_dict(), **self.data_parallel.stats()}
 

@@ -158,6 +158,7 @@ class Trainer:
             evaluate = Evaluator(engine, split.val, cfg, device) if evaluate_every else None
             start_stats = engine.memory_stats()
             moved_before, experts_before = start_stats["moved"], start_stats.get("expert_moved", {})
+            wasted_before = start_stats.get("expert_prefetch_wasted", 0)
             last_checkpoint = None
 
             for step in range(done + 1, tcfg.steps + 1):
@@ -195,6 +196,8 @@ class Trainer:
                 experts_moved = {pair: n - experts_before.get(pair, 0)
                                  for pair, n in stats.get("expert_moved", {}).items()}
                 experts_before = stats.get("expert_moved", {})
+                wasted = stats.get("expert_prefetch_wasted", 0) - wasted_before
+                wasted_before = stats.get("expert_prefetch_wasted", 0)
                 log_now = step % tcfg.log_every == 0 or step == tcfg.steps
                 # the whole job's routing: every rank's tokens, summed over ranks (every rank takes part)
                 routed = moe_metrics(model, getattr(engine, "sum_over_ranks", None)) if log_now else {}
@@ -209,7 +212,8 @@ class Trainer:
                         **precision_metrics(engine),
                         **({"osdp_replicated": stats["osdp_replicated"]} if stats.get("osdp_replicated") else {}),
                         **({"moe": routed} if routed else {}),
-                        **({"expert_moved": experts_moved} if "expert_moved" in stats else {}),
+                        **({"expert_moved": experts_moved, "expert_prefetch_wasted": wasted}
+                           if "expert_moved" in stats else {}),
                     })
                     if print_lines:
                         print(progress_line(step, tcfg.steps, step_loss, lr, tokens_per_step / step_s), flush=True)

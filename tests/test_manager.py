@@ -366,3 +366,38 @@ def test_a_refused_page_lock_is_a_budget_error_naming_the_host_tier(monkeypatch)
                                           r"cudaHostRegister failed with CUDA error 2: "
                                           r"requested 192.0 KiB \(196608 bytes\)"):
         BufferPool(Tier.HOST, PAGE, 3 * PAGE, "cpu", pin=True)
+
+
+def test_a_watched_pages_prefetch_moved_back_down_unused_counts_as_wasted(tmp_path, io_engine):
+    """MoE experts' pages are watched: bytes brought up ahead of an access that then go back down with no access in
+    between are wasted prefetches (memory_stats' expert_prefetch_wasted); a prefetch an access uses, and an
+    on-demand fetch, are not."""
+    manager = make_manager(tmp_path, io_engine, device_pages=2, host_pages=8)
+    pages = [manager.create_page("param", torch.float32) for _ in range(6)]
+    for i, page in enumerate(pages):
+        manager.acquire([page], Tier.DEVICE)
+        page.view().fill_(i)
+        manager.release([page], dirty=True)
+    unused, used, on_demand = pages[:3]
+    assert {p.state for p in (unused, used, on_demand)} == {PageState.HOST}
+    manager.watched = frozenset(p.id for p in (unused, used, on_demand))
+
+    def push_out_of_the_device():
+        for page in pages[3:]:
+            manager.acquire([page], Tier.DEVICE)
+            manager.release([page])
+
+    manager.move(unused, Tier.DEVICE)  # brought up ahead of use
+    assert unused.state is PageState.DEVICE and manager.watched_wasted == 0
+    push_out_of_the_device()
+    assert unused.state is PageState.HOST and manager.watched_wasted == PAGE
+    manager.move(used, Tier.DEVICE)
+    manager.acquire([used], Tier.DEVICE)  # served: not wasted
+    assert torch.all(used.view() == 1)
+    manager.release([used])
+    manager.acquire([on_demand], Tier.DEVICE)  # fetched for this access: not a prefetch
+    manager.release([on_demand])
+    push_out_of_the_device()
+    assert used.state is on_demand.state is PageState.HOST
+    assert manager.watched_wasted == PAGE
+    manager.close()

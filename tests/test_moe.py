@@ -278,7 +278,7 @@ def test_configs_moe_trains_through_the_cli_with_loss_falling_and_logs_the_routi
     assert sum(r["loss"] for r in steps[-4:]) < sum(r["loss"] for r in steps[:4])
     for row in steps:
         assert set(row["moe"]) == {"layers.1.feed_forward", "layers.3.feed_forward"}
-        assert "expert_moved" in row and "deviations" in row and "stall_s" in row  # the experts' own traffic
+        assert {"expert_moved", "expert_prefetch_wasted", "deviations", "stall_s"} <= set(row)  # experts' traffic
         for layer in row["moe"].values():
             assert len(layer["tokens_per_expert"]) == 8 and 0 <= layer["drop_rate"] < 1 and layer["aux_loss"] > 0
             # top-2 over 8 x 32 tokens, less the dropped choices
@@ -361,7 +361,8 @@ def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_p
                 deviations.append(stats.deviations)
                 skipped += stats.optional_skipped
             stats = engine.memory_stats()
-            return losses, deviations, skipped, stats["moved"], stats["expert_moved"]
+            return losses, deviations, skipped, stats["moved"], dict(stats["expert_moved"],
+                                                                    wasted=stats["expert_prefetch_wasted"])
         finally:
             engine.close()
 
@@ -373,3 +374,5 @@ def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_p
     assert whole == losses
     assert moved["host->device"] < 0.6 * moved_whole["host->device"]
     assert 0 < experts["host->device"] <= moved["host->device"]  # the experts' share, counted apart
+    # prefetches of experts the routing then skipped, gone back down unused: counted, a part of what moved up
+    assert 0 <= experts["wasted"] <= experts["host->device"] + experts.get("disk->host", 0)

@@ -29,6 +29,9 @@ from angel_ptm.trace.recorder import TraceRecorder
 _TRADED = CopyHandle()  # a traded slot: nothing to wait for
 
 
+_UP = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}  # a move to a lower number goes up, toward compute
+
+
 class PageManager(RemotePages, NonBlockingMoves):
     def __init__(self, device_pool: BufferPool, host_pool: BufferPool, disk: DiskTier | None = None,
                  policy: Policy | None = None, trace: TraceRecorder | None = None, async_copies: bool = False,
@@ -51,6 +54,10 @@ class PageManager(RemotePages, NonBlockingMoves):
         self.bytes_moved: Counter = Counter()  # "src->dst" -> bytes, cumulative
         self.watched: frozenset[int] = frozenset()  # page ids whose moves are also counted apart (MoE experts)
         self.watched_moved: Counter = Counter()  # "src->dst" -> bytes of the watched pages, cumulative
+        # Wasted prefetches of watched pages: bytes a page was brought up (toward the device) while nothing held it,
+        # counted once it goes back down (moved or dropped) without an access in between, cumulative
+        self.watched_wasted = 0
+        self._fetched_unused: dict[int, int] = {}  # watched page id -> bytes brought up since its last access
 
     # ------------------------------------------------------------------ pages
     def create_page(self, kind: str, dtype: torch.dtype, index: int | None = None, tier: Tier = Tier.HOST,
@@ -91,6 +98,7 @@ class PageManager(RemotePages, NonBlockingMoves):
             page.pin_count += 1
             page.untouched = False
             self.policy.on_access(page.id)
+            self._fetched_unused.pop(page.id, None)  # (a watched page's prefetch served)
             if not waited and not self._is_at(page, tier):
                 waited = True
         try:
@@ -313,6 +321,8 @@ class PageManager(RemotePages, NonBlockingMoves):
             raise ValueError(f"page {page.name} in state {page.state.name} cannot move down")
 
     def _drop(self, page: Page, src: Tier) -> None:
+        if self._fetched_unused:
+            self.watched_wasted += self._fetched_unused.pop(page.id, 0)
         self.pools[src].free(page.buffer)
         page.buffer = None
         page.transition(PageState.DISK)
@@ -410,6 +420,11 @@ class PageManager(RemotePages, NonBlockingMoves):
         self.bytes_moved[pair] += self.page_bytes
         if move.page.id in self.watched:
             self.watched_moved[pair] += self.page_bytes
+            if _UP[move.dst] < _UP[move.src]:
+                if move.page.pin_count == 0:  # ahead of an access (an on-demand one pins first)
+                    self._fetched_unused[move.page.id] = self._fetched_unused.get(move.page.id, 0) + self.page_bytes
+            else:
+                self.watched_wasted += self._fetched_unused.pop(move.page.id, 0)
         self._emit("moved", move.page, move.src, move.dst)
         if self.trace.enabled:  # the span from issue to settling, on the lane of the queue that carried it
             lane = "disk" if Tier.DISK in (move.src, move.dst) else "copy"

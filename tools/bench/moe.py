@@ -13,7 +13,8 @@ The gate is a hash of the token id (so the skew of the token ids is the skew of 
 and seed in every run (their losses are compared). Per run: the median step time after `--warmup` steps of each
 repeat, then the median over repeats; the bytes the experts' pages moved per tier pair, over the timed steps. The
 last line is one JSON object with `paged_s`, `stream_all_s`, `on_demand_s`, `resident_s`, `ratio_vs_resident`,
-`expert_bytes_moved`, `stream_all_bytes_moved`, the deviations per step of the paged run, and
+`expert_bytes_moved`, `stream_all_bytes_moved`, the deviations per step and the wasted-prefetch bytes (experts'
+pages brought up ahead of use that went back down unused) of the paged run, and
 `max_experts_on_ssd`: the most experts per MoE layer this machine's free disk holds at the same device and host
 budgets (each expert a paging unit: the budgets need not grow with them), checked by `angel-ptm estimate`'s rules
 up to 4096 experts.
@@ -70,7 +71,8 @@ def run(args, name: str, budgets: tuple, data) -> dict:
         before = {}
         for step, (x, y) in enumerate(data):
             if step == args.warmup:
-                before = dict(engine.memory_stats().get("expert_moved", {}))
+                stats = engine.memory_stats()
+                before = dict(stats.get("expert_moved", {}), wasted=stats.get("expert_prefetch_wasted", 0))
             t0 = time.perf_counter()
             loss = engine(x, y)
             engine.backward(loss)
@@ -79,12 +81,14 @@ def run(args, name: str, budgets: tuple, data) -> dict:
             losses.append(loss.item())
             if step >= args.warmup:
                 deviations.append(engine.scheduler.last_stats.deviations)
-        moved = {pair: n - before.get(pair, 0) for pair, n in engine.memory_stats().get("expert_moved", {}).items()}
+        stats = engine.memory_stats()
+        moved = {pair: n - before.get(pair, 0) for pair, n in stats.get("expert_moved", {}).items()}
+        wasted = stats.get("expert_prefetch_wasted", 0) - before.get("wasted", 0)
     finally:
         engine.close()
         shutil.rmtree(disk, ignore_errors=True)
     return {"step_s": statistics.median(times[args.warmup:]), "losses": losses, "expert_moved": moved,
-            "deviations": deviations}
+            "wasted": wasted, "deviations": deviations}
 
 
 def max_experts_on_ssd(args, device_budget: int, host_budget: int) -> tuple[int, bool]:
@@ -161,6 +165,8 @@ def main(argv=None) -> dict:
         "stream_all_bytes_moved": sum(results["stream_all"][0]["expert_moved"].values()),
         "on_demand_bytes_moved": sum(results["on_demand"][0]["expert_moved"].values()),
         "paged_deviations_per_step": results["paged"][0]["deviations"],
+        # bytes of experts' pages brought up ahead of use that went back down unused (the routing skipped them)
+        "paged_wasted_prefetch_bytes": results["paged"][0]["wasted"],
     }
     report["max_experts_on_ssd"], report["max_experts_checked_by_estimate"] = max_experts_on_ssd(
         args, budgets["default"][0], budgets["default"][1])
