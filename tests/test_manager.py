@@ -401,3 +401,22 @@ def test_a_watched_pages_prefetch_moved_back_down_unused_counts_as_wasted(tmp_pa
     assert used.state is on_demand.state is PageState.HOST
     assert manager.watched_wasted == PAGE
     manager.close()
+
+
+def test_bringing_an_unpinned_page_up_never_evicts_it_to_make_its_own_room(tmp_path, io_engine):
+    """Device and host full: the device slot for a host page comes from evicting a device page to the host, whose
+    room comes from evicting a host page to disk -- never the page being brought up (a prefetch holds no pin)."""
+    manager = make_manager(tmp_path, io_engine, device_pages=2, host_pages=2)
+    pages = [manager.create_page("param", torch.float32) for _ in range(6)]
+    for i, page in enumerate(pages):
+        manager.acquire([page], Tier.DEVICE)
+        page.view().fill_(i)
+        manager.release([page], dirty=True)
+    first = pages[0]
+    manager.move(first, Tier.HOST)
+    manager.move(first, Tier.DEVICE)
+    assert first.state is PageState.DEVICE
+    manager.acquire([first], Tier.DEVICE)
+    assert torch.all(first.view() == 0)
+    manager.release([first])
+    manager.close()

@@ -279,7 +279,12 @@ class PageManager(RemotePages, NonBlockingMoves):
             handle = self.disk.read(page.kind, page.disk_slot, buffer)
             self._begin(Move(page, Tier.DISK, Tier.HOST, handle, buffer, self._finish_read))
         elif page.state is PageState.HOST:
-            self._cross(page, Tier.DEVICE, self._alloc(Tier.DEVICE), wait=page.pin_count > 0)
+            page.pin_count += 1  # an unpinned page must not be the victim that makes room for itself
+            try:
+                buffer = self._alloc(Tier.DEVICE)
+            finally:
+                page.pin_count -= 1
+            self._cross(page, Tier.DEVICE, buffer, wait=page.pin_count > 0)
 
     # ------------------------------------------------------------------ internals: evicting pages down
     def _start_down(self, page: Page, wait_for_room: bool, target: Tier | None = None) -> None:
