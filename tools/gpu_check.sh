@@ -6,6 +6,7 @@
 #     bash tools/gpu_check.sh [PHASE...]     phases: setup cuda_tests train benches suite (default: all but suite)
 #
 # Environment: BENCH_STEPS (default 5), SUITE_WORKERS (pytest-xdist workers for `suite`, default 8), SUITE_LIMIT (s),
+# SUITE_TESTS (test files for `suite`, default all),
 # TESTS (pytest arguments for `cuda_tests`, default tests/test_cuda.py).
 set -u
 OUT=${OUT:-gpu-out}
@@ -44,7 +45,9 @@ for p in $PHASES; do
       phase benches 120 "python3 -m tools.bench.tp --nproc 1 --device cuda --dir $WORK/tp --steps $STEPS --warmup 2"
       phase benches 150 "python3 -m tools.bench.activations --device cuda --dir $WORK/act --repeats $STEPS" ;;
     suite)
-      phase suite ${SUITE_LIMIT:-420} "python3 -m pytest -q -p no:cacheprovider -n ${SUITE_WORKERS:-8} --timeout 300 -rfE" ;;
+      # failures logged as they happen ($OUT/failures.log): a suite cut off by its limit still names them
+      phase suite ${SUITE_LIMIT:-420} "OUT=$OUT python3 -m pytest -q -p no:cacheprovider -p tools.pytest_failures \
+        -n ${SUITE_WORKERS:-8} --timeout 300 -rfE ${SUITE_TESTS:-}" ;;
     *) echo "unknown phase $p" | tee -a "$SUMMARY" ;;
   esac
 done
