@@ -36,7 +36,7 @@ from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import StateAccess
 from angel_ptm.step import StepDriver, cast_master_into_parameters, copy_masters_into_params
 from angel_ptm.trace import TraceRecorder
-from angel_ptm.units import UnitsSpec, find_units, optional_page_indexes
+from angel_ptm.units import UnitsSpec, find_units, optional_page_indexes, watch_routing
 
 STATE_KINDS = CREATION_ORDER  # the fp32 job's kinds in creation order (placement.creation_order: per job)
 
@@ -95,6 +95,10 @@ class Engine(StateAccess):
         optional = optional_page_indexes(model, self.layout)  # MoE experts: touched only when routed to
         self.scheduler.optional_pages = self.manager.watched = frozenset(
             p.id for ps in self.pages.values() for i, p in enumerate(ps) if p is not None and i in optional)
+        # Once a gate has routed, the fetches of its experts that got no token are cancelled (ep 1: under expert
+        # parallelism the exchange decides which local experts run)
+        self._routing_hooks = (watch_routing(model, self.layout, self.pages, self.scheduler.route)
+                               if optional and self.ep is None else [])
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         # Parameter values into their pages (a meta-device model materialized straight into them: `meta_init`)
         self.meta_init = self.tensors.fill_from(model)
@@ -259,6 +263,8 @@ class Engine(StateAccess):
             self._finish_checkpoint()  # a save beside training reads slot files: it ends before they go
             self.data_parallel.close()  # no gather may still be writing into a slot when the pools go
             self.scheduler.close()
+            for hook in getattr(self, "_routing_hooks", ()):
+                hook.remove()
             try:
                 self.binder.detach(values)
             finally:

@@ -454,9 +454,10 @@ def schedule_metrics(schedule: dict | None) -> dict[str, Any]:
         return {}
     out = {"stall_s": schedule["stall_s"], "deviations": schedule["deviations"],
            "planned_moves": schedule["issued"], "replanned": schedule["replanned"]}
-    if schedule.get("optional_skipped") or schedule.get("optional_unplanned"):  # MoE: experts routed or not
-        out.update(expert_accesses_skipped=schedule["optional_skipped"],
-                   expert_accesses_unplanned=schedule["optional_unplanned"])
+    if schedule.get("optional_skipped") or schedule.get("optional_unplanned") or schedule.get("optional_cancelled"):
+        out.update(expert_accesses_skipped=schedule["optional_skipped"],  # MoE: experts routed or not
+                   expert_accesses_unplanned=schedule["optional_unplanned"],
+                   expert_fetches_cancelled=schedule.get("optional_cancelled", 0))
     return out
 
 

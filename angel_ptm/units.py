@@ -20,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional, Sequence, Union
 
+import torch
 from torch import nn
 
 from angel_ptm.errors import ConfigValueError
@@ -53,9 +54,7 @@ def _owns_parameters(module: nn.Module) -> bool:
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The experts of `model`'s MoE layers (a module with a `gate` and an `experts` list, models/moe.py): each is
     a paging unit of its own, so only the experts a step routes tokens to bring their pages in."""
-    return [expert for module in model.modules()
-            if hasattr(module, "gate") and isinstance(getattr(module, "experts", None), nn.ModuleList)
-            for expert in module.experts]
+    return [expert for layer in moe_layers(model) for expert in layer.experts]
 
 
 def optional_page_indexes(model: nn.Module, layout) -> set[int]:
@@ -68,6 +67,27 @@ def optional_page_indexes(model: nn.Module, layout) -> set[int]:
         for page in slot.pages:
             on_page.setdefault(page, set()).add(slot.name)
     return {page for page, tensors in on_page.items() if tensors <= expert}
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    """`model`'s MoE layers: modules with a `gate` and an `experts` list (models/moe.py)."""
+    return [module for module in model.modules()
+            if hasattr(module, "gate") and isinstance(getattr(module, "experts", None), nn.ModuleList)]
+
+
+def expert_page_indexes(layer: nn.Module, model: nn.Module, layout) -> list[set[int]]:
+    """Per expert of the MoE `layer` (in its `experts` order), the layout pages holding only that expert's tensors:
+    the pages a step leaves alone when the gate routes it no token."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    on_page: dict[int, set[str]] = {}
+    for slot in layout.slots:
+        for page in slot.pages:
+            on_page.setdefault(page, set()).add(slot.name)
+    out = []
+    for expert in layer.experts:
+        mine = {names[id(p)] for p in expert.parameters()}
+        out.append({page for page, tensors in on_page.items() if tensors <= mine} if mine else set())
+    return out
 
 
 def default_unit_modules(model: nn.Module) -> set[nn.Module]:
@@ -139,3 +159,22 @@ def device_pages_at_once(units: Sequence[PagingUnit],
         if len(pages) > best:
             best_name, best = unit.name, len(pages)
     return best_name, best
+
+
+def watch_routing(model: nn.Module, layout, pages: dict, route) -> list:
+    """A forward hook on each MoE layer's gate: once it has routed, `route(unrouted, routed)` gets the page ids
+    (every kind) of the experts that got no token and of those that did (Scheduler.route cancels the former's
+    planned fetches). The hooks' handles, to remove them."""
+    handles = []
+    for layer in moe_layers(model):
+        per_expert = [{p.id for kind_pages in pages.values() for i in indexes
+                       if i < len(kind_pages) and (p := kind_pages[i]) is not None}
+                      for indexes in expert_page_indexes(layer, model, layout)]
+
+        def routed(gate, inputs, routing, per_expert=per_expert):
+            chosen = routing.expert[routing.kept & (routing.expert >= 0)]
+            hit = set(torch.unique(chosen).tolist())  # (one small host read per MoE forward)
+            route({i for e, ids in enumerate(per_expert) if e not in hit for i in ids},
+                  {i for e in hit if e < len(per_expert) for i in per_expert[e]})
+        handles.append(layer.gate.register_forward_hook(routed))
+    return handles

@@ -324,7 +324,7 @@ def test_a_gpt_moe_built_on_the_meta_device_materializes_the_values_of_a_normal_
         assert torch.equal(got[name].cpu(), value), name  # (the engine's device: a GPU where there is one)
 
 
-def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_plan(tmp_path):
+def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_plan(tmp_path, monkeypatch):
     """Each expert is a paging unit of its own (inside its block's) and its pages are optional to the scheduler: with
     a skewed router (Zipf token ids, hash gate) and a device budget far below the experts, a step brings in only the
     experts it routes to, the planned scheduler never counts a deviation (a planned expert access that does not
@@ -350,7 +350,7 @@ def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_p
         memory = {"page_bytes": "16KiB", "disk_dir": str(tmp_path / str(units)), "scheduler": "planned",
                   "device_budget": "3MiB", "host_budget": "32MiB"}
         engine = angel_ptm.initialize(build(), engine_config(memory), units=units)
-        losses, deviations, skipped = [], [], 0
+        losses, deviations, skipped, cancelled = [], [], 0, 0
         try:
             for x, y in batches:
                 loss = engine(x, y)
@@ -360,8 +360,9 @@ def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_p
                 stats = engine.scheduler.last_stats
                 deviations.append(stats.deviations)
                 skipped += stats.optional_skipped
+                cancelled += stats.optional_cancelled
             stats = engine.memory_stats()
-            return losses, deviations, skipped, stats["moved"], dict(stats["expert_moved"],
+            return losses, deviations, skipped, stats["moved"], dict(stats["expert_moved"], cancelled=cancelled,
                                                                     wasted=stats["expert_prefetch_wasted"])
         finally:
             engine.close()
@@ -374,5 +375,13 @@ def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_p
     assert whole == losses
     assert moved["host->device"] < 0.6 * moved_whole["host->device"]
     assert 0 < experts["host->device"] <= moved["host->device"]  # the experts' share, counted apart
-    # prefetches of experts the routing then skipped, gone back down unused: counted, a part of what moved up
-    assert 0 <= experts["wasted"] <= experts["host->device"] + experts.get("disk->host", 0)
+    # Once the gate has routed, the planned fetches of experts with no token are cancelled: against the same job
+    # with cancelling turned off, fewer expert bytes come up and fewer prefetches are wasted, the same losses
+    assert experts["cancelled"] > 0
+    from angel_ptm.schedule.executor import Scheduler
+
+    monkeypatch.setattr(Scheduler, "route", lambda self, unrouted, routed: None)
+    uncancelled, deviations_uncancelled, _, _, kept = run(None)
+    assert uncancelled == losses and deviations_uncancelled == [0] * len(batches) and kept["cancelled"] == 0
+    assert experts["host->device"] < kept["host->device"]
+    assert experts["wasted"] < kept["wasted"] <= kept["host->device"] + kept.get("disk->host", 0)

@@ -24,7 +24,7 @@ import dataclasses
 import time
 from collections import Counter
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Iterable, Sequence
 
 from angel_ptm.memory.manager import PageManager
 from angel_ptm.memory.moves import Hop
@@ -57,12 +57,14 @@ class StepStats:
     early_reads: int = 0  # planned disk reads started before their time, into free host slots
     optional_skipped: int = 0  # planned accesses to optional pages (experts no token was routed to) not made
     optional_unplanned: int = 0  # accesses to optional pages the plan did not have (served on demand, learned)
+    optional_cancelled: int = 0  # planned fetches of experts' pages dropped unissued: the gate routed them nothing
 
     def as_dict(self) -> dict:
         return {"accesses": self.accesses, "stall_s": round(self.stall_s, 6), "stalls": self.stalls,
                 "schedule_s": round(self.schedule_s, 6), "deviations": self.deviations, "issued": self.issued,
                 "skipped": self.skipped, "dropped": self.dropped, "replanned": self.replanned,
                 "optional_skipped": self.optional_skipped, "optional_unplanned": self.optional_unplanned,
+                "optional_cancelled": self.optional_cancelled,
                 "early_reads": self.early_reads}
 
 
@@ -83,9 +85,24 @@ class Executor:
         self.manager = manager
         self.moves: list[Op] = []
         self.counts: Counter = Counter()
+        # Pages whose fetches serving this step's accesses (serves < horizon) are not to be issued: experts the
+        # gate routed no token to (Scheduler.route)
+        self.cancelled: set[int] = set()
+        self.horizon = 0
 
     def submit(self, ops: Sequence[Op]) -> None:
-        self.moves.extend(op for op in ops if op.kind in ("fetch", "evict"))
+        self.moves.extend(op for op in ops if op.kind in ("fetch", "evict") and not self._is_cancelled(op))
+
+    def _is_cancelled(self, op: Op) -> bool:
+        if op.kind == "fetch" and op.page in self.cancelled and 0 <= op.serves < self.horizon:
+            self.counts["cancelled"] += 1
+            return True
+        return False
+
+    def cancel(self) -> None:
+        """Drop the queued fetches of the cancelled pages (those already under way land, as any move does)."""
+        if self.cancelled:
+            self.moves = [op for op in self.moves if not self._is_cancelled(op)]
 
     def pump(self, now: int = 0, need_of: Callable[[int], float] | None = None) -> None:
         """Settle finished moves, then start queued ones. `now`: the plan index of the next access;
@@ -130,6 +147,7 @@ class Executor:
 
     def next_step(self, n: int) -> None:
         """A new step starts: fetches for the next step's accesses now serve this one; the rest are stale."""
+        self.cancelled.clear()
         self.counts["dropped"] += sum(1 for op in self.moves if op.serves < n)
         self.moves = [dataclasses.replace(op, serves=op.serves - n) for op in self.moves if op.serves >= n]
 
@@ -277,6 +295,19 @@ class Scheduler:
             return positions[i]
         return None
 
+    def route(self, unrouted: Iterable[int], routed: Iterable[int]) -> None:
+        """An MoE gate has routed: the optional pages of its experts that got no token (`unrouted`) will not be
+        accessed for the rest of this step unless a later forward (the next micro-batch) routes to them, so their
+        planned fetches not yet issued are cancelled; `routed` pages (cancelled by an earlier micro-batch, say) are
+        fetched as planned again. Only speed depends on it: an access that does come is served on demand."""
+        if self.paused or self.plan is None:
+            return
+        executor = self.executor
+        executor.cancelled.difference_update(routed)
+        executor.cancelled.update(unrouted)
+        executor.horizon = len(self._keys)
+        executor.cancel()
+
     def _optional(self, ids: Sequence[int]) -> bool:
         return bool(ids) and all(i in self.optional_pages for i in ids)
 
@@ -294,6 +325,7 @@ class Scheduler:
                 stats.deviations += 1  # the step ended before (or after) the plan did
         counts = self.executor.counts
         stats.issued, stats.skipped, stats.dropped = counts["issued"], counts["skipped"], counts["dropped"]
+        stats.optional_cancelled = counts["cancelled"]
         counts.clear()
         if self.planned and len(trace) and (self.plan is None or stats.deviations or self._learn):
             self._replan(trace)
