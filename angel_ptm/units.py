@@ -60,13 +60,21 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 def optional_page_indexes(model: nn.Module, layout) -> set[int]:
     """Layout pages that hold only MoE experts' tensors: a step touches them only for the experts it routes to
     (the scheduler's optional pages)."""
+    return _pages_holding_only(_tensor_names(model, expert_modules(model)), layout)
+
+
+def _tensor_names(model: nn.Module, modules: Iterable[nn.Module]) -> set[str]:
     names = {id(p): n for n, p in model.named_parameters()}
-    expert = {names[id(p)] for m in expert_modules(model) for p in m.parameters()}
+    return {names[id(p)] for m in modules for p in m.parameters()}
+
+
+def _pages_holding_only(tensors: set[str], layout) -> set[int]:
+    """The layout pages every tensor of which is in `tensors`."""
     on_page: dict[int, set[str]] = {}
     for slot in layout.slots:
         for page in slot.pages:
             on_page.setdefault(page, set()).add(slot.name)
-    return {page for page, tensors in on_page.items() if tensors <= expert}
+    return {page for page, held in on_page.items() if held <= tensors} if tensors else set()
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:
@@ -78,16 +86,7 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 def expert_page_indexes(layer: nn.Module, model: nn.Module, layout) -> list[set[int]]:
     """Per expert of the MoE `layer` (in its `experts` order), the layout pages holding only that expert's tensors:
     the pages a step leaves alone when the gate routes it no token."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    on_page: dict[int, set[str]] = {}
-    for slot in layout.slots:
-        for page in slot.pages:
-            on_page.setdefault(page, set()).add(slot.name)
-    out = []
-    for expert in layer.experts:
-        mine = {names[id(p)] for p in expert.parameters()}
-        out.append({page for page, tensors in on_page.items() if tensors <= mine} if mine else set())
-    return out
+    return [_pages_holding_only(_tensor_names(model, [expert]), layout) for expert in layer.experts]
 
 
 def default_unit_modules(model: nn.Module) -> set[nn.Module]:
