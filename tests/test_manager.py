@@ -22,6 +22,17 @@ def make_manager(tmp_path, engine, device_pages=2, host_pages=2, disk_pages=128,
     )
 
 
+def written_pages(manager, count):
+    """`count` parameter pages, page i holding the value i, each written through an acquire on the device (the
+    oldest ones pushed down the tiers as the device and host fill)."""
+    pages = [manager.create_page("param", torch.float32) for _ in range(count)]
+    for i, page in enumerate(pages):
+        manager.acquire([page], Tier.DEVICE)
+        page.view().fill_(i)
+        manager.release([page], dirty=True)
+    return pages
+
+
 def random_page_data(dtype, seed):
     g = torch.Generator().manual_seed(seed)
     n = PAGE // torch.empty((), dtype=dtype).element_size()
@@ -66,11 +77,7 @@ def test_clean_page_is_dropped_not_written_back(tmp_path, io_engine):
 
 def test_acquire_evicts_down_the_tiers_and_keeps_data(tmp_path, io_engine):
     manager = make_manager(tmp_path, io_engine, device_pages=2, host_pages=3)
-    pages = [manager.create_page("param", torch.float32) for _ in range(10)]
-    for i, page in enumerate(pages):
-        manager.acquire([page], Tier.DEVICE)
-        page.view().fill_(i)
-        manager.release([page], dirty=True)
+    pages = written_pages(manager, 10)
     for i, page in reversed(list(enumerate(pages))):
         manager.acquire([page], Tier.DEVICE)
         assert torch.all(page.view() == i)
@@ -373,11 +380,7 @@ def test_a_watched_pages_prefetch_moved_back_down_unused_counts_as_wasted(tmp_pa
     between are wasted prefetches (memory_stats' expert_prefetch_wasted); a prefetch an access uses, and an
     on-demand fetch, are not."""
     manager = make_manager(tmp_path, io_engine, device_pages=2, host_pages=8)
-    pages = [manager.create_page("param", torch.float32) for _ in range(6)]
-    for i, page in enumerate(pages):
-        manager.acquire([page], Tier.DEVICE)
-        page.view().fill_(i)
-        manager.release([page], dirty=True)
+    pages = written_pages(manager, 6)
     unused, used, on_demand = pages[:3]
     assert {p.state for p in (unused, used, on_demand)} == {PageState.HOST}
     manager.watched = frozenset(p.id for p in (unused, used, on_demand))
@@ -407,11 +410,7 @@ def test_bringing_an_unpinned_page_up_never_evicts_it_to_make_its_own_room(tmp_p
     """Device and host full: the device slot for a host page comes from evicting a device page to the host, whose
     room comes from evicting a host page to disk -- never the page being brought up (a prefetch holds no pin)."""
     manager = make_manager(tmp_path, io_engine, device_pages=2, host_pages=2)
-    pages = [manager.create_page("param", torch.float32) for _ in range(6)]
-    for i, page in enumerate(pages):
-        manager.acquire([page], Tier.DEVICE)
-        page.view().fill_(i)
-        manager.release([page], dirty=True)
+    pages = written_pages(manager, 6)
     first = pages[0]
     manager.move(first, Tier.HOST)
     manager.move(first, Tier.DEVICE)
