@@ -60,20 +60,22 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
 def optional_page_indexes(model: nn.Module, layout) -> set[int]:
     """Layout pages that hold only MoE experts' tensors: a step touches them only for the experts it routes to
     (the scheduler's optional pages)."""
-    return _pages_holding_only(_tensor_names(model, expert_modules(model)), layout)
-
-
-def _tensor_names(model: nn.Module, modules: Iterable[nn.Module]) -> set[str]:
     names = {id(p): n for n, p in model.named_parameters()}
-    return {names[id(p)] for m in modules for p in m.parameters()}
+    return _pages_holding_only({names[id(p)] for m in expert_modules(model) for p in m.parameters()},
+                               _tensors_on_pages(layout))
 
 
-def _pages_holding_only(tensors: set[str], layout) -> set[int]:
-    """The layout pages every tensor of which is in `tensors`."""
+def _tensors_on_pages(layout) -> dict[int, set[str]]:
+    """Layout page -> the names of the tensors on it."""
     on_page: dict[int, set[str]] = {}
     for slot in layout.slots:
         for page in slot.pages:
             on_page.setdefault(page, set()).add(slot.name)
+    return on_page
+
+
+def _pages_holding_only(tensors: set[str], on_page: dict[int, set[str]]) -> set[int]:
+    """The pages (of `_tensors_on_pages`) every tensor of which is in `tensors`."""
     return {page for page, held in on_page.items() if held <= tensors} if tensors else set()
 
 
@@ -86,7 +88,13 @@ def moe_layers(model: nn.Module) -> list[nn.Module]:
 def expert_page_indexes(layer: nn.Module, model: nn.Module, layout) -> list[set[int]]:
     """Per expert of the MoE `layer` (in its `experts` order), the layout pages holding only that expert's tensors:
     the pages a step leaves alone when the gate routes it no token."""
-    return [_pages_holding_only(_tensor_names(model, [expert]), layout) for expert in layer.experts]
+    names, on_page = {id(p): n for n, p in model.named_parameters()}, _tensors_on_pages(layout)
+    slot_pages = {slot.name: slot.pages for slot in layout.slots}
+    out = []
+    for expert in layer.experts:  # only its own tensors' pages are looked at: linear in the layer's size
+        mine = {names[id(p)] for p in expert.parameters()}
+        out.append({page for name in mine for page in slot_pages.get(name, ()) if on_page[page] <= mine})
+    return out
 
 
 def default_unit_modules(model: nn.Module) -> set[nn.Module]:
