@@ -31,6 +31,7 @@ from angel_ptm.optim.loss_scaler import LossScaler
 from angel_ptm.page_tensors import PageTensors
 from angel_ptm.paging import Paging, choose_disk_dir, open_paging
 from angel_ptm.parallel.data_parallel import DataParallel, SingleRank, agree_on_job, join
+from angel_ptm.parallel.moe.placement import rebalancer_for
 from angel_ptm.parallel.split import split_model
 from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import StateAccess
@@ -145,6 +146,7 @@ class Engine(StateAccess):
                                  ownership=own, grad_accum=tcfg.grad_accum, loss_scaler=loss_scaler,
                                  eager_allowed=eager, staleness=staleness, n_units=len(self.units))
         self._schedule.apply(self.optimizer, 0)
+        self.rebalancer = rebalancer_for(self)  # parallel.moe_rebalance_every: experts move to balance the load
 
     # ------------------------------------------------------------------ the step
     def __call__(self, *args, **kwargs):
@@ -189,6 +191,8 @@ class Engine(StateAccess):
         self._check_alive()
         with self.failure.step(self.optimizer, self.delayed):
             self.driver.step()
+            if self.rebalancer is not None:  # at the step boundary, on every rank
+                self.rebalancer.after_step(self._steps_done + 1)
         self._steps_done = self.failure.steps_done = self._steps_done + 1
         self._schedule.apply(self.optimizer, self._steps_done)
 
@@ -222,6 +226,7 @@ class Engine(StateAccess):
         return {"in_use": self.manager.in_use(), "moved": dict(self.manager.bytes_moved),
                 **({"expert_moved": dict(self.manager.watched_moved),
                     "expert_prefetch_wasted": self.manager.watched_wasted} if self.manager.watched else {}),
+                **({"moe_rebalance": self.rebalancer.stats()} if self.rebalancer is not None else {}),
                 "zero_copy": self.manager.zero_copy,
                 "schedule": self.scheduler.last_stats.as_dict(), **self.data_parallel.stats()}
 

@@ -212,6 +212,7 @@ class Trainer:
                         **precision_metrics(engine),
                         **({"osdp_replicated": stats["osdp_replicated"]} if stats.get("osdp_replicated") else {}),
                         **({"moe": routed} if routed else {}),
+                        **({"moe_rebalance": stats["moe_rebalance"]} if "moe_rebalance" in stats else {}),
                         **({"expert_moved": experts_moved, "expert_prefetch_wasted": wasted}
                            if "expert_moved" in stats else {}),
                     })

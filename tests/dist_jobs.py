@@ -112,7 +112,8 @@ def config_of(spec: dict, world: int, disk_dir: str) -> dict:
     cfg["trainer"]["grad_accum"] = spec["accum"]
     cfg["parallel"] = {"zero": spec["zero"], "timeout_s": spec.get("timeout_s", 60), "osdp": spec.get("osdp", False),
                        "tp": spec.get("tp", 1), "sequence_parallel": spec.get("sp", False), "ep": spec.get("ep", 1),
-                       "moe_a2a": spec.get("moe_a2a", "flat")}
+                       "moe_a2a": spec.get("moe_a2a", "flat"), "moe_rebalance_every": spec.get("rebalance", 0),
+                       "moe_rebalance_threshold": spec.get("rebalance_threshold", 1.25)}
     cfg["optimizer"].update(spec.get("optimizer", {}))
     if spec.get("activations"):  # a checkpoint setting or a whole activations section
         act = spec["activations"]
@@ -158,6 +159,8 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
         engine = angel_ptm.initialize(model, config_of(spec, world, disk_dir))
     finally:
         collectives_module.PAIRWISE_ON_GLOO = True
+    if spec.get("rebalance_pays"):  # the cost model told that moving pays (timings would make the test flaky)
+        engine.rebalancer._measured = lambda: (1.0, 1e12)
     losses, skipped, scales, routed = [], [], [], []
     eager = 0  # page groups updated during the last backward of a step (reduced there first with >1 rank)
     try:
@@ -198,8 +201,8 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
         states: dict = {}
         if spec.get("final_states"):  # every kind of every tensor (collective reads), as digests
             kinds = [k for k in ("param", "master", "exp_avg", "exp_avg_sq") if k in engine.pages]
-            states["final"] = digests({f"{k}.{s.name}": engine.state(k, s.name) for s in engine.layout.slots
-                                       for k in kinds})
+            states["final"] = digests({f"{k}.{engine.expert_names.get(s.name, s.name)}": engine.state(k, s.name)
+                                       for s in engine.layout.slots for k in kinds})  # experts by their own index
         if spec.get("state_dicts"):  # collective reads of sharded pages; digests keep the result small
             states |= {"model": digests(engine.state_dict()),
                       "optimizer": digests({f"{i}.{k}": v for i, s in engine.optimizer_state_dict()["state"].items()
@@ -213,7 +216,9 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
                 "param_numel": {s.name: s.numel for s in engine.layout.slots},
                 "tp_calls": engine.tp.collectives.calls if engine.tp is not None else 0,
                 "osdp_allowed": engine.estimate.osdp_groups,
-                "overlapped": getattr(getattr(engine.data_parallel, "sync", None), "overlapped", 0)}
+                "overlapped": getattr(getattr(engine.data_parallel, "sync", None), "overlapped", 0),
+                "rebalances": engine.rebalancer.decisions if engine.rebalancer is not None else [],
+                "expert_names": dict(engine.expert_names)}
     finally:
         engine.close()
 

@@ -274,6 +274,15 @@ class ParallelConfig(_Section):
     # How an MoE layer's all-to-all runs with ep > 1: flat (one exchange over the ep group) or hierarchical
     # (HetuMoE: gathered on each node's first rank, exchanged between nodes, scattered; nodes of LOCAL_WORLD_SIZE).
     moe_a2a: Literal["flat", "hierarchical"] = "flat"
+    # Load-driven expert placement (FlexMoE's idea; ep > 1, optimizer.staleness 0): every this many steps, where the
+    # busiest rank's share of an MoE layer's tokens (an EMA of tokens per expert, weight `moe_rebalance_ema` on the
+    # past) exceeds `moe_rebalance_threshold` times the mean rank's, experts swap ranks at the step boundary (their
+    # weights, moments and step counts move with them) if the measured expert time saved over the next interval
+    # exceeds the measured time to move them (angel_ptm/parallel/moe/placement.py). 0: never. The losses do not
+    # change: only where each expert runs.
+    moe_rebalance_every: int = 0
+    moe_rebalance_threshold: float = 1.25
+    moe_rebalance_ema: float = 0.5
     # Sequence parallelism (tp > 1): norms and the residual stream on sequence shards; all-gather before the
     # column-parallel linears, reduce-scatter after the row-parallel ones.
     sequence_parallel: bool = False
@@ -301,6 +310,11 @@ class ParallelConfig(_Section):
         if self.osdp:
             self._require("osdp", self.zero == 3, "false unless zero is 3 (only ZeRO-3 shards parameters)")
         self._require("timeout_s", 0 < self.timeout_s <= 86400, "> 0 and at most 86400 (a day)")
+        self._require("moe_rebalance_every", self.moe_rebalance_every >= 0, ">= 0")
+        if self.moe_rebalance_every:
+            self._require("moe_rebalance_every", self.ep > 1, "0 unless ep > 1 (experts move between ep ranks)")
+        self._require("moe_rebalance_threshold", self.moe_rebalance_threshold >= 1.0, ">= 1.0 (a max/mean ratio)")
+        self._require("moe_rebalance_ema", 0.0 <= self.moe_rebalance_ema < 1.0, "in [0, 1)")
 
 
 @dataclass
@@ -401,6 +415,9 @@ class Config:
                 raise ConfigTypeError(
                     f"{name}: expected {section_class.__name__}, got {show_value(section)} ({type(section).__name__})"
                 )
+        if self.parallel.moe_rebalance_every and self.optimizer.staleness:
+            raise ConfigValueError("parallel.moe_rebalance_every: needs optimizer.staleness 0 (experts cannot move "
+                                   "while their delayed update is pending), got staleness 1")
 
 
 @functools.cache

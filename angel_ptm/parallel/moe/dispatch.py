@@ -1,13 +1,14 @@
 """Expert parallelism applied from outside: `apply_expert_parallel(model, comm)` keeps, in each MoE layer, only the
-experts of this rank (E / ep consecutive ones: rank r holds experts r*E/ep ..), and turns the layer into an
+experts of this rank (E / ep of them in slots: at first rank r holds experts r*E/ep .., and the load-driven
+placement, placement.py, may swap experts between ranks), and turns the layer into an
 `ExpertParallelMoE` whose forward dispatches every kept choice to its expert's rank and combines the results back:
 
     1. the gate routes this rank's tokens (the gate is an ordinary data-parallel module);
-    2. the kept choices, sorted by expert (so by destination rank), with per-expert counts; the counts are
+    2. the kept choices, sorted by their expert's slot (so by destination rank), with per-slot counts; the counts are
        exchanged first (one all_to_all of E integers), so the token exchange has exact uneven splits: capacity
        drops happen in the routing, and a dropless gate needs no capacity here either;
     3. all_to_all of the chosen tokens' hidden states; each local expert runs once on everything it received;
-    4. all_to_all back, in the order sent; the sender combines with its gate weights.
+    4. all_to_all back, in the order sent; the sender combines with its gate weights, in expert order.
 The exchanges are autograd functions (backward: the reverse all_to_all), so gradients reach the gate, the input and
 the experts; an expert's gradient on its rank sums every rank's tokens. The layer's output equals the unsplit
 layer's on the same tokens (tests/test_moe_parallel.py).
@@ -23,6 +24,7 @@ from angel_ptm.errors import ConfigValueError
 from angel_ptm.models.moe import MoE
 from angel_ptm.parallel.collectives import Collectives
 from angel_ptm.parallel.mesh import Group, Mesh
+from angel_ptm.parallel.moe.placement import ExpertClock
 
 
 class EPComm:
@@ -139,10 +141,29 @@ class _AllToAll(torch.autograd.Function):
 
 
 class ExpertParallelMoE(MoE):
-    """An MoE layer holding experts [expert_start, expert_start + len(experts)) of `spec.experts`."""
+    """An MoE layer holding `len(experts)` of `spec.experts` experts in slots; `placement[r]` lists the experts rank r's
+    slots hold (at first rank r holds experts r*E/ep ..; parallel/moe/placement.py may move them at a step
+    boundary), `expert_ids` this rank's."""
 
     ep: EPComm
-    expert_start: int
+    placement: list[list[int]]
+    count_loads: bool = False  # tokens per expert kept for the placement (Rebalancer), and the experts' time
+
+    def set_placement(self, placement: list[list[int]]) -> None:
+        self.placement = [list(held) for held in placement]
+        self.expert_ids = self.placement[self.ep.rank]
+        position = [0] * self.spec.experts
+        for r, held in enumerate(self.placement):
+            for i, e in enumerate(held):
+                position[e] = r * len(held) + i
+        self._position = torch.tensor(position)  # expert -> its slot over the group (rank * local + slot)
+        self._moved = position != list(range(self.spec.experts))
+
+    def take_load_counts(self) -> torch.Tensor:
+        """This rank's tokens per expert since the last take (float64 on the CPU), reset."""
+        counts = getattr(self, "_load_counts", None)
+        self._load_counts = None
+        return torch.zeros(self.spec.experts, dtype=torch.float64) if counts is None else counts.double().cpu()
 
     def combine(self, flat: torch.Tensor, routing) -> torch.Tensor:
         experts, ep = self.spec.experts, self.ep
@@ -150,22 +171,39 @@ class ExpertParallelMoE(MoE):
         chosen = routing.kept & (routing.expert >= 0)
         tokens, choice = chosen.nonzero(as_tuple=True)
         expert = routing.expert[tokens, choice]
-        order = torch.argsort(expert, stable=True)  # by expert, so by destination rank
+        order = torch.argsort(expert, stable=True)  # by expert: the order a token's choices are summed in
         tokens, choice, expert = tokens[order], choice[order], expert[order]
         counts = torch.bincount(expert, minlength=experts)
+        measured = self.count_loads and self.training and torch._C._current_graph_task_id() == -1
+        if measured:
+            self._load_counts = counts if getattr(self, "_load_counts", None) is None else self._load_counts + counts
+        # The rows go out by slot over the group (rank, then slot): the expert order while no expert has moved
+        outgoing = None
+        if self._moved:
+            position = self._position.to(expert.device)[expert]
+            outgoing = torch.argsort(position, stable=True)
+            counts = torch.bincount(position, minlength=experts)
         received = ep.exchange(counts.view(ep.size, local).cpu(), [1] * ep.size, [1] * ep.size, "expert counts")
         send = counts.view(ep.size, local).sum(1).tolist()
         receive = received.sum(1).tolist()
-        inputs = _AllToAll.apply(flat.index_select(0, tokens), ep, send, receive, "dispatch")
-        # rows arrive by source rank, within each by local expert: run each local expert once on all of its rows
+        rows = flat.index_select(0, tokens)
+        if outgoing is not None:
+            rows = rows.index_select(0, outgoing)
+        inputs = _AllToAll.apply(rows, ep, send, receive, "dispatch")
+        # rows arrive by source rank, within each by local slot: run each local expert once on all of its rows
         owner = torch.arange(local).repeat(ep.size).repeat_interleave(received.reshape(-1)).to(flat.device)
         # (from `inputs`, even when no local expert runs: both exchanges' backward must run on every rank alike)
         outputs = inputs * 0.0
+        started = self.clock.start(flat.device) if measured else None
         for e, module in enumerate(self.experts):
-            rows = (owner == e).nonzero(as_tuple=True)[0]
-            if rows.numel():
-                outputs = outputs.index_copy(0, rows, module(inputs.index_select(0, rows)))
+            rows_of = (owner == e).nonzero(as_tuple=True)[0]
+            if rows_of.numel():
+                outputs = outputs.index_copy(0, rows_of, module(inputs.index_select(0, rows_of)))
+        if measured:
+            self.clock.stop(started, inputs.shape[0])
         back = _AllToAll.apply(outputs, ep, receive, send, "combine")
+        if outgoing is not None:  # back in expert order: each token's choices summed as with no expert moved
+            back = back.index_select(0, torch.argsort(outgoing))
         weight = (routing.weight[tokens, choice]).to(flat.dtype).unsqueeze(-1)
         out = flat.new_zeros(flat.shape).index_add(0, tokens, back * weight)
         if routing.passthrough is not None:
@@ -198,7 +236,8 @@ def apply_expert_parallel(model: nn.Module, comm: EPComm) -> nn.Module:
         start = comm.rank * local
         layer.experts = nn.ModuleList(list(layer.experts)[start:start + local])
         layer.__class__ = ExpertParallelMoE
-        layer.ep, layer.expert_start = comm, start
+        layer.ep, layer.clock = comm, ExpertClock()
+        layer.set_placement([list(range(r * local, (r + 1) * local)) for r in range(comm.size)])
     model._angel_ep = comm
     return model
 
@@ -211,7 +250,7 @@ def expert_names(model: nn.Module) -> dict[str, str]:
         if isinstance(module, ExpertParallelMoE):
             for name, _ in module.experts.named_parameters():
                 index, _, rest = name.partition(".")
-                out[f"{prefix}.experts.{name}"] = f"{prefix}.experts.{int(index) + module.expert_start}.{rest}"
+                out[f"{prefix}.experts.{name}"] = f"{prefix}.experts.{module.expert_ids[int(index)]}.{rest}"
     return out
 
 

@@ -1,0 +1,308 @@
+"""Load-driven expert placement (FlexMoE's idea, in its migration form): where routing leaves one rank's experts
+with far more tokens than another's, experts change ranks at a step boundary so that the busiest rank, which every
+all-to-all waits for, gets fewer tokens.
+
+    rebalancer = Rebalancer(model, ep, sum_over_ranks, tensors, optimizer, every, threshold, ema)
+    rebalancer.after_step(step)     # every rank, after each optimizer step: maybe moves experts; returns what it did
+
+Each MoE layer's experts keep fixed *slots* (rank r holds E/ep of them; the pages, the plan and the budgets are the
+slots'), and a placement says which expert each slot holds. A migration is a set of swaps between two ranks' slots:
+the two experts' weights, AdamW moments and step counts change places (one all-to-all of the rows that move), the
+dispatch follows the new placement, and the checkpoint names follow it too (an expert is saved under its own index,
+wherever it lives). Nothing of the math changes: an expert runs on the same rows in the same order (by source rank)
+wherever it is, and the combine sums each token's choices in expert order as before, so the losses are those of the
+run that never moved an expert (bitwise, tests/test_moe_parallel.py).
+
+The decision, every `every` steps, is the same on every rank (it is made from figures summed over the ranks):
+  - load: each expert's tokens per step over the interval, every rank's, in an exponential moving average over
+    the intervals (`ema`: the weight of the past);
+  - balance ratio: the busiest rank's load over the mean rank's; at or below `threshold` nothing moves;
+  - swaps, greedily: the busiest rank's expert and another rank's lighter one that, exchanged, leave the larger of
+    the two ranks' loads lowest, until no swap lowers the busiest rank's (ties broken by index: deterministic);
+  - cost model: the swaps pay when the busiest rank's tokens they remove, times the measured expert time per token
+    (forward and backward: 3x the forward measured in the layer), over the next `every` steps, exceed the time to
+    move the swapped experts' states at the measured all-to-all bandwidth.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+# AdamW's state of an expert that moves with it: its weights (the fp32 master under mixed precision), both moments
+MOVED_KINDS = ("exp_avg", "exp_avg_sq")
+FORWARD_AND_BACKWARD = 3.0  # an expert's backward costs about twice its forward
+
+
+def rank_loads(loads: list[float], slots: list[list[int]]) -> list[float]:
+    """Each rank's load: the sum of its experts'."""
+    return [sum(loads[e] for e in held) for held in slots]
+
+
+def balance_ratio(loads: list[float], slots: list[list[int]]) -> float:
+    """The busiest rank's load over the mean rank's (1.0: balanced, or no load at all)."""
+    per_rank = rank_loads(loads, slots)
+    mean = sum(per_rank) / len(per_rank)
+    return max(per_rank) / mean if mean > 0 else 1.0
+
+
+def plan_swaps(loads: list[float], slots: list[list[int]], max_swaps: int | None = None
+               ) -> tuple[list[list[int]], list[tuple[int, int]]]:
+    """Greedy swaps off the busiest rank: of every (its expert, another rank's lighter expert) pair, the swap that
+    leaves the lower of the two ranks' larger load, as long as that is below the busiest rank's load now (or until
+    `max_swaps`). Returns the new slots (rank -> experts, each rank keeping its slot count) and the swaps as (expert
+    leaving the busiest rank, expert coming to it). Deterministic for equal inputs (ties: the lower rank, then the
+    lower expert indexes)."""
+    slots = [list(held) for held in slots]
+    swaps: list[tuple[int, int]] = []
+    limit = max_swaps if max_swaps is not None else sum(len(h) for h in slots)
+    while len(swaps) < limit:
+        per_rank = rank_loads(loads, slots)
+        busy = max(range(len(slots)), key=lambda r: (per_rank[r], -r))
+        best, best_key = None, (per_rank[busy],)
+        for other in range(len(slots)):
+            if other == busy:
+                continue
+            for i, e in enumerate(slots[busy]):
+                for j, f in enumerate(slots[other]):
+                    moved = loads[e] - loads[f]
+                    if moved <= 0:
+                        continue
+                    key = (max(per_rank[busy] - moved, per_rank[other] + moved), other, e, f)
+                    if key < best_key:
+                        best, best_key = (other, i, j, e, f), key
+        if best is None:
+            break
+        other, i, j, e, f = best
+        slots[busy][i], slots[other][j] = f, e
+        swaps.append((e, f))
+    return slots, swaps
+
+
+def decide(layer: str, loads: list[float], slots: list[list[int]], threshold: float, seconds_per_row: float,
+           bandwidth: float, bytes_per_expert: int, horizon: int) -> "Decision":
+    """Whether (and how) to move one layer's experts: swaps planned where the balance ratio exceeds `threshold`,
+    made where the busiest rank's rows they remove, at `seconds_per_row` each, over `horizon` steps, take longer
+    than sending the swapped experts (`bytes_per_expert` each) at `bandwidth` bytes/s from the rank that sends the
+    most of them."""
+    before = balance_ratio(loads, slots)
+    decision = Decision(layer, before, before)
+    if before <= threshold:
+        return decision
+    new_slots, swaps = plan_swaps(loads, slots)
+    if not swaps:
+        return decision
+    decision.ratio_after, decision.swaps = balance_ratio(loads, new_slots), swaps
+    peak_removed = max(rank_loads(loads, slots)) - max(rank_loads(loads, new_slots))
+    decision.gain_s = peak_removed * seconds_per_row * horizon
+    where = {e: r for r, held in enumerate(slots) for e in held}
+    sent_by = [0] * len(slots)  # each swap sends two experts, one each way
+    for e, f in swaps:
+        sent_by[where[e]] += 1
+        sent_by[where[f]] += 1
+    decision.move_s = max(sent_by) * bytes_per_expert / bandwidth if bandwidth > 0 else float("inf")
+    decision.moved = decision.gain_s > decision.move_s
+    if decision.moved:
+        decision.new_slots = new_slots
+    return decision
+
+
+@dataclass
+class Decision:
+    """What one layer's rebalance found: the ratios before and after, the swaps, their cost and gain (seconds)."""
+
+    layer: str
+    ratio_before: float
+    ratio_after: float
+    swaps: list[tuple[int, int]] = field(default_factory=list)
+    move_s: float = 0.0
+    gain_s: float = 0.0
+    moved: bool = False
+    new_slots: list[list[int]] | None = None  # where the experts go, when they move
+
+    def as_dict(self) -> dict:
+        return {"ratio_before": round(self.ratio_before, 4), "ratio_after": round(self.ratio_after, 4),
+                "swaps": [list(s) for s in self.swaps], "move_s": self.move_s if self.move_s != float("inf") else None, "gain_s": self.gain_s,
+                "moved": self.moved}
+
+
+class ExpertClock:
+    """The forward time of one layer's local experts and the rows they ran on, since the last `take()`: wall time on
+    the CPU, CUDA events on a GPU (read at `take()`, when the step that recorded them is long done)."""
+
+    def __init__(self):
+        self.seconds, self.rows, self._events = 0.0, 0, []
+
+    def start(self, device: torch.device):
+        if device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, started, rows: int) -> None:
+        self.rows += rows
+        if isinstance(started, float):
+            self.seconds += time.perf_counter() - started
+        else:
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            self._events.append((started, end))
+
+    def take(self) -> tuple[float, int]:
+        for start, end in self._events:
+            end.synchronize()
+            self.seconds += start.elapsed_time(end) / 1000.0
+        out = (self.seconds, self.rows)
+        self.seconds, self.rows, self._events = 0.0, 0, []
+        return out
+
+
+class Rebalancer:
+    """parallel.moe_rebalance_every > 0: the placement of every expert-parallel MoE layer revisited at that step
+    interval (module docstring). `sum_over_ranks` sums a float64 CPU tensor over the ranks in place; `tensors` and
+    `optimizer` read and write the experts' states (rank-local pages); `parameters_written` recasts the compute
+    copies after weights were written (mixed precision); `expert_names` (this rank's local -> global names) is
+    updated in place."""
+
+    def __init__(self, model, ep, sum_over_ranks, tensors, layout, optimizer, parameters_written, expert_names: dict,
+                 every: int, threshold: float, ema: float):
+        from angel_ptm.parallel.moe.dispatch import ExpertParallelMoE
+
+        self.layers = [(name, m) for name, m in model.named_modules() if isinstance(m, ExpertParallelMoE)]
+        self.model, self.ep, self.sum_over_ranks = model, ep, sum_over_ranks
+        self.tensors, self.layout, self.optimizer = tensors, layout, optimizer
+        self.parameters_written, self.expert_names = parameters_written, expert_names
+        self.every, self.threshold, self.ema = every, threshold, ema
+        self.loads: dict[str, list[float] | None] = {name: None for name, _ in self.layers}
+        self.decisions: list[dict] = []  # one entry per rebalance that looked (step, layers' decisions)
+        self.migrations = 0  # experts moved (each swap moves two)
+        self.bytes_moved = 0  # this rank's bytes sent moving experts
+        self._sent_before = (0, 0.0)  # the ep collectives' bytes and seconds at the last decision
+        for _, layer in self.layers:
+            layer.count_loads = True
+
+    def stats(self) -> dict:
+        """Experts moved so far (each swap moves two), this rank's bytes sent moving them, the decisions made, and
+        the last one (step and per layer: ratios, swaps, cost and gain)."""
+        return {"migrations": self.migrations, "bytes_moved": self.bytes_moved, "decisions": len(self.decisions),
+                "last": self.decisions[-1] if self.decisions else None}
+
+    # ------------------------------------------------------------------ the decision
+    def after_step(self, step: int) -> dict | None:
+        """After optimizer step `step` (1-based) on every rank: every `every` steps, fold the interval's routing
+        (every rank's tokens) into the loads and rebalance. Returns the decision per layer when one was made."""
+        if not self.layers or step % self.every:
+            return None
+        counts = torch.cat([layer.take_load_counts() for _, layer in self.layers])
+        self.sum_over_ranks(counts)  # every rank's tokens: the same figures everywhere
+        experts = [layer.spec.experts for _, layer in self.layers]
+        for (name, _), row in zip(self.layers, counts.split(experts)):
+            values = [v / self.every for v in row.tolist()]  # tokens per step over the interval
+            old = self.loads[name]
+            self.loads[name] = values if old is None else [self.ema * o + (1 - self.ema) * v
+                                                           for o, v in zip(old, values)]
+        seconds_per_row, bandwidth = self._measured()
+        out = {}
+        for name, layer in self.layers:
+            decision = self._decide(name, layer, seconds_per_row, bandwidth)
+            if decision.moved:
+                self._migrate(name, layer, decision)
+            out[name] = decision.as_dict()
+        self.decisions.append({"step": step, "layers": out})
+        return out
+
+    def _measured(self) -> tuple[float, float]:
+        """The experts' seconds per row (forward and backward) and the all-to-all bytes per second since the last
+        decision, summed over the ranks so every rank decides on the same figures."""
+        seconds, rows = 0.0, 0
+        for _, layer in self.layers:
+            s, r = layer.clock.take()
+            seconds, rows = seconds + s, rows + r
+        comm = self.ep.collectives
+        sent, spent = comm.bytes_sent, comm.seconds
+        figures = torch.tensor([seconds, rows, sent - self._sent_before[0], spent - self._sent_before[1]],
+                               dtype=torch.float64)
+        self._sent_before = (sent, spent)
+        self.sum_over_ranks(figures)
+        seconds, rows, sent, spent = figures.tolist()
+        per_row = FORWARD_AND_BACKWARD * seconds / rows if rows else 0.0
+        return per_row, (sent / spent if spent > 0 else 0.0)
+
+    def _decide(self, name: str, layer, seconds_per_row: float, bandwidth: float) -> Decision:
+        return decide(name, self.loads[name], layer.placement, self.threshold, seconds_per_row, bandwidth,
+                      self._expert_row_numel(layer) * 8, self.every)
+
+    # ------------------------------------------------------------------ moving experts
+    def _expert_slots(self, name: str, layer, local: int) -> list:
+        prefix = f"{name}.experts.{local}."
+        return [s for s in self.layout.slots if s.name.startswith(prefix)]
+
+    def _expert_row_numel(self, layer) -> int:
+        """Float64 numbers that carry one expert's state: per tensor its weights and moments, and its step count."""
+        name = next(n for n, m in self.layers if m is layer)
+        return sum(s.numel * (1 + len(MOVED_KINDS)) + 1 for s in self._expert_slots(name, layer, 0))
+
+    def _pack(self, name: str, layer, local: int) -> torch.Tensor:
+        parts = []
+        for slot in self._expert_slots(name, layer, local):
+            parts.append(self.tensors.read(self.tensors.weights_kind(slot), slot).reshape(-1).double())
+            parts += [self.tensors.read(kind, slot).reshape(-1).double() for kind in MOVED_KINDS]
+            parts.append(torch.tensor([float(self.optimizer.slot_steps.get(slot.name, 0))], dtype=torch.float64))
+        return torch.cat(parts)
+
+    def _unpack(self, name: str, layer, local: int, row: torch.Tensor) -> None:
+        at = 0
+        for slot in self._expert_slots(name, layer, local):
+            shape = tuple(slot.shape)
+            for kind in (self.tensors.weights_kind(slot),) + MOVED_KINDS:  # (cast to each page's dtype)
+                self.tensors.write(kind, slot, row[at:at + slot.numel].view(shape))
+                at += slot.numel
+            self.optimizer.slot_steps[slot.name] = int(row[at].item())
+            at += 1
+
+    def _migrate(self, name: str, layer, decision: Decision) -> None:
+        """Every rank in the same order: the rows of the slots whose expert changes rank go to the expert's new
+        rank (one all-to-all), are written into the slots that now hold it, and the dispatch takes the new
+        placement."""
+        old, new = layer.placement, decision.new_slots
+        ranks = len(old)
+        held_at = {e: (r, i) for r, held in enumerate(old) for i, e in enumerate(held)}
+        me = self.ep.rank
+        # what moves: (new rank, new slot) <- (old rank, old slot), for the experts whose rank changes
+        moves = sorted(((r, i), held_at[e]) for r, held in enumerate(new) for i, e in enumerate(held)
+                       if held_at[e][0] != r)
+        outgoing = [(dst, src) for dst, src in moves if src[0] == me]  # sorted by destination rank and slot
+        # a source's rows arrive in the order it sent them: by this rank's slot
+        incoming = sorted(((src[0], dst[1]), dst) for dst, src in moves if dst[0] == me)
+        width = self._expert_row_numel(layer)
+        send = [sum(1 for dst, _ in outgoing if dst[0] == r) for r in range(ranks)]
+        receive = [sum(1 for src, _ in incoming if src[0] == r) for r in range(ranks)]
+        rows = (torch.stack([self._pack(name, layer, src[1]) for _, src in outgoing]) if outgoing
+                else torch.zeros(0, width, dtype=torch.float64))
+        got = torch.zeros(sum(receive), width, dtype=torch.float64)
+        self.ep.collectives.all_to_all(got, rows, receive, send, f"ep migrate {name}")
+        for row, (_, dst) in zip(got, incoming):
+            self._unpack(name, layer, dst[1], row)
+        self.bytes_moved += rows.numel() * 8
+        self.migrations += 2 * len(decision.swaps)
+        layer.set_placement(new)
+        from angel_ptm.parallel.moe.dispatch import expert_names
+
+        self.expert_names.clear()
+        self.expert_names.update(expert_names(self.model))
+        if self.tensors.weights_kind(self.layout.slots[0]) != "param":
+            self.parameters_written()
+
+
+def rebalancer_for(engine) -> Rebalancer | None:
+    """The engine's Rebalancer where `parallel.moe_rebalance_every` asks for one (the config checked ep > 1 and
+    staleness 0), else None."""
+    par = engine.config.parallel
+    if not par.moe_rebalance_every or engine.ep is None:
+        return None
+    return Rebalancer(engine.model, engine.ep, engine.sum_over_ranks, engine.tensors, engine.layout,
+                      engine.optimizer, engine.parameters_written, engine.expert_names, par.moe_rebalance_every,
+                      par.moe_rebalance_threshold, par.moe_rebalance_ema)

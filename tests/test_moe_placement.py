@@ -1,0 +1,89 @@
+"""Load-driven expert placement's decisions (angel_ptm/parallel/moe/placement.py), without processes: the greedy
+swaps at 8 ranks, the balance ratio, the cost model, and the config's refusals. The moves themselves, and that they
+change no loss, are tested over gloo in tests/test_moe_parallel.py."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from angel_ptm.config import load_config
+from angel_ptm.errors import ConfigValueError
+from angel_ptm.parallel.moe.placement import balance_ratio, decide, plan_swaps, rank_loads
+
+RANKS, LOCAL = 8, 4
+EXPERTS = RANKS * LOCAL
+FIRST = [list(range(r * LOCAL, (r + 1) * LOCAL)) for r in range(RANKS)]  # where apply_expert_parallel puts them
+
+
+def zipf(n: int, s: float = 1.2) -> list[float]:
+    return [1000.0 / (i + 1) ** s for i in range(n)]
+
+
+def test_swaps_at_8_ranks_lower_the_busiest_ranks_load_and_keep_every_expert_once():
+    loads = zipf(EXPERTS, 0.7)  # experts 0-3, all on rank 0, take the most tokens
+    before = balance_ratio(loads, FIRST)
+    slots, swaps = plan_swaps(loads, FIRST)
+    assert swaps and balance_ratio(loads, slots) < before / 1.9
+    # here the best there is: the hottest expert's rank holds it and the three lightest (its slots must be filled)
+    assert max(rank_loads(loads, slots)) == pytest.approx(loads[0] + sum(sorted(loads)[:LOCAL - 1]))
+    assert [len(held) for held in slots] == [LOCAL] * RANKS  # slots stay: each rank keeps its page layout
+    assert sorted(e for held in slots for e in held) == list(range(EXPERTS))
+    assert max(rank_loads(loads, slots)) < max(rank_loads(loads, FIRST))
+    assert plan_swaps(loads, FIRST) == (slots, swaps)  # every rank computes the same from the same loads
+
+
+def test_one_expert_hotter_than_a_ranks_share_bounds_the_balance():
+    """Moving experts cannot split one: the rank holding the hottest expert stays at least that busy."""
+    loads = zipf(EXPERTS, 1.2)
+    slots, _ = plan_swaps(loads, FIRST)
+    assert max(loads) <= max(rank_loads(loads, slots)) < max(rank_loads(loads, FIRST)) / 1.5
+
+
+def test_balanced_loads_move_nothing():
+    assert plan_swaps([5.0] * EXPERTS, FIRST) == (FIRST, [])
+    assert balance_ratio([0.0] * EXPERTS, FIRST) == 1.0
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 500), min_size=EXPERTS, max_size=EXPERTS))
+def test_each_swap_lowers_the_larger_of_the_two_ranks_loads(counts):
+    loads = [float(c) for c in counts]
+    slots, swaps = plan_swaps(loads, FIRST)
+    assert max(rank_loads(loads, slots)) <= max(rank_loads(loads, FIRST))
+    assert sorted(e for held in slots for e in held) == list(range(EXPERTS))
+    replay = [list(held) for held in FIRST]
+    for e, f in swaps:  # replayed: each swap trades a hotter expert off the busiest rank for a lighter one
+        per_rank = rank_loads(loads, replay)
+        busy = next(r for r, held in enumerate(replay) if e in held)
+        other = next(r for r, held in enumerate(replay) if f in held)
+        assert per_rank[busy] == max(per_rank)
+        assert loads[e] > loads[f]
+        assert max(per_rank[busy] - loads[e] + loads[f], per_rank[other] + loads[e] - loads[f]) < per_rank[busy]
+        replay[busy][replay[busy].index(e)], replay[other][replay[other].index(f)] = f, e
+    assert replay == slots
+
+
+def test_the_cost_model_moves_only_when_the_time_saved_exceeds_the_time_to_move():
+    loads = zipf(EXPERTS)
+    common = dict(layer="moe", loads=loads, slots=FIRST, threshold=1.25, seconds_per_row=1e-5, horizon=100)
+    fast = decide(bandwidth=1e9, bytes_per_expert=1 << 20, **common)
+    assert fast.moved and fast.new_slots is not None and fast.gain_s > fast.move_s > 0
+    slow = decide(bandwidth=1e3, bytes_per_expert=1 << 20, **common)
+    assert slow.swaps == fast.swaps and not slow.moved and slow.new_slots is None
+    assert slow.move_s > slow.gain_s
+    calm = decide(bandwidth=1e9, bytes_per_expert=1 << 20, **dict(common, threshold=100.0))
+    assert not calm.swaps and not calm.moved and calm.ratio_after == calm.ratio_before
+
+
+@pytest.mark.parametrize("parallel, optimizer, needs", [
+    ({"moe_rebalance_every": 10}, {}, "ep > 1"),
+    ({"moe_rebalance_every": 10, "ep": 2}, {"staleness": 1}, "staleness 0"),
+    ({"moe_rebalance_threshold": 0.5}, {}, ">= 1.0"),
+    ({"moe_rebalance_ema": 1.0}, {}, "in [0, 1)"),
+])
+def test_placement_settings_that_cannot_work_are_refused_with_the_key(parallel, optimizer, needs):
+    with pytest.raises(ConfigValueError, match=r"parallel\.moe_rebalance_\w+:.*" + needs.replace("[", r"\[")
+                       .replace("(", r"\(").replace(")", r"\)")):
+        load_config({"parallel": parallel, "optimizer": optimizer})
