@@ -111,7 +111,8 @@ ENGINE_JOBS = [job(f"ep2-zero{z}", zero=z, ep=2, model="gpt-moe", steps=6, memor
                for z in (0, 1, 3)] + [
     job("ep2-zero2-device+host", zero=2, ep=2, model="gpt-moe", steps=6, placement="device+host", clip=0.5,
         memory=ROOM),
-    job("ep2-hierarchical", zero=3, ep=2, model="gpt-moe", steps=6, memory=ROOM, moe_a2a="hierarchical")]
+    job("ep2-hierarchical", zero=3, ep=2, model="gpt-moe", steps=6, memory=ROOM, moe_a2a="hierarchical"),
+    job("ep2-zero3-meta", zero=3, ep=2, model="gpt-moe", steps=6, memory=ROOM, meta=True)]
 
 
 # Load-driven placement: experts swap ranks at steps 2, 4 and 6 (threshold 1.0: any imbalance a swap lowers; the cost
@@ -242,3 +243,11 @@ def test_experts_stay_where_moving_them_costs_more_than_it_saves(two_ranks):
     assert any(layer["swaps"] for layer in layers)  # there was a better placement ...
     assert not any(layer["moved"] for layer in layers)  # ... not worth its move
     assert got["expert_names"] == two_ranks[0]["not-moved"]["expert_names"]
+
+
+def test_ep2_on_a_meta_built_model_starts_from_the_1_rank_weights(two_ranks):
+    """Built on the meta device, each rank materializes only its experts, with the values a 1-rank build gives them
+    (every expert's draws replayed in the 1-rank order): the losses are those of the CPU-built model's, bitwise."""
+    meta, built = two_ranks[0]["ep2-zero3-meta"], two_ranks[0]["ep2-zero3"]
+    assert "error" not in meta, meta.get("error")
+    assert meta["losses"] == built["losses"] == two_ranks[1]["ep2-zero3-meta"]["losses"]

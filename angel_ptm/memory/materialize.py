@@ -37,6 +37,10 @@ angel_ptm/parallel/tensor) gets a working copy of the full tensor's shape, initi
 one rank's build, and only this rank's slice is written: the shards equal the slices of the 1-rank values (the
 scratch is sized for full tensors).
 
+Expert parallelism: a layer that keeps only this rank's experts (parallel/moe) names the experts it had
+(`unsplit_children`); every one of them replays its draws in the 1-rank order and only this rank's are written, so
+each rank's experts equal the 1-rank build's (`registration_order`).
+
 Buffers on the meta device (GPT's RoPE tables) are materialized on the compute device and filled by their
 module's `reset_buffers()`.
 """
@@ -118,7 +122,9 @@ def materialize_parameters(model: nn.Module, slots: dict[str, TensorSlot], write
     (the same Parameter objects, so ties and outside references hold)."""
     t0 = time.perf_counter()
     names = {id(p): name for name, p in model.named_parameters()}  # a shared parameter: its first name
-    owners = [(name, module) for name, module in model.named_modules() if _own_parameters(module)]
+    order = registration_order(model)
+    owners = [(name, module) for name, module, _ in order if _own_parameters(module)]
+    elsewhere = {id(module) for _, module, kept in order if not kept}  # another rank's experts: draws only
     scratch_bytes = max((sum(_nbytes(m, key, p) for key, p in _own_parameters(m)) for _, m in owners), default=0)
     scratch = torch.empty(scratch_bytes, dtype=torch.uint8)
     init_module = getattr(model, "init_module", None)
@@ -127,6 +133,8 @@ def materialize_parameters(model: nn.Module, slots: dict[str, TensorSlot], write
 
     def emit(name: str, module: nn.Module, work: nn.Module) -> None:
         nonlocal bytes_written
+        if id(module) in elsewhere:
+            return
         for key, p in _own_parameters(module):
             if id(p) in written:
                 continue
@@ -174,7 +182,40 @@ def materialize_parameters(model: nn.Module, slots: dict[str, TensorSlot], write
     for p in [p for p in model.parameters() if p.is_meta]:  # their values live in pages now
         empty = torch.zeros((), dtype=p.dtype).expand(p.shape)
         torch.utils.swap_tensors(p, nn.Parameter(empty, requires_grad=p.requires_grad))
-    return MaterializeReport(len(owners), len(written), bytes_written, scratch_bytes, time.perf_counter() - t0)
+    return MaterializeReport(len(owners) - len(elsewhere), len(written), bytes_written, scratch_bytes,
+                             time.perf_counter() - t0)
+
+
+def registration_order(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
+    """(name, module, kept) for every module in `model.named_modules()`'s order, except that a module split from
+    outside (expert parallelism: its `unsplit_children`, child name -> the modules that child held before the split)
+    walks the modules it held, under their unsplit names, with kept False for those this rank no longer holds:
+    their construction and the model's rule still draw, in the 1-rank order, so this rank's modules get the values
+    a 1-rank build gives them."""
+    out: list[tuple[str, nn.Module, bool]] = []
+    seen: set[int] = set()
+
+    def walk(module: nn.Module, name: str, kept: bool) -> None:
+        if id(module) in seen:
+            return
+        seen.add(id(module))
+        out.append((name, module, kept))
+        unsplit = getattr(module, "unsplit_children", None) or {}
+        for child_name, child in module._modules.items():
+            if child is None:
+                continue
+            full = f"{name}.{child_name}" if name else child_name
+            if child_name in unsplit:
+                held = {id(m) for m in child.children()}
+                seen.add(id(child))
+                out.append((full, child, kept))
+                for index, member in enumerate(unsplit[child_name]):
+                    walk(member, f"{full}.{index}", kept and id(member) in held)
+            else:
+                walk(child, full, kept)
+
+    walk(model, "", True)
+    return out
 
 
 def materialize_buffers(model: nn.Module, device: torch.device) -> None:

@@ -213,7 +213,8 @@ class ExpertParallelMoE(MoE):
 
 def apply_expert_parallel(model: nn.Module, comm: EPComm) -> nn.Module:
     """Keep this rank's experts in every MoE layer of `model` (in place); every rank must apply it alike. The
-    experts are sliced from ep rank 0's values (broadcast first), so every rank starts from the 1-rank weights."""
+    experts are sliced from ep rank 0's values (broadcast first), so every rank starts from the 1-rank weights; on
+    the meta device, the layer keeps the others (shapes only) for materialization to draw the 1-rank values."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ConfigValueError("parallel.ep: the model has no MoE layer (model.moe) whose experts could be split")
@@ -223,18 +224,19 @@ def apply_expert_parallel(model: nn.Module, comm: EPComm) -> nn.Module:
         if layer.spec.experts % comm.size:
             raise ConfigValueError(f"parallel.ep: {comm.size} ranks do not divide model.moe.experts "
                                    f"({layer.spec.experts})")
-    if any(p.is_meta for p in model.parameters()):
-        raise ConfigValueError("parallel.ep: a model built on the meta device cannot be split into experts yet; "
-                               "build it on the CPU")
+    meta = any(p.is_meta for p in model.parameters())
     for layer in layers:
         experts = layer.spec.experts
-        if comm.collectives is not None:
+        if comm.collectives is not None and not meta:  # (on meta: every rank materializes the 1-rank values)
             with torch.no_grad():
                 for param in layer.experts.parameters():
                     comm.collectives.broadcast(param.data, 0, "ep initial experts")
         local = experts // comm.size
         start = comm.rank * local
-        layer.experts = nn.ModuleList(list(layer.experts)[start:start + local])
+        every = list(layer.experts)
+        layer.experts = nn.ModuleList(every[start:start + local])
+        if meta:  # materialization replays every expert's draws in the 1-rank order (memory/materialize.py)
+            layer.unsplit_children = {"experts": every}
         layer.__class__ = ExpertParallelMoE
         layer.ep, layer.clock = comm, ExpertClock()
         layer.set_placement([list(range(r * local, (r + 1) * local)) for r in range(comm.size)])
