@@ -37,7 +37,7 @@ from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import StateAccess
 from angel_ptm.step import StepDriver, cast_master_into_parameters, copy_masters_into_params
 from angel_ptm.trace import TraceRecorder
-from angel_ptm.units import UnitsSpec, find_units, optional_page_indexes, watch_routing
+from angel_ptm.units import UnitsSpec, experts_as_units, find_units, optional_page_indexes, watch_routing
 
 STATE_KINDS = CREATION_ORDER  # the fp32 job's kinds in creation order (placement.creation_order: per job)
 
@@ -78,7 +78,9 @@ class Engine(StateAccess):
         # same job everywhere, then the data-parallel group's rank 0's initial values
         self.world = agree_on_job(self.mesh, self.collectives, config, self.layout, model, self.trace,
                                   set(self.expert_names))
-        self.units = find_units(model, units)
+        par = config.parallel  # (MoE experts are units of their own unless ZeRO-3 gathers them over dp ranks)
+        experts_apart = experts_as_units(self.mesh.dp, par.zero, par.ep)
+        self.units = find_units(model, units, experts_apart)
         own = self.ownership
         disk_dir = choose_disk_dir(self._paging, mem.disk_dir)
         # The estimate (angel-ptm estimate) runs first: a job that cannot fit is refused with the numbers, before
@@ -96,10 +98,10 @@ class Engine(StateAccess):
         optional = optional_page_indexes(model, self.layout)  # MoE experts: touched only when routed to
         self.scheduler.optional_pages = self.manager.watched = frozenset(
             p.id for ps in self.pages.values() for i, p in enumerate(ps) if p is not None and i in optional)
-        # Once a gate has routed, the fetches of its experts that got no token are cancelled (ep 1: under expert
-        # parallelism the exchange decides which local experts run)
+        # Once a layer knows which experts compute (after its gate; under expert parallelism after the counts'
+        # exchange), the planned fetches of the others are cancelled
         self._routing_hooks = (watch_routing(model, self.layout, self.pages, self.scheduler.route)
-                               if optional and self.ep is None else [])
+                               if optional and experts_apart else [])  # (in their block's unit: always fetched)
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         # Parameter values into their pages (a meta-device model materialized straight into them: `meta_init`)
         self.meta_init = self.tensors.fill_from(model)

@@ -39,7 +39,7 @@ from torch import nn
 from angel_ptm.config import Config, format_bytes, load_config
 from angel_ptm.errors import ConfigValueError
 from angel_ptm.memory import PageLayout, build_layout, compute_device
-from angel_ptm.units import PagingUnit, device_pages_at_once, find_units
+from angel_ptm.units import PagingUnit, device_pages_at_once, experts_as_units, find_units
 from angel_ptm.memory.budgets import plan_budgets
 from angel_ptm.memory.placement import (CREATION_ORDER, Problem, StartPlacement, compute_dtype, creation_order,
                                         device_reserve_pages, disk_reservations, place_pages, staging_host_pages,
@@ -238,7 +238,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None)
     ram_available = int(psutil.virtual_memory().available)
     # The device holds a unit's pages and those of every unit around it at once (angel_ptm/units.py).
-    units = find_units(model) if units is None else units
+    units = find_units(model, experts=experts_as_units(own.dp, own.stage, config.parallel.ep)) if units is None \
+        else units
     largest_name, largest = largest_unit(model, layout, units)
     names = {id(p): n for n, p in model.named_parameters()}
     _, chain_groups = device_pages_at_once(units, lambda p: {i // own.dp for i in layout.slot(names[id(p)]).pages})

@@ -97,10 +97,19 @@ def expert_page_indexes(layer: nn.Module, model: nn.Module, layout) -> list[set[
     return out
 
 
-def default_unit_modules(model: nn.Module) -> set[nn.Module]:
-    """The children of repeated block lists, outermost lists only; and every MoE layer's experts (inside their
-    block's unit)."""
-    found: set[nn.Module] = set(expert_modules(model))
+def experts_as_units(dp: int, zero: int, ep: int) -> bool:
+    """Whether each MoE expert is a paging unit of its own, so that a step brings in only the experts it routes to.
+    Not where ZeRO-3 shards the experts over data-parallel ranks that route differently (dp > 1 with ep 1): an
+    expert's pages are all-gathered before it computes (and again for its backward), and a rank that routed it no
+    token would not join the gather its peers wait in. There the experts stay in their block's unit, gathered with
+    it on every rank. (Under expert parallelism each rank's experts are its own pages: never gathered.)"""
+    return not (dp > 1 and zero == 3 and ep == 1)
+
+
+def default_unit_modules(model: nn.Module, experts: bool = True) -> set[nn.Module]:
+    """The children of repeated block lists, outermost lists only; and, with `experts`, every MoE layer's experts
+    (inside their block's unit)."""
+    found: set[nn.Module] = set(expert_modules(model)) if experts else set()
 
     def visit(module: nn.Module) -> None:
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
@@ -116,9 +125,9 @@ def default_unit_modules(model: nn.Module) -> set[nn.Module]:
     return found
 
 
-def _unit_modules(model: nn.Module, spec: UnitsSpec) -> set[nn.Module]:
+def _unit_modules(model: nn.Module, spec: UnitsSpec, experts: bool = True) -> set[nn.Module]:
     if spec is None:
-        return default_unit_modules(model)
+        return default_unit_modules(model, experts)
     if callable(spec) and not isinstance(spec, (list, tuple, set, frozenset)):
         return {m for m in model.modules() if m is not model and spec(m)}
     types = tuple(spec)
@@ -127,9 +136,15 @@ def _unit_modules(model: nn.Module, spec: UnitsSpec) -> set[nn.Module]:
     return {m for m in model.modules() if m is not model and isinstance(m, types)}
 
 
-def find_units(model: nn.Module, spec: UnitsSpec = None) -> list[PagingUnit]:
-    """The paging units of `model`, the root first, then in module order (each after the units around it)."""
-    chosen = _unit_modules(model, spec)
+def find_units(model: nn.Module, spec: UnitsSpec = None, experts: bool = True) -> list[PagingUnit]:
+    """The paging units of `model`, the root first, then in module order (each after the units around it).
+    `experts` False (experts_as_units): no MoE expert is a unit of its own; one that `spec` names is an error."""
+    chosen = _unit_modules(model, spec, experts)
+    if not experts and (named := [m for m in expert_modules(model) if m in chosen]):
+        raise ConfigValueError(
+            f"units: {len(named)} MoE experts ({type(named[0]).__name__}) are paging units of their own, but under "
+            f"parallel.zero 3 with dp > 1 and ep 1 ranks that route differently would gather different experts; "
+            f"leave the experts inside their block's unit, or set parallel.ep to the data-parallel degree")
     units: list[PagingUnit] = []
 
     def visit(module: nn.Module, name: str, unit: PagingUnit, seen: set[int]) -> None:
@@ -169,19 +184,38 @@ def device_pages_at_once(units: Sequence[PagingUnit],
 
 
 def watch_routing(model: nn.Module, layout, pages: dict, route) -> list:
-    """A forward hook on each MoE layer's gate: once it has routed, `route(unrouted, routed)` gets the page ids
-    (every kind) of the experts that got no token and of those that did (Scheduler.route cancels the former's
-    planned fetches). The hooks' handles, to remove them."""
+    """Once each MoE layer knows which of its experts compute in this forward, `route(unrouted, routed)` gets the
+    page ids (every kind) of the experts that got no token and of those that did (Scheduler.route cancels the
+    former's planned fetches): after the gate (a forward hook on it), or under expert parallelism after the
+    exchange of per-expert counts (a layer that holds only some experts calls `on_local_routing` with its slots
+    that receive rows from some rank). The handles, to remove them."""
     handles = []
     for layer in moe_layers(model):
         per_expert = [{p.id for kind_pages in pages.values() for i in indexes
                        if i < len(kind_pages) and (p := kind_pages[i]) is not None}
                       for indexes in expert_page_indexes(layer, model, layout)]
 
-        def routed(gate, inputs, routing, per_expert=per_expert):
-            chosen = routing.expert[routing.kept & (routing.expert >= 0)]
-            hit = set(torch.unique(chosen).tolist())  # (one small host read per MoE forward)
+        def report(hit, per_expert=per_expert):
             route({i for e, ids in enumerate(per_expert) if e not in hit for i in ids},
                   {i for e in hit if e < len(per_expert) for i in per_expert[e]})
+
+        if hasattr(layer, "on_local_routing"):  # expert parallelism (parallel/moe): the local slots that compute
+            layer.on_local_routing = report
+            handles.append(_Unset(layer, "on_local_routing"))
+            continue
+
+        def routed(gate, inputs, routing, report=report):
+            chosen = routing.expert[routing.kept & (routing.expert >= 0)]
+            report(set(torch.unique(chosen).tolist()))  # (one small host read per MoE forward)
         handles.append(layer.gate.register_forward_hook(routed))
     return handles
+
+
+class _Unset:
+    """A handle whose remove() sets a callback attribute back to None."""
+
+    def __init__(self, obj, name: str):
+        self.obj, self.name = obj, name
+
+    def remove(self) -> None:
+        setattr(self.obj, self.name, None)

@@ -163,6 +163,7 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
         engine.rebalancer._measured = lambda: (1.0, 1e12)
     losses, skipped, scales, routed = [], [], [], []
     eager = 0  # page groups updated during the last backward of a step (reduced there first with >1 rank)
+    cancelled = deviations = 0  # planned fetches of experts that got no token, cancelled; the plan's deviations
     try:
         pages = {kind: sum(1 for p in ps if p is not None and p.home is None) for kind, ps in engine.pages.items()}
         start = 0
@@ -187,6 +188,9 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
             if spec["clip"]:
                 engine.clip_grad_norm(spec["clip"])
             engine.step()
+            schedule = engine.memory_stats()["schedule"]
+            cancelled += schedule.get("optional_cancelled", 0)
+            deviations += schedule.get("deviations", 0)
             losses.append(engine.mean_over_ranks(total / accum))
             if spec.get("routing"):  # the step's routing, every rank's tokens (the trainer's metrics `moe`)
                 routed.append(moe_metrics(model, engine.sum_over_ranks))
@@ -218,7 +222,7 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
                 "osdp_allowed": engine.estimate.osdp_groups,
                 "overlapped": getattr(getattr(engine.data_parallel, "sync", None), "overlapped", 0),
                 "rebalances": engine.rebalancer.decisions if engine.rebalancer is not None else [],
-                "expert_names": dict(engine.expert_names)}
+                "expert_names": dict(engine.expert_names), "cancelled": cancelled, "deviations": deviations}
     finally:
         engine.close()
 

@@ -115,6 +115,38 @@ ENGINE_JOBS = [job(f"ep2-zero{z}", zero=z, ep=2, model="gpt-moe", steps=6, memor
     job("ep2-zero3-meta", zero=3, ep=2, model="gpt-moe", steps=6, memory=ROOM, meta=True)]
 
 
+# Every expert on every rank (ep 1), the ranks routing their own tokens differently: under ZeRO-3 the experts stay
+# in their block's paging unit, gathered with it on every rank (units.experts_as_units); ZeRO-2 reduces what each
+# rank's routing gave a gradient, as agreed over the ranks.
+DP_JOBS = [job(f"dp2-zero{z}", zero=z, model="gpt-moe", steps=6, memory=ROOM) for z in (2, 3)]
+
+
+@pytest.mark.parametrize("name", [j["name"] for j in DP_JOBS])
+def test_moe_data_parallel_without_ep_gives_the_losses_of_one_rank(two_ranks, name, tmp_path):
+    spec = next(j for j in DP_JOBS if j["name"] == name)
+    got = two_ranks[0][name]
+    assert "error" not in got, got.get("error")
+    assert two_ranks[1][name]["losses"] == got["losses"]
+    one = train(0, 1, dict(spec, accum=2), str(tmp_path))
+    for step, (a, e) in enumerate(zip(got["losses"], one["losses"])):
+        assert a == pytest.approx(e, rel=1e-5), f"step {step}: one rank {e}, dp 2 {a}"
+
+
+def test_experts_named_as_units_under_zero3_data_parallel_are_refused():
+    from angel_ptm.errors import ConfigValueError
+    from angel_ptm.units import expert_modules, experts_as_units, find_units
+
+    from dist_jobs import gpt_moe
+
+    model = gpt_moe()
+    assert experts_as_units(dp=2, zero=2, ep=1) and experts_as_units(dp=2, zero=3, ep=2)
+    assert not experts_as_units(dp=2, zero=3, ep=1)
+    experts = set(expert_modules(model))
+    assert not experts & {u.module for u in find_units(model, experts=False)}
+    with pytest.raises(ConfigValueError, match="units: 8 MoE experts"):
+        find_units(model, lambda m: m in experts, experts=False)
+
+
 # Load-driven placement: experts swap ranks at steps 2, 4 and 6 (threshold 1.0: any imbalance a swap lowers; the cost
 # model told that moving pays, as measured timings would make the test flaky); the checkpoint after step 4 holds the
 # moved experts under their own indexes.
@@ -132,7 +164,7 @@ def both(rank: int, world: int, tmp: str) -> dict:
     from angel_ptm.parallel.moe import placement
 
     out = split_layers(rank, world, tmp)
-    out.update(run_jobs(rank, world, ENGINE_JOBS, tmp))
+    out.update(run_jobs(rank, world, ENGINE_JOBS + DP_JOBS, tmp))
     out.update(run_jobs(rank, world, rebalance_jobs(tmp)[:2], tmp))
     measured = placement.Rebalancer._measured
     placement.Rebalancer._measured = lambda self: (measured(self)[0], 1.0)  # 1 byte/s: moving never pays
@@ -174,6 +206,14 @@ def test_ep2_in_the_engine_gives_the_losses_of_one_rank_with_grad_accum_2(two_ra
                 assert a[layer]["drop_rate"] == pytest.approx(e[layer]["drop_rate"], abs=1e-12), (step, layer)
                 assert a[layer]["aux_loss"] == pytest.approx(e[layer]["aux_loss"], rel=1e-5), (step, layer)
         assert all(sum(layer["tokens_per_expert"]) > 0 for layer in got["routed"][0].values())
+
+
+def test_under_ep_the_fetches_of_local_experts_no_rank_routed_to_are_cancelled(two_ranks):
+    """Once the counts are exchanged, a rank knows which of its experts get rows from some rank: the planned
+    fetches of the others are cancelled (the losses are those of one rank: the test above)."""
+    cancelled = {name: [two_ranks[r][name]["cancelled"] for r in range(2)] for name in
+                 (j["name"] for j in ENGINE_JOBS)}
+    assert sum(sum(c) for c in cancelled.values()) > 0, cancelled
 
 
 def test_an_ep2_checkpoint_resumes_on_one_rank_and_the_reverse(tmp_path):

@@ -148,6 +148,9 @@ class ExpertParallelMoE(MoE):
     ep: EPComm
     placement: list[list[int]]
     count_loads: bool = False  # tokens per expert kept for the placement (Rebalancer), and the experts' time
+    # Called with the local slots that receive rows from some rank, once the counts are exchanged (the engine
+    # cancels the planned fetches of the others: units.watch_routing)
+    on_local_routing = None
 
     def set_placement(self, placement: list[list[int]]) -> None:
         self.placement = [list(held) for held in placement]
@@ -186,6 +189,8 @@ class ExpertParallelMoE(MoE):
         received = ep.exchange(counts.view(ep.size, local).cpu(), [1] * ep.size, [1] * ep.size, "expert counts")
         send = counts.view(ep.size, local).sum(1).tolist()
         receive = received.sum(1).tolist()
+        if self.on_local_routing is not None:
+            self.on_local_routing({e for e, n in enumerate(received.sum(0).tolist()) if n})
         rows = flat.index_select(0, tokens)
         if outgoing is not None:
             rows = rows.index_select(0, outgoing)
