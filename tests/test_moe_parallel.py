@@ -58,8 +58,21 @@ def split_layers(rank: int, world: int, tmp: str, hierarchical: bool = False, na
 
 def four_ways(rank: int, world: int, tmp: str) -> dict:
     names = ("switch-drops", "top2-drops", "top2-dropless")
-    return {"flat": split_layers(rank, world, tmp, False, names), "hierarchical": split_layers(rank, world, tmp, True,
-                                                                                                names)}
+    out = {"flat": split_layers(rank, world, tmp, False, names), "hierarchical": split_layers(rank, world, tmp, True,
+                                                                                               names)}
+    out["engine"] = run_jobs(rank, world, dp4_jobs(tmp), tmp)
+    out["tmp"] = tmp
+    return out
+
+
+# ep 2 on 4 data-parallel ranks: two expert-parallel groups of 2, each holding every expert once; the ranks with the
+# same experts (0 and 2, 1 and 3) all-reduce their gradients
+def dp4_jobs(tmp: str) -> list:
+    base = dict(ep=2, model="gpt-moe", steps=4, memory=ROOM)
+    return [job("ep2-dp4-zero0", zero=0, **base),
+            job("ep2-dp4-zero3-clip", zero=3, clip=0.5, save_at=2, save_to=os.path.join(tmp, "dp4"), **base),
+            job("ep2-dp4-zero3", zero=3, **base),
+            job("ep2-dp4-zero3-moved", zero=3, rebalance=2, rebalance_threshold=1.0, rebalance_pays=True, **base)]
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +87,44 @@ def test_ep4_as_two_nodes_of_two_flat_and_hierarchical_give_the_unsplit_layer(fo
     """4 ranks as 2 "nodes" x 2: the hierarchical all-to-all (gather on each node's leader, leaders exchange,
     scatter) delivers what the flat one does; both give the unsplit layer's outputs and gradients."""
     check_against_the_unsplit_layer([r[a2a] for r in four_ranks], name)
+
+
+@pytest.mark.parametrize("name", ["ep2-dp4-zero0", "ep2-dp4-zero3", "ep2-dp4-zero3-clip"])
+def test_ep2_on_4_data_parallel_ranks_gives_the_losses_of_one_rank_with_grad_accum_4(four_ranks, name, tmp_path):
+    """ep < dp: experts replicated over the expert-parallel groups, their gradients all-reduced over the ranks that
+    hold the same ones (clipping counts each expert once); the losses are one rank's within 1e-5."""
+    spec = next(j for j in dp4_jobs(str(tmp_path)) if j["name"] == name)
+    results = [r["engine"][name] for r in four_ranks]
+    for got in results:
+        assert "error" not in got, got.get("error")
+        assert got["losses"] == results[0]["losses"]
+    one = train(0, 1, dict(spec, ep=1, accum=4, save_at=None), str(tmp_path))
+    for step, (a, e) in enumerate(zip(results[0]["losses"], one["losses"])):
+        assert a == pytest.approx(e, rel=1e-5), f"step {step}: one rank {e}, ep 2 x dp 4 {a}"
+
+
+def test_experts_moved_under_ep_smaller_than_dp_move_alike_in_every_group_and_change_no_loss(four_ranks):
+    """Every expert-parallel group decides alike (the loads are summed over all ranks) and moves the same experts,
+    so the replicas stay replicas: the losses are those of the run that moved none, bitwise."""
+    moved = [r["engine"]["ep2-dp4-zero3-moved"] for r in four_ranks]
+    still = four_ranks[0]["engine"]["ep2-dp4-zero3"]
+    assert "error" not in moved[0], moved[0].get("error")
+    assert any(layer["moved"] for d in moved[0]["rebalances"] for layer in d["layers"].values())
+    assert moved[0]["expert_names"] == moved[2]["expert_names"] and moved[1]["expert_names"] == moved[3]["expert_names"]
+    assert moved[0]["expert_names"] != moved[1]["expert_names"]
+    assert moved[0]["losses"] == still["losses"]
+
+
+def test_an_ep2_dp4_checkpoint_resumes_on_one_rank(four_ranks, tmp_path):
+    """Each expert written once (by the first of the ranks holding it); one rank resumes and continues as the
+    4 ranks did."""
+    saved = four_ranks[0]["engine"]["ep2-dp4-zero3-clip"]
+    spec = next(j for j in dp4_jobs(four_ranks[0]["tmp"]) if j["name"] == "ep2-dp4-zero3-clip")
+    resumed = train(0, 1, dict(spec, ep=1, accum=4, save_at=None, load=os.path.join(four_ranks[0]["tmp"], "dp4")),
+                    str(tmp_path))
+    assert len(resumed["losses"]) == 2
+    for a, e in zip(resumed["losses"], saved["losses"][2:]):
+        assert a == pytest.approx(e, rel=1e-5)
 
 
 @pytest.mark.parametrize("name", list(SPECS))

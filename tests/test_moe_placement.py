@@ -87,3 +87,17 @@ def test_placement_settings_that_cannot_work_are_refused_with_the_key(parallel, 
     with pytest.raises(ConfigValueError, match=r"parallel\.moe_rebalance_\w+:.*" + needs.replace("[", r"\[")
                        .replace("(", r"\(").replace(")", r"\)")):
         load_config({"parallel": parallel, "optimizer": optimizer})
+
+
+def test_ep_groups_and_the_ranks_holding_the_same_experts_at_8_ranks():
+    """ep < dp: groups of ep consecutive ranks each hold every expert once; the ranks at the same place of each
+    group hold the same experts (their gradients all-reduced)."""
+    from angel_ptm.parallel.mesh import mesh_groups
+
+    assert mesh_groups("ep", 8, 1, 2) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert mesh_groups("expert-dp", 8, 1, 2) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert mesh_groups("ep", 8, 1, 4) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert mesh_groups("expert-dp", 8, 1, 4) == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for ep in (2, 4):  # every rank in exactly one group of each kind
+        for kind in ("ep", "expert-dp"):
+            assert sorted(r for g in mesh_groups(kind, 8, 1, ep) for r in g) == list(range(8))

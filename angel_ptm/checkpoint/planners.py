@@ -246,8 +246,10 @@ class PageSavePlanner(SavePlanner):
         self.order: list[Page] = []
         on_page = segments_by_page(layout)
         for index in range(layout.n_pages):
-            if not engine.ownership.owns(index):  # (rank-local pages: every rank writes its own experts)
+            if not engine.ownership.owns(index):  # (rank-local pages: every rank writes its own experts ...
                 continue
+            if engine.ownership.rank_local(index) and engine.mesh.expert_dp_ranks.index(engine.mesh.rank):
+                continue  # ... once: with ep < dp the first of the ranks that hold the same experts)
             for kind in SAVED_KINDS:
                 pages = engine.pages.get(kind, ())
                 page = pages[index] if index < len(pages) else None

@@ -269,7 +269,9 @@ class ParallelConfig(_Section):
     # the layers' autograd functions; angel_ptm/parallel/tensor). 1: none.
     tp: int = 1
     # Expert-parallel ranks: each MoE layer's experts split over ep data-parallel ranks, tokens exchanged by
-    # all-to-all (angel_ptm/parallel/moe). 1: none. This version needs ep = dp (each rank's experts are its own).
+    # all-to-all (angel_ptm/parallel/moe). 1: none. ep must divide dp: each group of ep consecutive data-parallel
+    # ranks holds every expert once, and the dp / ep ranks holding the same experts all-reduce their gradients
+    # (experts replicated over them, not ZeRO-sharded).
     ep: int = 1
     # How an MoE layer's all-to-all runs with ep > 1: flat (one exchange over the ep group) or hierarchical
     # (HetuMoE: gathered on each node's first rank, exchanged between nodes, scattered; nodes of LOCAL_WORLD_SIZE).

@@ -112,8 +112,12 @@ class DataParallel:
         self.collectives, self.ownership = collectives, ownership
         # Gradients reduced during backward where the collectives run a reduce-scatter beside compute and the
         # other collectives (gloo's pairwise exchange, NCCL's group of its own for reductions)
+        mesh = collectives.mesh
+        self.replicas = None  # ep < dp: the ranks that hold this rank's experts
+        if mesh.expert_dp_ranks.size > 1 and layout.local_pages is not None:
+            self.replicas = Collectives(mesh, collectives.trace, collectives.on_failure, group=mesh.expert_dp_ranks)
         self.sync = GradSync(manager, layout, pages, collectives, ownership, update_tier,
-                             overlap=collectives.async_reductions)
+                             overlap=collectives.async_reductions, replicas=self.replicas)
         self.overlaps = self.sync.overlap
         self.begin_backward, self.page_final = self.sync.begin_backward, self.sync.page_final
         self.take_landed, self.end_backward = self.sync.take_landed, self.sync.end_backward
@@ -176,6 +180,8 @@ class DataParallel:
             with contextlib.suppress(CollectiveError):
                 self.gatherer.drop_all()
         self.collectives.close()
+        if self.replicas is not None:
+            self.replicas.close()
 
 
 def broadcast_module(model: nn.Module, collectives: Collectives, skip: set[str] = frozenset()) -> None:

@@ -66,8 +66,13 @@ class GradSync:
     PATIENCE_S = 0.05
 
     def __init__(self, manager: PageManager, layout: PageLayout, pages: dict[str, list[Page | None]],
-                 collectives: Communicator, ownership: Ownership, tier: Tier, overlap: bool = False):
+                 collectives: Communicator, ownership: Ownership, tier: Tier, overlap: bool = False,
+                 replicas: Communicator | None = None):
         self.manager, self.layout, self.pages, self.comm, self.own = manager, layout, pages, collectives, ownership
+        # ep < dp: the ranks holding the same experts (each expert-parallel group has every expert once); the
+        # rank-local pages' gradients are all-reduced over them, as their "which got a gradient" is agreed
+        self.replicas = replicas
+        self.n_replicas = replicas.size if replicas is not None else 1
         self.tier = tier  # where pages are pinned for a collective (the optimizer's update tier)
         self.dp = ownership.dp
         self._on: list[list[str]] = [[] for _ in range(layout.n_pages)]  # tensor names on each page
@@ -111,7 +116,13 @@ class GradSync:
             self._next_order = sorted(range(self.n_groups), key=lambda g: (latest[g], g))
             self._final_at = {}
         without = {s.name for s, flag, mine in zip(slots, flags, own) if flag == 0.0 and not mine}
-        without |= {s.name for s, mine in zip(slots, own) if mine and s.name in local_without}
+        local = [s for s, mine in zip(slots, own) if mine]
+        if self.replicas is not None and local:  # the same experts' tensors: agreed over the ranks holding them
+            held = torch.tensor([0.0 if s.name in local_without else 1.0 for s in local], dtype=torch.float32)
+            self.replicas.all_reduce(held, "which experts' tensors have a gradient", op=MAX)
+            without |= {s.name for s, flag in zip(local, held.tolist()) if flag == 0.0}
+        else:
+            without |= {s.name for s in local if s.name in local_without}
         for slot in slots:
             if slot.name in local_without and slot.name not in without and not self.layout.frozen(slot):
                 self._zero_region(slot)
@@ -206,7 +217,9 @@ class GradSync:
         needed = [any(name not in without_grad for name in self._on[i]) for i in range(self.layout.trainable_pages)]
         grads = self.pages["grad"]
         for i in range(n, self.layout.trainable_pages):  # rank-local: this rank's tokens' and the others' sums
-            if needed[i]:
+            if needed[i] and self.replicas is not None:  # (and the other expert-parallel groups' sums)
+                self._all_reduce_page(grads[i], i, self.replicas)
+            elif needed[i]:
                 self._scale_page(grads[i], i, 1.0 / self.dp)
         if self.own.stage == 0:
             for i in range(n):
@@ -307,16 +320,18 @@ class GradSync:
         finally:
             self.manager.release([page], dirty=True)
 
-    def _all_reduce_page(self, page: Page, index: int) -> None:
+    def _all_reduce_page(self, page: Page, index: int, comm: Communicator | None = None) -> None:
+        """The page summed over `comm`'s ranks (the data-parallel group's by default), over dp: the mean."""
+        comm = comm or self.comm
         self.manager.acquire([page], self.tier)
         try:
             view = page.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)]
             if view.dtype == torch.float32:
-                self.comm.all_reduce(view, f"grad page {index}")
+                comm.all_reduce(view, f"grad page {index}")
                 view.mul_(1.0 / self.dp)
             else:
                 wide = self._take(view.numel()).copy_(view)
-                self.comm.all_reduce(wide, f"grad page {index}")
+                comm.all_reduce(wide, f"grad page {index}")
                 view.copy_(wide.mul_(1.0 / self.dp))
                 self._give(wide)
         finally:
@@ -328,15 +343,16 @@ class GradSync:
         n = self.layout.trainable_pages
         if self.own.stage == 0 and self.layout.local_pages is None:  # every rank holds every page, reduced
             return math.sqrt(math.fsum(squares.values()))
+        # rank-local pages (experts) are summed over the ranks, each expert once: ep < dp holds it on n_replicas
         if self.own.stage == 0:  # the shared pages alike everywhere; the rank-local ones summed over ranks
             mine = torch.tensor([math.fsum(v for i, v in squares.items() if self.layout.is_local(i))],
                                 dtype=torch.float64)
             self.comm.all_reduce(mine, "gradient norm (rank-local pages)")
             shared = math.fsum(v for i, v in squares.items() if not self.layout.is_local(i))
-            return math.sqrt(shared + float(mine.item()))
+            return math.sqrt(shared + float(mine.item()) / self.n_replicas)
         vector = torch.zeros(n, dtype=torch.float64)
         for index, value in squares.items():
-            vector[index] = value
+            vector[index] = value / self.n_replicas if self.layout.is_local(index) else value
         self.comm.all_reduce(vector, "gradient norm")
         return math.sqrt(math.fsum(vector.tolist()))
 

@@ -62,6 +62,10 @@ class Mesh:
     moe_a2a: str = "flat"
     dp_group: Group | None = field(default=None, compare=False)  # None: every rank (tp 1)
     tp_group: Group | None = field(default=None, compare=False)
+    # ep < dp: this rank's ep consecutive data-parallel ranks (its experts' all-to-all), and the dp / ep ranks that
+    # hold the same experts (their gradients all-reduced). None: ep = dp (or 1)
+    ep_group: Group | None = field(default=None, compare=False)
+    expert_dp_group: Group | None = field(default=None, compare=False)
 
     @property
     def distributed(self) -> bool:
@@ -82,8 +86,13 @@ class Mesh:
 
     @property
     def ep_ranks(self) -> Group:
-        """This rank's expert-parallel group: its data-parallel group (ep = dp in this version)."""
-        return self.dp_ranks
+        """This rank's expert-parallel group: ep consecutive ranks of its data-parallel group (all of it: ep = dp)."""
+        return self.ep_group or self.dp_ranks
+
+    @property
+    def expert_dp_ranks(self) -> Group:
+        """The ranks that hold this rank's experts (one per expert-parallel group; this rank alone when ep = dp)."""
+        return self.expert_dp_group or Group("expert-dp", (self.rank,))
 
     @property
     def tp_ranks(self) -> Group:
@@ -154,14 +163,20 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
         dp_group = (_make_groups("dp", mesh_groups("dp", dp, tp), rank, backend, parallel.timeout_s) if dp > 1
                     else Group("dp", (rank,)))
     ep = parallel.ep
-    if ep > 1 and ep != dp:
-        raise DistributedError(f"parallel.ep: {ep} expert-parallel ranks with parallel.dp {dp}: this version splits "
-                               f"the experts over the whole data-parallel group (ep = dp); set parallel.ep to {dp}")
+    if ep > 1 and dp % ep:
+        raise DistributedError(f"parallel.ep: {ep} expert-parallel ranks do not divide parallel.dp {dp}; each group "
+                               f"of ep consecutive data-parallel ranks holds every expert once")
     if ep > 1 and tp > 1:
         raise DistributedError("parallel.ep with parallel.tp > 1: expert and tensor parallelism together are not "
                                "supported yet")
+    ep_group = expert_dp_group = None
+    if 1 < ep < dp:  # (tp 1: data-parallel ranks are the world's)
+        ep_group = _make_groups("ep", mesh_groups("ep", dp, 1, ep), rank, backend, parallel.timeout_s)
+        expert_dp_group = _make_groups("expert-dp", mesh_groups("expert-dp", dp, 1, ep), rank, backend,
+                                       parallel.timeout_s)
     return Mesh(rank, world, local_rank, local_world, dp, parallel.timeout_s, backend, tp,
-                parallel.sequence_parallel and tp > 1, ep, parallel.moe_a2a, dp_group, tp_group)
+                parallel.sequence_parallel and tp > 1, ep, parallel.moe_a2a, dp_group, tp_group, ep_group,
+                expert_dp_group)
 
 
 def _use_local_gpu(device_type: str, local_rank: int) -> None:
@@ -173,9 +188,14 @@ def _use_local_gpu(device_type: str, local_rank: int) -> None:
         torch.cuda.set_device(local_rank)
 
 
-def mesh_groups(name: str, dp: int, tp: int) -> list[list[int]]:
+def mesh_groups(name: str, dp: int, tp: int, ep: int = 1) -> list[list[int]]:
     """Every group of one kind, in creation order: "tp" groups are tp consecutive ranks; "dp" groups the ranks with
-    the same tp rank; "world" all of them."""
+    the same tp rank; "ep" groups ep consecutive ranks (tp 1); "expert-dp" the ranks at the same place of each ep
+    group; "world" all of them."""
+    if name == "ep":
+        return [[b * ep + i for i in range(ep)] for b in range(dp // ep)]
+    if name == "expert-dp":
+        return [[b * ep + i for b in range(dp // ep)] for i in range(ep)]
     if name == "tp":
         return [[d * tp + t for t in range(tp)] for d in range(dp)]
     if name == "dp":

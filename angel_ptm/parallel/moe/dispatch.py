@@ -265,6 +265,17 @@ def apply_expert_parallel_for(model: nn.Module, mesh: Mesh, trace=None, on_failu
     """parallel.ep > 1: this rank's experts of every MoE layer (the engine calls it); None with ep 1."""
     if mesh.ep == 1:
         return None
+    if mesh.ep_group is not None and not any(p.is_meta for p in model.parameters()):
+        # ep < dp: every expert-parallel group starts from data-parallel rank 0's experts (replicas alike)
+        whole = Collectives(mesh)
+        if trace is not None:
+            whole.trace = trace
+        whole.on_failure = on_failure
+        with torch.no_grad():
+            for layer in [m for m in model.modules() if isinstance(m, MoE)]:
+                for param in layer.experts.parameters():
+                    whole.broadcast(param.data, 0, "ep initial experts (every group)")
+        whole.close()
     comm = EPComm(mesh, hierarchical=mesh.moe_a2a == "hierarchical")
     if comm.collectives is not None:
         if trace is not None:
