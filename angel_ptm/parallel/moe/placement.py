@@ -293,8 +293,8 @@ class Rebalancer:
 
         self.expert_names.clear()
         self.expert_names.update(expert_names(self.model))
-        if self.tensors.weights_kind(self.layout.slots[0]) != "param":
-            self.parameters_written()
+        if any(self.tensors.weights_kind(s) == "master" for s in self._expert_slots(name, layer, 0)):
+            self.parameters_written()  # mixed precision: the compute copies take the masters written
 
 
 def rebalancer_for(engine) -> Rebalancer | None:
