@@ -60,7 +60,9 @@ class NonBlockingMoves:
         next_use = getattr(self.policy, "next_use", None)
         if next_use is None:
             return False
-        candidates = [pid for pid in self._candidates(tier) if keep is None or pid != keep.id]
+        candidates = self._candidates(tier)  # (a fresh list)
+        if keep is not None and keep.id in self._resting[tier]:
+            candidates.remove(keep.id)
         if not candidates:
             return False
         victim = self.pages[self.policy.victim(candidates)]

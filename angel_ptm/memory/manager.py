@@ -46,6 +46,11 @@ class PageManager(RemotePages, NonBlockingMoves):
         self.zero_copy = zero_copy and device_pool.can_trade(host_pool)
         self.copier = Copier(device_pool.device, asynchronous=async_copies and not self.zero_copy)
         self.pages: list[Page] = []
+        # The eviction candidates of each tier (pages resting there, unpinned), kept up to date by each page's
+        # watcher: an eviction no longer scans every page. `_indexed`: how many of `pages` are watched.
+        self._resting: dict[Tier, set[int]] = {tier: set() for tier in RESTING_STATE}
+        self._rest_of: dict[int, Tier | None] = {}
+        self._indexed = 0
         self._moves: dict[int, Move] = {}
         self._pinned: set[int] = set()  # ids of pages with pin_count > 0
         # kind -> clear(index, buffer): what a dead page of that kind needs before reuse (default: all zero). Its
@@ -80,6 +85,7 @@ class PageManager(RemotePages, NonBlockingMoves):
                 page.buffer.zero_()
         except Exception:
             self.pages.pop()
+            self._indexed = min(self._indexed, len(self.pages))
             raise
         page.pin_count = 0
         self._emit("alloc", page, None, tier)
@@ -334,8 +340,24 @@ class PageManager(RemotePages, NonBlockingMoves):
         self._emit("drop", page, src, Tier.DISK)
 
     def _candidates(self, tier: Tier) -> list[int]:
-        state = RESTING_STATE[tier]
-        return [p.id for p in self.pages if p.state is state and p.pin_count == 0]
+        """The pages resting on `tier`, unpinned (by id)."""
+        if self._indexed < len(self.pages):  # pages made since (here, or remote ones): watched from now on
+            for page in self.pages[self._indexed:]:
+                page.watcher = self._reindex
+                self._reindex(page)
+            self._indexed = len(self.pages)
+        return sorted(self._resting[tier])
+
+    def _reindex(self, page: Page) -> None:
+        """`page` changed state or pins: in its tier's candidates exactly while it rests there unpinned."""
+        tier = page.state.tier if page.pin_count == 0 else None  # (no tier while it moves, or is remote)
+        old = self._rest_of.get(page.id)
+        if old is not tier:
+            if old is not None:
+                self._resting[old].discard(page.id)
+            if tier is not None:
+                self._resting[tier].add(page.id)
+            self._rest_of[page.id] = tier
 
     def _alloc(self, tier: Tier) -> torch.Tensor:
         """A free slot on `tier`, evicting a victim chosen by the policy if there is none."""

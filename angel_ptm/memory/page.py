@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -62,6 +63,7 @@ TRANSITIONS: dict[PageState, frozenset[PageState]] = {
 }
 
 RESTING_STATE = {tier: state for state, tier in _RESTING.items()}
+_WATCHED = frozenset({"state", "pin_count"})
 
 
 @dataclass(eq=False)
@@ -85,6 +87,15 @@ class Page:
     # tier without a write, as a dead page (PageManager.create_page(untouched=True)).
     untouched: bool = False
     home: int | None = None  # ZeRO: the rank that owns this page, when it is not this one (state REMOTE at rest)
+    # Told of every change of `state` or `pin_count` (the PageManager's index of eviction candidates)
+    watcher: Callable[["Page"], None] | None = field(default=None, repr=False, compare=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        object.__setattr__(self, name, value)
+        if name in _WATCHED:
+            watcher = self.__dict__.get("watcher")
+            if watcher is not None:
+                watcher(self)
 
     @property
     def name(self) -> str:

@@ -63,9 +63,14 @@ class BeladyPolicy:
         self._now = start
         self.deviations = 0
         self._sequence_length = sum(len(v) for v in self._uses.values())
+        # page -> its next use as last found (at a clock no later than now): still its next use until the clock
+        # passes it; cleared when the clock goes back
+        self._next: dict[int, float] = {}
 
     def seek(self, position: int) -> None:
         """The next access is `position` of the known sequence (a scheduler keeps the clock in step with it)."""
+        if position < self._now:
+            self._next = {}
         self._now = position
 
     def next_use(self, page_id: int) -> float:
@@ -91,15 +96,19 @@ class BeladyPolicy:
         if not candidates:
             raise ValueError("no eviction candidates")
         # Farthest next use first; among equals the least recently used; then the lowest id (deterministic). One
-        # pass with the key built inline: this runs on every eviction, over every unpinned page of the tier.
-        uses, now, recency = self._uses, self._now, self.history.recency
+        # pass with the key built inline: this runs on every eviction, over every unpinned page of the tier. A
+        # page's next use is found once and kept until the clock passes it (or the page is accessed, or the clock
+        # goes back): between two evictions the clock moves little, so most pages' are still good.
+        uses, now, cached, last_use = self._uses, self._now, self._next, self.history._last_use
+        inf = float("inf")
         best, best_key = candidates[0], None
         for pid in candidates:
-            page_uses = uses.get(pid)
-            i = bisect.bisect_left(page_uses, now) if page_uses else 0
-            nxt = page_uses[i] if page_uses and i < len(page_uses) else float("inf")
-            last, _ = recency(pid)
-            key = (nxt, -last, -pid)
+            nxt = cached.get(pid)
+            if nxt is None or nxt < now:
+                page_uses = uses.get(pid)
+                i = bisect.bisect_left(page_uses, now) if page_uses else 0
+                nxt = cached[pid] = page_uses[i] if page_uses and i < len(page_uses) else inf
+            key = (nxt, -last_use.get(pid, 0), -pid)
             if best_key is None or key > best_key:
                 best, best_key = pid, key
         return best
