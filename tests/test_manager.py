@@ -1,5 +1,6 @@
 import errno
 import gc
+import random
 
 import pytest
 import torch
@@ -7,6 +8,7 @@ import torch
 from angel_ptm.errors import BudgetError, ChecksumError, PageIOError
 from angel_ptm.io import WRITE
 from angel_ptm.memory import BeladyPolicy, BufferPool, DiskTier, PageManager, PageState, Tier
+from angel_ptm.memory.page import RESTING_STATE
 from angel_ptm.trace import TraceRecorder
 
 PAGE = 64 * 1024
@@ -419,3 +421,36 @@ def test_bringing_an_unpinned_page_up_never_evicts_it_to_make_its_own_room(tmp_p
     assert torch.all(first.view() == 0)
     manager.release([first])
     manager.close()
+
+
+def test_the_eviction_candidates_index_matches_a_scan_of_every_page(tmp_path, io_engine):
+    """The candidates of each tier (kept by the pages' watchers) are exactly the pages resting there unpinned,
+    through creations, acquires, releases, prefetches, evictions and discards."""
+    manager = make_manager(tmp_path, io_engine, device_pages=3, host_pages=4)
+
+    def scanned(tier):
+        return [p.id for p in manager.pages if p.state is RESTING_STATE[tier] and p.pin_count == 0]
+
+    def check():
+        for tier in (Tier.DEVICE, Tier.HOST, Tier.DISK):
+            assert manager._candidates(tier) == scanned(tier), tier
+
+    pages = written_pages(manager, 9)
+    check()
+    rng = random.Random(0)
+    for _ in range(60):
+        page = rng.choice(pages)
+        action = rng.choice(["acquire-device", "acquire-host", "prefetch", "evict", "discard"])
+        if action.startswith("acquire"):
+            tier = Tier.DEVICE if action.endswith("device") else Tier.HOST
+            manager.acquire([page], tier)
+            check()
+            manager.release([page], dirty=rng.random() < 0.5)
+        elif action == "prefetch":
+            manager.prefetch([page], Tier.DEVICE)
+        elif action == "evict" and page.state in (PageState.DEVICE, PageState.HOST):
+            manager.evict([page])
+        elif action == "discard":
+            manager.discard([page])
+        manager.flush()
+        check()

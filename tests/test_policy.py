@@ -45,3 +45,29 @@ def test_belady_counts_accesses_that_deviate_from_the_known_sequence():
 @given(sequence=st.lists(st.integers(0, 12), min_size=1, max_size=80), capacity=st.integers(1, 6))
 def test_belady_never_misses_more_than_lru(sequence, capacity):
     assert count_misses(BeladyPolicy(sequence), sequence, capacity) <= count_misses(LRUPolicy(), sequence, capacity)
+
+
+def _farthest(future, candidates, now: int, last_use: dict) -> int:
+    """Belady's choice computed from scratch: farthest next use at `now`, then least recently used, then lowest id."""
+    def key(pid):
+        later = [i for i, p in enumerate(future) if p == pid and i >= now]
+        return (later[0] if later else float("inf"), -last_use.get(pid, 0), -pid)
+    return max(candidates, key=key)
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 9), min_size=1, max_size=40),
+       st.lists(st.tuples(st.sampled_from(["access", "seek", "victim"]), st.integers(0, 60),
+                          st.sets(st.integers(0, 9), min_size=1)), max_size=60))
+def test_belady_keeps_next_uses_between_evictions_and_still_picks_what_a_fresh_scan_picks(future, ops):
+    """The victim keeps each page's next use until the clock passes it (or goes back): whatever the accesses,
+    seeks forward and back, it names the page a scan from scratch names."""
+    policy = BeladyPolicy(future)
+    for op, number, candidates in ops:
+        if op == "access":
+            policy.on_access(number % 10)
+        elif op == "seek":
+            policy.seek(number)
+        else:
+            pool = sorted(candidates)
+            assert policy.victim(pool) == _farthest(future, pool, policy._now, policy.history._last_use)
