@@ -340,13 +340,14 @@ class PageManager(RemotePages, NonBlockingMoves):
         self._emit("drop", page, src, Tier.DISK)
 
     def _candidates(self, tier: Tier) -> list[int]:
-        """The pages resting on `tier`, unpinned (by id)."""
+        """The pages resting on `tier`, unpinned (their ids, in no particular order: every policy's choice among
+        them is by key alone)."""
         if self._indexed < len(self.pages):  # pages made since (here, or remote ones): watched from now on
             for page in self.pages[self._indexed:]:
                 page.watcher = self._reindex
                 self._reindex(page)
             self._indexed = len(self.pages)
-        return sorted(self._resting[tier])
+        return list(self._resting[tier])
 
     def _reindex(self, page: Page) -> None:
         """`page` changed state or pins: in its tier's candidates exactly while it rests there unpinned."""

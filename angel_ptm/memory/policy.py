@@ -66,6 +66,10 @@ class BeladyPolicy:
         # page -> its next use as last found (at a clock no later than now): still its next use until the clock
         # passes it; cleared when the clock goes back
         self._next: dict[int, float] = {}
+        # the last ranking of candidates (best first), and the clock it holds at (victim())
+        self._ranking: list[int] = []
+        self._ranked: set[int] = set()
+        self._ranked_at: tuple | None = None
 
     def seek(self, position: int) -> None:
         """The next access is `position` of the known sequence (a scheduler keeps the clock in step with it)."""
@@ -95,23 +99,31 @@ class BeladyPolicy:
     def victim(self, candidates: Sequence[int]) -> int:
         if not candidates:
             raise ValueError("no eviction candidates")
-        # Farthest next use first; among equals the least recently used; then the lowest id (deterministic). One
-        # pass with the key built inline: this runs on every eviction, over every unpinned page of the tier. A
-        # page's next use is found once and kept until the clock passes it (or the page is accessed, or the clock
-        # goes back): between two evictions the clock moves little, so most pages' are still good.
+        # Farthest next use first; among equals the least recently used; then the lowest id (deterministic).
+        # This runs on every eviction (and every look for room), over every unpinned page of the tier; most calls
+        # come at the same clock as the one before (several evictions between two accesses), when every key is
+        # what it was: then the answer is the first page of that call's ranking that is still a candidate.
+        state = (self._now, self.history._clock, id(self._uses))
+        if state == self._ranked_at and self._ranked.issuperset(candidates):
+            wanted = set(candidates)
+            for pid in self._ranking:
+                if pid in wanted:
+                    return pid
+        # A page's next use is found once and kept until the clock passes it (or goes back).
         uses, now, cached, last_use = self._uses, self._now, self._next, self.history._last_use
         inf = float("inf")
-        best, best_key = candidates[0], None
+        keys = []
         for pid in candidates:
             nxt = cached.get(pid)
             if nxt is None or nxt < now:
                 page_uses = uses.get(pid)
                 i = bisect.bisect_left(page_uses, now) if page_uses else 0
                 nxt = cached[pid] = page_uses[i] if page_uses and i < len(page_uses) else inf
-            key = (nxt, -last_use.get(pid, 0), -pid)
-            if best_key is None or key > best_key:
-                best, best_key = pid, key
-        return best
+            keys.append((nxt, -last_use.get(pid, 0), -pid))
+        keys.sort(reverse=True)
+        self._ranking = [-key[2] for key in keys]
+        self._ranked, self._ranked_at = set(self._ranking), state
+        return self._ranking[0]
 
 
 def count_misses(policy: Policy, sequence: Sequence[int], capacity: int) -> int:
