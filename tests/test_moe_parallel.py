@@ -205,9 +205,12 @@ REBALANCE = dict(zero=3, ep=2, model="gpt-moe", steps=6, memory=ROOM, final_stat
 
 
 def rebalance_jobs(tmp: str) -> list:
+    bf16 = dict(REBALANCE, zero=2, dtype="bfloat16")  # fp32 masters move; the compute copies are recast
     return [job("not-moved", **REBALANCE),
             job("moved", rebalance=2, rebalance_threshold=1.0, rebalance_pays=True, save_at=4,
                 save_to=os.path.join(tmp, "moved"), **REBALANCE),
+            job("not-moved-bf16", **bf16),
+            job("moved-bf16", rebalance=2, rebalance_threshold=1.0, rebalance_pays=True, **bf16),
             job("too-costly", rebalance=2, rebalance_threshold=1.0, **dict(REBALANCE, steps=2))]
 
 
@@ -216,11 +219,11 @@ def both(rank: int, world: int, tmp: str) -> dict:
 
     out = split_layers(rank, world, tmp)
     out.update(run_jobs(rank, world, ENGINE_JOBS + DP_JOBS, tmp))
-    out.update(run_jobs(rank, world, rebalance_jobs(tmp)[:2], tmp))
+    out.update(run_jobs(rank, world, rebalance_jobs(tmp)[:-1], tmp))
     measured = placement.Rebalancer._measured
     placement.Rebalancer._measured = lambda self: (measured(self)[0], 1.0)  # 1 byte/s: moving never pays
     try:
-        out.update(run_jobs(rank, world, rebalance_jobs(tmp)[2:], tmp))
+        out.update(run_jobs(rank, world, rebalance_jobs(tmp)[-1:], tmp))
     finally:
         placement.Rebalancer._measured = measured
     out["tmp"] = tmp
@@ -286,33 +289,36 @@ def test_an_ep2_checkpoint_resumes_on_one_rank_and_the_reverse(tmp_path):
             assert a == pytest.approx(e, rel=1e-5)
 
 
-def test_experts_moving_ranks_change_no_loss_and_no_final_state(two_ranks):
-    """parallel.moe_rebalance_every: experts swapped between the ranks (weights, moments, step counts) at steps 2, 4
-    and 6 give the losses of the run that never moved one, bitwise, and the same final state of every expert under
-    its own index; the dispatch follows the placement, and each rank's expert names follow its slots."""
-    moved, still = two_ranks[0]["moved"], two_ranks[0]["not-moved"]
+@pytest.mark.parametrize("suffix", ["", "-bf16"])
+def test_experts_moving_ranks_change_no_loss_and_no_final_state(two_ranks, suffix):
+    """parallel.moe_rebalance_every: experts swapped between the ranks (weights or fp32 masters, moments, step
+    counts) at steps 2, 4 and 6 give the losses of the run that never moved one, bitwise, and the same final state
+    of every expert under its own index (fp32, and bf16 compute under ZeRO-2); the dispatch follows the placement,
+    and each rank's expert names follow its slots."""
+    moved, still = two_ranks[0]["moved" + suffix], two_ranks[0]["not-moved" + suffix]
     assert "error" not in moved, moved.get("error")
-    assert moved["losses"] == still["losses"] == two_ranks[1]["moved"]["losses"]
+    assert moved["losses"] == still["losses"] == two_ranks[1]["moved" + suffix]["losses"]
     decisions = moved["rebalances"]
     assert [d["step"] for d in decisions] == [2, 4, 6]
-    assert decisions == two_ranks[1]["moved"]["rebalances"]  # decided alike on every rank
+    assert decisions == two_ranks[1]["moved" + suffix]["rebalances"]  # decided alike on every rank
     swaps = [s for d in decisions[:2] for layer in d["layers"].values() if layer["moved"] for s in layer["swaps"]]
     assert swaps, decisions  # experts moved before the last steps, so those steps ran with them elsewhere
     for d in decisions:
         for layer in d["layers"].values():
             assert layer["ratio_after"] <= layer["ratio_before"]
     for rank in range(2):
-        got, want = two_ranks[rank]["moved"]["states"]["final"], two_ranks[rank]["not-moved"]["states"]["final"]
+        got = two_ranks[rank]["moved" + suffix]["states"]["final"]
+        want = two_ranks[rank]["not-moved" + suffix]["states"]["final"]
         experts = {n for n in want if ".experts." in n}
         shared = set(want) - experts
         assert {n: got[n] for n in shared} == {n: want[n] for n in shared}
     union = lambda job: {n: d for r in range(2) for n, d in two_ranks[r][job]["states"]["final"].items()
                          if ".experts." in n}  # noqa: E731
-    assert union("moved") == union("not-moved")  # every expert's weights and moments, wherever it ended up
-    names = [two_ranks[r]["moved"]["expert_names"] for r in range(2)]
-    assert names != [two_ranks[r]["not-moved"]["expert_names"] for r in range(2)]
+    assert union("moved" + suffix) == union("not-moved" + suffix)  # every expert's states, wherever it went
+    names = [two_ranks[r]["moved" + suffix]["expert_names"] for r in range(2)]
+    assert names != [two_ranks[r]["not-moved" + suffix]["expert_names"] for r in range(2)]
     held = sorted(v for n in names for v in n.values())
-    assert held == sorted(v for r in range(2) for v in two_ranks[r]["not-moved"]["expert_names"].values())
+    assert held == sorted(v for r in range(2) for v in two_ranks[r]["not-moved" + suffix]["expert_names"].values())
 
 
 def test_a_checkpoint_after_experts_moved_resumes_on_one_rank(two_ranks, tmp_path):
