@@ -103,7 +103,7 @@ class BeladyPolicy:
         # This runs on every eviction (and every look for room), over every unpinned page of the tier; most calls
         # come at the same clock as the one before (several evictions between two accesses), when every key is
         # what it was: then the answer is the first page of that call's ranking that is still a candidate.
-        state = (self._now, self.history._clock, id(self._uses))
+        state = (self._now, self.history._clock)  # (set_future starts the ranking over)
         if state == self._ranked_at and self._ranked.issuperset(candidates):
             wanted = set(candidates)
             for pid in self._ranking:
