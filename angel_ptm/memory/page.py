@@ -63,7 +63,6 @@ TRANSITIONS: dict[PageState, frozenset[PageState]] = {
 }
 
 RESTING_STATE = {tier: state for state, tier in _RESTING.items()}
-_WATCHED = frozenset({"state", "pin_count"})
 
 
 @dataclass(eq=False)
@@ -87,15 +86,9 @@ class Page:
     # tier without a write, as a dead page (PageManager.create_page(untouched=True)).
     untouched: bool = False
     home: int | None = None  # ZeRO: the rank that owns this page, when it is not this one (state REMOTE at rest)
-    # Told of every change of `state` or `pin_count` (the PageManager's index of eviction candidates)
+    # Told of every change of `state` or `pin_count` (the PageManager's index of eviction candidates; the two are
+    # properties, set below, so other attributes are set at plain speed)
     watcher: Callable[["Page"], None] | None = field(default=None, repr=False, compare=False)
-
-    def __setattr__(self, name: str, value) -> None:
-        object.__setattr__(self, name, value)
-        if name in _WATCHED:
-            watcher = self.__dict__.get("watcher")
-            if watcher is not None:
-                watcher(self)
 
     @property
     def name(self) -> str:
@@ -130,3 +123,23 @@ class Page:
         """The working copy changed: any disk copy is now stale."""
         self.version += 1
         self.untouched = False
+
+
+def _watched(name: str) -> property:
+    """A Page attribute kept in `_<name>` whose every change is told to the page's watcher."""
+    slot = f"_{name}"
+
+    def get(page: Page):
+        return page.__dict__[slot]
+
+    def set_(page: Page, value) -> None:
+        page.__dict__[slot] = value
+        watcher = page.__dict__.get("watcher")
+        if watcher is not None:
+            watcher(page)
+
+    return property(get, set_)
+
+
+Page.state = _watched("state")  # (after @dataclass: its __init__ sets them through the properties)
+Page.pin_count = _watched("pin_count")
