@@ -148,6 +148,7 @@ class ExpertParallelMoE(MoE):
     ep: EPComm
     placement: list[list[int]]
     count_loads: bool = False  # tokens per expert kept for the placement (Rebalancer), and the experts' time
+    _load_counts: torch.Tensor | None = None  # this rank's tokens per expert since the last take
     # Called with the local slots that receive rows from some rank, once the counts are exchanged (the engine
     # cancels the planned fetches of the others: units.watch_routing)
     on_local_routing = None
@@ -164,8 +165,7 @@ class ExpertParallelMoE(MoE):
 
     def take_load_counts(self) -> torch.Tensor:
         """This rank's tokens per expert since the last take (float64 on the CPU), reset."""
-        counts = getattr(self, "_load_counts", None)
-        self._load_counts = None
+        counts, self._load_counts = self._load_counts, None
         return torch.zeros(self.spec.experts, dtype=torch.float64) if counts is None else counts.double().cpu()
 
     def combine(self, flat: torch.Tensor, routing) -> torch.Tensor:
@@ -179,11 +179,13 @@ class ExpertParallelMoE(MoE):
         counts = torch.bincount(expert, minlength=experts)
         measured = self.count_loads and self.training and torch._C._current_graph_task_id() == -1
         if measured:
-            self._load_counts = counts if getattr(self, "_load_counts", None) is None else self._load_counts + counts
+            self._load_counts = counts if self._load_counts is None else self._load_counts + counts
         # The rows go out by slot over the group (rank, then slot): the expert order while no expert has moved
         outgoing = None
         if self._moved:
-            position = self._position.to(expert.device)[expert]
+            if self._position.device != expert.device:  # (moved to the compute device once per placement)
+                self._position = self._position.to(expert.device)
+            position = self._position[expert]
             outgoing = torch.argsort(position, stable=True)
             counts = torch.bincount(position, minlength=experts)
         received = ep.exchange(counts.view(ep.size, local).cpu(), [1] * ep.size, [1] * ep.size, "expert counts")
@@ -216,10 +218,11 @@ class ExpertParallelMoE(MoE):
         return out
 
 
-def apply_expert_parallel(model: nn.Module, comm: EPComm) -> nn.Module:
+def apply_expert_parallel(model: nn.Module, comm: EPComm, initial: Collectives | None = None) -> nn.Module:
     """Keep this rank's experts in every MoE layer of `model` (in place); every rank must apply it alike. The
-    experts are sliced from ep rank 0's values (broadcast first), so every rank starts from the 1-rank weights; on
-    the meta device, the layer keeps the others (shapes only) for materialization to draw the 1-rank values."""
+    experts are sliced from the values of rank 0 of `initial` (default: the ep group; broadcast first), so every
+    rank starts from the 1-rank weights; on the meta device, the layer keeps the others (shapes only) for
+    materialization to draw the 1-rank values."""
     layers = [m for m in model.modules() if isinstance(m, MoE)]
     if not layers:
         raise ConfigValueError("parallel.ep: the model has no MoE layer (model.moe) whose experts could be split")
@@ -230,12 +233,13 @@ def apply_expert_parallel(model: nn.Module, comm: EPComm) -> nn.Module:
             raise ConfigValueError(f"parallel.ep: {comm.size} ranks do not divide model.moe.experts "
                                    f"({layer.spec.experts})")
     meta = any(p.is_meta for p in model.parameters())
+    initial = initial or comm.collectives
     for layer in layers:
         experts = layer.spec.experts
-        if comm.collectives is not None and not meta:  # (on meta: every rank materializes the 1-rank values)
+        if initial is not None and not meta:  # (on meta: every rank materializes the 1-rank values)
             with torch.no_grad():
                 for param in layer.experts.parameters():
-                    comm.collectives.broadcast(param.data, 0, "ep initial experts")
+                    initial.broadcast(param.data, 0, "ep initial experts")
         local = experts // comm.size
         start = comm.rank * local
         every = list(layer.experts)
@@ -265,21 +269,14 @@ def apply_expert_parallel_for(model: nn.Module, mesh: Mesh, trace=None, on_failu
     """parallel.ep > 1: this rank's experts of every MoE layer (the engine calls it); None with ep 1."""
     if mesh.ep == 1:
         return None
-    if mesh.ep_group is not None and not any(p.is_meta for p in model.parameters()):
-        # ep < dp: every expert-parallel group starts from data-parallel rank 0's experts (replicas alike)
-        whole = Collectives(mesh)
-        if trace is not None:
-            whole.trace = trace
-        whole.on_failure = on_failure
-        with torch.no_grad():
-            for layer in [m for m in model.modules() if isinstance(m, MoE)]:
-                for param in layer.experts.parameters():
-                    whole.broadcast(param.data, 0, "ep initial experts (every group)")
-        whole.close()
     comm = EPComm(mesh, hierarchical=mesh.moe_a2a == "hierarchical")
     if comm.collectives is not None:
         if trace is not None:
             comm.collectives.trace = trace
         comm.collectives.on_failure = on_failure
-    apply_expert_parallel(model, comm)
+    # ep < dp: every expert-parallel group starts from data-parallel rank 0's experts (replicas alike)
+    whole = Collectives(mesh, trace, on_failure) if mesh.ep_group is not None else None
+    apply_expert_parallel(model, comm, initial=whole)
+    if whole is not None:
+        whole.close()
     return comm

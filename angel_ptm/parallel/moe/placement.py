@@ -205,12 +205,21 @@ class Rebalancer:
             self.loads[name] = values if old is None else [self.ema * o + (1 - self.ema) * v
                                                            for o, v in zip(old, values)]
         seconds_per_row, bandwidth = self._measured()
-        out = {}
+        out, moved = {}, []
         for name, layer in self.layers:
-            decision = self._decide(name, layer, seconds_per_row, bandwidth)
+            decision = decide(name, self.loads[name], layer.placement, self.threshold, seconds_per_row, bandwidth,
+                              self._expert_row_numel(name) * 8, self.every)
             if decision.moved:
                 self._migrate(name, layer, decision)
+                moved.append(name)
             out[name] = decision.as_dict()
+        if moved:  # once for every layer that moved: names follow the slots, compute copies take the masters
+            from angel_ptm.parallel.moe.dispatch import expert_names
+
+            self.expert_names.clear()
+            self.expert_names.update(expert_names(self.model))
+            if any(self.tensors.weights_kind(s) == "master" for s in self._expert_slots(moved[0], 0)):
+                self.parameters_written()  # mixed precision (every rank alike: a collective under ZeRO 1/2)
         self.decisions.append({"step": step, "layers": out})
         return out
 
@@ -231,31 +240,27 @@ class Rebalancer:
         per_row = FORWARD_AND_BACKWARD * seconds / rows if rows else 0.0
         return per_row, (sent / spent if spent > 0 else 0.0)
 
-    def _decide(self, name: str, layer, seconds_per_row: float, bandwidth: float) -> Decision:
-        return decide(name, self.loads[name], layer.placement, self.threshold, seconds_per_row, bandwidth,
-                      self._expert_row_numel(layer) * 8, self.every)
-
     # ------------------------------------------------------------------ moving experts
-    def _expert_slots(self, name: str, layer, local: int) -> list:
+    def _expert_slots(self, name: str, local: int) -> list:
+        """The layout slots of local expert `local` of layer `name`."""
         prefix = f"{name}.experts.{local}."
         return [s for s in self.layout.slots if s.name.startswith(prefix)]
 
-    def _expert_row_numel(self, layer) -> int:
+    def _expert_row_numel(self, name: str) -> int:
         """Float64 numbers that carry one expert's state: per tensor its weights and moments, and its step count."""
-        name = next(n for n, m in self.layers if m is layer)
-        return sum(s.numel * (1 + len(MOVED_KINDS)) + 1 for s in self._expert_slots(name, layer, 0))
+        return sum(s.numel * (1 + len(MOVED_KINDS)) + 1 for s in self._expert_slots(name, 0))
 
-    def _pack(self, name: str, layer, local: int) -> torch.Tensor:
+    def _pack(self, name: str, local: int) -> torch.Tensor:
         parts = []
-        for slot in self._expert_slots(name, layer, local):
+        for slot in self._expert_slots(name, local):
             parts.append(self.tensors.read(self.tensors.weights_kind(slot), slot).reshape(-1).double())
             parts += [self.tensors.read(kind, slot).reshape(-1).double() for kind in MOVED_KINDS]
             parts.append(torch.tensor([float(self.optimizer.slot_steps.get(slot.name, 0))], dtype=torch.float64))
         return torch.cat(parts)
 
-    def _unpack(self, name: str, layer, local: int, row: torch.Tensor) -> None:
+    def _unpack(self, name: str, local: int, row: torch.Tensor) -> None:
         at = 0
-        for slot in self._expert_slots(name, layer, local):
+        for slot in self._expert_slots(name, local):
             shape = tuple(slot.shape)
             for kind in (self.tensors.weights_kind(slot),) + MOVED_KINDS:  # (cast to each page's dtype)
                 self.tensors.write(kind, slot, row[at:at + slot.numel].view(shape))
@@ -266,7 +271,7 @@ class Rebalancer:
     def _migrate(self, name: str, layer, decision: Decision) -> None:
         """Every rank in the same order: the rows of the slots whose expert changes rank go to the expert's new
         rank (one all-to-all), are written into the slots that now hold it, and the dispatch takes the new
-        placement."""
+        placement (after_step then renames and recasts once for every layer moved)."""
         old, new = layer.placement, decision.new_slots
         ranks = len(old)
         held_at = {e: (r, i) for r, held in enumerate(old) for i, e in enumerate(held)}
@@ -277,24 +282,18 @@ class Rebalancer:
         outgoing = [(dst, src) for dst, src in moves if src[0] == me]  # sorted by destination rank and slot
         # a source's rows arrive in the order it sent them: by this rank's slot
         incoming = sorted(((src[0], dst[1]), dst) for dst, src in moves if dst[0] == me)
-        width = self._expert_row_numel(layer)
+        width = self._expert_row_numel(name)
         send = [sum(1 for dst, _ in outgoing if dst[0] == r) for r in range(ranks)]
         receive = [sum(1 for src, _ in incoming if src[0] == r) for r in range(ranks)]
-        rows = (torch.stack([self._pack(name, layer, src[1]) for _, src in outgoing]) if outgoing
+        rows = (torch.stack([self._pack(name, src[1]) for _, src in outgoing]) if outgoing
                 else torch.zeros(0, width, dtype=torch.float64))
         got = torch.zeros(sum(receive), width, dtype=torch.float64)
         self.ep.collectives.all_to_all(got, rows, receive, send, f"ep migrate {name}")
         for row, (_, dst) in zip(got, incoming):
-            self._unpack(name, layer, dst[1], row)
+            self._unpack(name, dst[1], row)
         self.bytes_moved += rows.numel() * 8
         self.migrations += 2 * len(decision.swaps)
         layer.set_placement(new)
-        from angel_ptm.parallel.moe.dispatch import expert_names
-
-        self.expert_names.clear()
-        self.expert_names.update(expert_names(self.model))
-        if any(self.tensors.weights_kind(s) == "master" for s in self._expert_slots(name, layer, 0)):
-            self.parameters_written()  # mixed precision: the compute copies take the masters written
 
 
 def rebalancer_for(engine) -> Rebalancer | None:
