@@ -23,21 +23,19 @@ from angel_ptm.failure import Failure
 from angel_ptm.estimate import estimate_job
 from angel_ptm.inputs import to_device
 from angel_ptm.lr import ConfigSchedule
-from angel_ptm.memory import Tier, build_layout
-from angel_ptm.memory.materialize import materialize_buffers
+from angel_ptm.memory import build_layout
+from angel_ptm.memory.materialize import buffers_onto
 from angel_ptm.memory.placement import CREATION_ORDER, compute_dtype, creation_order
-from angel_ptm.optim import PagedAdamW
-from angel_ptm.optim.loss_scaler import LossScaler
 from angel_ptm.page_tensors import PageTensors
 from angel_ptm.paging import Paging, choose_disk_dir, open_paging
-from angel_ptm.parallel.data_parallel import DataParallel, SingleRank, agree_on_job, join
+from angel_ptm.parallel.data_parallel import agree_on_job, join
 from angel_ptm.parallel.moe.placement import rebalancer_for
 from angel_ptm.parallel.split import split_model
 from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import StateAccess
-from angel_ptm.step import StepDriver, cast_master_into_parameters, copy_masters_into_params
+from angel_ptm.step import build_step, cast_master_into_parameters, copy_masters_into_params
 from angel_ptm.trace import TraceRecorder
-from angel_ptm.units import UnitsSpec, experts_as_units, find_units, optional_page_indexes, watch_routing
+from angel_ptm.units import UnitsSpec, experts_as_units, find_units, watch_experts
 
 STATE_KINDS = CREATION_ORDER  # the fp32 job's kinds in creation order (placement.creation_order: per job)
 
@@ -95,22 +93,15 @@ class Engine(StateAccess):
         # The front door of the step's page accesses: the binder, the optimizer and the gatherer go through it.
         self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
                                    activation_bytes=lambda: self.binder.take_activation_peak(), trace=self.trace)
-        optional = optional_page_indexes(model, self.layout)  # MoE experts: touched only when routed to
-        self.scheduler.optional_pages = self.manager.watched = frozenset(
-            p.id for ps in self.pages.values() for i, p in enumerate(ps) if p is not None and i in optional)
-        # Once a layer knows which experts compute (after its gate; under expert parallelism after the counts'
-        # exchange), the planned fetches of the others are cancelled
-        self._routing_hooks = (watch_routing(model, self.layout, self.pages, self.scheduler.route)
-                               if optional and experts_apart else [])  # (in their block's unit: always fetched)
+        # MoE experts: touched only when routed to; once a layer knows which compute, the others' fetches cancelled
+        self._routing_hooks = watch_experts(model, self.layout, self.pages, self.scheduler, self.manager,
+                                            experts_apart)
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         # Parameter values into their pages (a meta-device model materialized straight into them: `meta_init`)
         self.meta_init = self.tensors.fill_from(model)
         if "master" in self.pages:
             cast_master_into_parameters(model, self.scheduler, self.pages, self.layout, own, self.compute_dtype)
-        materialize_buffers(model, self.device)  # buffers built on the meta device (GPT's RoPE tables)
-        for buffer_name, buffer in list(model.named_buffers()):
-            module_name, _, leaf = buffer_name.rpartition(".")
-            model.get_submodule(module_name)._buffers[leaf] = buffer.to(self.device)
+        buffers_onto(model, self.device)  # (those built on the meta device computed there: GPT's RoPE tables)
 
         self.binder = ParamBinder(model, self.layout, self.manager, self.pages["param"], self.pages["grad"],
                                   self.device, self.units, access=self.scheduler)
@@ -119,34 +110,14 @@ class Engine(StateAccess):
         self._steps_done = 0
         self._schedule = ConfigSchedule(config)  # applied on step(); set_lr turns it off
         acts = config.activations
-        offload = None if acts.offload == "none" else ActivationPages(
-            self.scheduler, self.device, mem.page_bytes, acts.offload_min_bytes, write_behind=acts.offload == "disk")
-        self.binder.attach(recompute=acts.checkpoint, recompute_units=acts.units, offload=offload)
-        tcfg = config.trainer
-        # fp16: loss scaling. The binder notes inf/NaN gradients as they land; no page may be updated before the
-        # whole backward is known to be clean, so fp16 never updates during backward.
-        loss_scaler = LossScaler.from_config(config.optimizer) if tcfg.dtype == "float16" else None
-        staleness = config.optimizer.staleness
-        opt = config.optimizer
-        # Where an update pins its pages (placement.update_tier, resolved by the estimate, which checked they fit)
-        update_tier = Tier(self.estimate.update_tier)
-        self.optimizer = PagedAdamW(self.scheduler, self.layout, self.pages, opt.lr, opt.betas, opt.eps,
-                                    opt.weight_decay, update_tier, write_params=staleness == 0,
-                                    updates=own.updated)
-        self.data_parallel = SingleRank() if self.collectives is None else DataParallel(
-            self.collectives, own, self.manager, self.scheduler, self.layout, self.pages, update_tier,
-            self.estimate.gather_groups, self.estimate.largest_unit_groups, config.parallel.osdp)
-        self.data_parallel = self.split.wrap_step(self.data_parallel, self.layout)  # tp: norm, overflow over tp
-        if self.data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
-            self.binder.param_access = self.data_parallel.gatherer
-        # Updates during backward (planned scheduler, no clipping, no loss scaling, staleness 0) need every gradient
-        # final: with more than one rank, reduced during backward too (parallel/grad_sync.py), else not at all.
-        eager = (mem.scheduler == "planned" and opt.overlap_updates and not tcfg.grad_clip and loss_scaler is None
-                 and staleness == 0 and (self.mesh.dp == 1 or self.data_parallel.overlaps))
-        self.driver = StepDriver(model=model, layout=self.layout, pages=self.pages, binder=self.binder,
-                                 optimizer=self.optimizer, scheduler=self.scheduler, data_parallel=self.data_parallel,
-                                 ownership=own, grad_accum=tcfg.grad_accum, loss_scaler=loss_scaler,
-                                 eager_allowed=eager, staleness=staleness, n_units=len(self.units))
+        self.binder.attach(recompute=acts.checkpoint, recompute_units=acts.units, offload=None if acts.offload == "none"
+                           else ActivationPages(self.scheduler, self.device, mem.page_bytes, acts.offload_min_bytes,
+                                                write_behind=acts.offload == "disk"))
+        # The optimizer (pinning its pages where the estimate resolved), the data-parallel fixed points, the driver
+        self.optimizer, self.data_parallel, self.driver = build_step(
+            config, self.estimate, model=model, layout=self.layout, pages=self.pages, scheduler=self.scheduler,
+            manager=self.manager, binder=self.binder, collectives=self.collectives, ownership=own, mesh=self.mesh,
+            split=self.split, n_units=len(self.units))
         self._schedule.apply(self.optimizer, 0)
         self.rebalancer = rebalancer_for(self)  # parallel.moe_rebalance_every: experts move to balance the load
 
@@ -276,7 +247,6 @@ class Engine(StateAccess):
                 self.binder.detach(values)
             finally:
                 self._paging.close()
-
 
 
 def initialize(model: nn.Module, config=None, trace: TraceRecorder | None = None, units: UnitsSpec = None) -> Engine:

@@ -16,7 +16,10 @@ import torch
 
 from angel_ptm.errors import ConfigValueError
 from angel_ptm.memory import PageLayout, Tier
+from angel_ptm.optim import PagedAdamW
 from angel_ptm.optim.delayed import DelayedUpdates
+from angel_ptm.optim.loss_scaler import LossScaler
+from angel_ptm.parallel.data_parallel import DataParallel, SingleRank
 
 
 def copy_master_into_param(scheduler, pages, layout: PageLayout, index: int, tier: Tier,
@@ -49,6 +52,35 @@ def cast_master_into_parameters(model, scheduler, pages, layout: PageLayout, own
         for param in model.parameters():
             if param.is_floating_point() and param.dtype != compute_dtype:
                 param.data = torch.zeros((), dtype=compute_dtype).expand(param.shape)
+
+
+def build_step(config, estimate, *, model, layout: PageLayout, pages, scheduler, manager, binder, collectives,
+               ownership, mesh, split, n_units: int):
+    """The optimizer, the data-parallel fixed points and the StepDriver of a job, wired: (optimizer, data_parallel,
+    driver)."""
+    opt, tcfg, staleness = config.optimizer, config.trainer, config.optimizer.staleness
+    # fp16: loss scaling. The binder notes inf/NaN gradients as they land; no page may be updated before the whole
+    # backward is known to be clean, so fp16 never updates during backward.
+    loss_scaler = LossScaler.from_config(opt) if tcfg.dtype == "float16" else None
+    # Where an update pins its pages (placement.update_tier, resolved by the estimate, which checked they fit)
+    update_tier = Tier(estimate.update_tier)
+    optimizer = PagedAdamW(scheduler, layout, pages, opt.lr, opt.betas, opt.eps, opt.weight_decay, update_tier,
+                           write_params=staleness == 0, updates=ownership.updated)
+    data_parallel = SingleRank() if collectives is None else DataParallel(
+        collectives, ownership, manager, scheduler, layout, pages, update_tier, estimate.gather_groups,
+        estimate.largest_unit_groups, config.parallel.osdp)
+    data_parallel = split.wrap_step(data_parallel, layout)  # tp: the norm and the overflow agreed over tp too
+    if data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
+        binder.param_access = data_parallel.gatherer
+    # Updates during backward (planned scheduler, no clipping, no loss scaling, staleness 0) need every gradient
+    # final: with more than one rank, reduced during backward too (parallel/grad_sync.py), else not at all.
+    eager = (config.memory.scheduler == "planned" and opt.overlap_updates and not tcfg.grad_clip
+             and loss_scaler is None and staleness == 0 and (mesh.dp == 1 or data_parallel.overlaps))
+    driver = StepDriver(model=model, layout=layout, pages=pages, binder=binder, optimizer=optimizer,
+                        scheduler=scheduler, data_parallel=data_parallel, ownership=ownership,
+                        grad_accum=tcfg.grad_accum, loss_scaler=loss_scaler, eager_allowed=eager,
+                        staleness=staleness, n_units=n_units)
+    return optimizer, data_parallel, driver
 
 
 class StepDriver:

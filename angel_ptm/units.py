@@ -211,6 +211,16 @@ def watch_routing(model: nn.Module, layout, pages: dict, route) -> list:
     return handles
 
 
+def watch_experts(model: nn.Module, layout, pages: dict, scheduler, manager, experts_apart: bool) -> list:
+    """MoE experts' pages are optional (a step touches them only when routed to) and watched (their moves counted
+    apart); where experts are units of their own, their planned fetches are cancelled once routing is known
+    (`watch_routing`; in their block's unit they are always fetched). The routing hooks' handles."""
+    optional = optional_page_indexes(model, layout)
+    scheduler.optional_pages = manager.watched = frozenset(
+        p.id for ps in pages.values() for i, p in enumerate(ps) if p is not None and i in optional)
+    return watch_routing(model, layout, pages, scheduler.route) if optional and experts_apart else []
+
+
 class _Unset:
     """A handle whose remove() sets a callback attribute back to None."""
 

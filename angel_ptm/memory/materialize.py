@@ -218,6 +218,15 @@ def registration_order(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     return out
 
 
+def buffers_onto(model: nn.Module, device: torch.device) -> None:
+    """Every buffer of `model` on `device`: those on the meta device computed there first."""
+    materialize_buffers(model, device)
+    for name, module in model.named_modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device:
+                module._buffers[key] = buffer.to(device)
+
+
 def materialize_buffers(model: nn.Module, device: torch.device) -> None:
     """Give every buffer on the meta device real memory on `device`, filled by its module's `reset_buffers()`."""
     for name, module in model.named_modules():
