@@ -42,9 +42,9 @@ STATE_KINDS = CREATION_ORDER  # the fp32 job's kinds in creation order (placemen
 
 class Engine(StateAccess):
     def __init__(self, model: nn.Module, config: Config, trace: TraceRecorder | None = None,
-                 units: UnitsSpec = None):
+                 units: UnitsSpec = None, example_inputs=None):
         try:
-            self._set_up(model, config, trace, units)
+            self._set_up(model, config, trace, units, example_inputs)
         except BaseException:
             self._abandon()  # a refused or failed start leaves no threads, pools or page files behind
             raise
@@ -55,7 +55,8 @@ class Engine(StateAccess):
         if getattr(self, "_paging", None) is not None:
             self._paging.close()
 
-    def _set_up(self, model: nn.Module, config: Config, trace: TraceRecorder | None, units: UnitsSpec) -> None:
+    def _set_up(self, model: nn.Module, config: Config, trace: TraceRecorder | None, units: UnitsSpec,
+                example_inputs) -> None:
         self._paging = Paging()  # the tiers, opened in order; closed whole by close() or a failed start
         self.model, self.config = model, config
         self.trace = trace or TraceRecorder(None)
@@ -84,7 +85,8 @@ class Engine(StateAccess):
         # The estimate (angel-ptm estimate) runs first: a job that cannot fit is refused with the numbers, before
         # any allocation. It includes the largest layer's pages, which the device must hold at once.
         self.estimate = estimate_job(config, model, layout=self.layout, disk_dir=disk_dir, device=self.device,
-                                     units=self.units, ownership=own, local_world_size=self.mesh.local_world_size)
+                                     units=self.units, ownership=own, local_world_size=self.mesh.local_world_size,
+                                     example_inputs=example_inputs)  # (another model's activations traced with them)
         self.estimate.check()
         self._min_device_pages = max(self.estimate.largest_layer_pages, self.estimate.gather_pages)
         open_paging(self._paging, config, self.layout, self.kinds, own, self.estimate, self.mesh, self.device,
@@ -249,10 +251,13 @@ class Engine(StateAccess):
                 self._paging.close()
 
 
-def initialize(model: nn.Module, config=None, trace: TraceRecorder | None = None, units: UnitsSpec = None) -> Engine:
+def initialize(model: nn.Module, config=None, trace: TraceRecorder | None = None, units: UnitsSpec = None,
+               example_inputs=None) -> Engine:
     """Wrap `model`; `config` is a dict, a YAML path, an angel_ptm.Config or None (defaults). `units`: the paging
     units (angel_ptm/units.py): None for the default (each block of the model's repeated block lists, the root
-    owning the rest), a list of module types, or a predicate `module -> bool`."""
+    owning the rest), a list of module types, or a predicate `module -> bool`. `example_inputs`: one
+    micro-batch's forward arguments (a tuple, or a dict of keyword arguments; meta tensors will do), so the
+    estimate counts the activations of a model other than our GPT (traced, activations/footprint.py)."""
     if not isinstance(config, Config):
         config = load_config(config)
-    return Engine(model, config, trace=trace, units=units)
+    return Engine(model, config, trace=trace, units=units, example_inputs=example_inputs)

@@ -27,6 +27,7 @@ memory, not toward any tier budget.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -51,6 +52,8 @@ from angel_ptm.models.gpt import ActivationFootprint, activation_footprint
 from angel_ptm.parallel.grad_sync import reduction_buffer_bytes
 from angel_ptm.parallel.ownership import (Ownership, gather_capacity, gather_reserve, min_gather_device_pages,
                                           osdp_replicable)
+
+log = logging.getLogger("angel_ptm")
 
 MIXED_MASTER_NOTE = "param and grad pages hold bf16/fp16 in half their bytes"
 STALE_MASTER_NOTE = "optimizer.staleness 1: the delayed update writes it while a step computes with the param pages"
@@ -151,7 +154,7 @@ class Estimate:
         lines.append(f"    {'states':<11} {n_states:>6} pages  {format_bytes(self.states_bytes):>10}")
         lines.append(f"  largest unit '{self.largest_layer}': {self.largest_layer_pages} pages on the device at once;"
                      f" optimizer updates on the {self.update_tier}")
-        act = "unknown (not a GPT)" if self.activation_bytes is None else format_bytes(self.activation_bytes)
+        act = "unknown (not our GPT: pass example_inputs)" if self.activation_bytes is None else format_bytes(self.activation_bytes)
         if self.gather_pages:
             lines.append(f"  gathered parameter pages up to {self.gather_pages} on the device "
                          f"({format_bytes(self.gather_pages * self.page_bytes)}: "
@@ -195,7 +198,8 @@ class Estimate:
 def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Optional[PageLayout] = None,
                  disk_dir: Optional[str] = None, device: Optional[torch.device] = None,
                  units: Optional[Sequence[PagingUnit]] = None, gpu_memory: Optional[int] = None,
-                 ownership: Optional[Ownership] = None, local_world_size: int = 1) -> Estimate:
+                 ownership: Optional[Ownership] = None, local_world_size: int = 1,
+                 example_inputs=None) -> Estimate:
     """The memory estimate of the job `config` describes (a Config, dict, YAML path or None).
 
     `model`: an existing module to estimate (default: the config's model, built on the meta device, so nothing
@@ -205,7 +209,9 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     for the free memory of the GPU present, so a GPU job is estimated on a machine without one (the device budget
     "auto" resolves against it, and the device pool and activations must fit in it). `ownership`: this rank's
     share of the pages under data parallelism (default: one rank); `local_world_size`: processes on this machine,
-    which split its RAM."""
+    which split its RAM. `example_inputs`: one micro-batch's forward arguments (a tuple, or a dict of keyword
+    arguments; real or meta tensors), from which the activations of a model other than our dense GPT are traced
+    (activations/footprint.py); without them those are unknown."""
     if not isinstance(config, Config):
         config = load_config(config)
     mem = config.memory
@@ -241,10 +247,11 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     units = find_units(model, experts=experts_as_units(own.dp, own.stage, config.parallel.ep)) if units is None \
         else units
     largest_name, largest = largest_unit(model, layout, units)
+    acts = ActivationSource(model, config, example_inputs, units)
     names = {id(p): n for n, p in model.named_parameters()}
     _, chain_groups = device_pages_at_once(units, lambda p: {i // own.dp for i in layout.slot(names[id(p)]).pages})
     remote_pages = own.remote_count(layout.n_pages)  # ZeRO-3: other ranks' parameter pages, gathered here in turn
-    paged = activation_page_bytes(model, config, states_bytes)  # activations.offload's pages
+    paged = activation_page_bytes(acts, states_bytes)  # activations.offload's pages
     offload = config.activations.offload
     planned = plan_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes, device, page_bytes,
                            gpu_free=gpu_free, ram_available=ram_available, slack_bytes=largest * page_bytes,
@@ -306,7 +313,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
                                 f"the optimizer update (one page each of {', '.join(sorted(kinds))})"))
 
     # The machine: activations live on the compute device, outside the pools; on a CPU the device pool is RAM too.
-    activation = activation_bytes(model, config)
+    activation = activation_bytes(acts)
     pools = {tier: slots[tier] * page_bytes for tier in ("device", "host")}
     buffers = reduction_buffer_bytes(own.dp, own.stage, page_bytes)  # on the device with NCCL, in RAM on a CPU
     # A checkpoint written beside training copies the saved pages resting in memory (both pools) into host RAM at
@@ -322,7 +329,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
                                 + (f", collective buffers ({format_bytes(buffers)})" if buffers else "")
                                 + f" and activations ({format_bytes(activation or 0)}) in "
                                 + ("the given GPU memory" if gpu_memory is not None else "free GPU memory")
-                                + (activation_suggestion(model, config, gpu_free - pools["device"] - buffers)
+                                + (activation_suggestion(acts, gpu_free - pools["device"] - buffers)
                                    if activation else "")))
     host_spare = budgets["host"] - max(0, states_bytes - budgets["device"])
     if offload == "host" and paged and not budgets["disk"] and host_spare < paged:
@@ -338,7 +345,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
                                 + (f", checkpoint.async_save's copy of the saved pages in memory "
                                    f"({format_bytes(staged)})" if staged else "")
                                 + " in available RAM"
-                                + (activation_suggestion(model, config, ram_available - host_ram + (activation or 0))
+                                + (activation_suggestion(acts, ram_available - host_ram + (activation or 0))
                                    if device.type != "cuda" and activation else "")))
 
     # ZeRO-3: the other ranks' pages of the gathered groups, as many as the gatherer keeps (or the model has)
@@ -431,46 +438,95 @@ def expected_peaks(counts: dict[str, int], slots: dict[str, int], start: StartPl
     return {"device": device, "host": host, "disk": disk}
 
 
+class ActivationSource:
+    """Where a job's activation footprint comes from: the formula of our dense GPT (models.gpt), else a trace of
+    the model on fake tensors with the example inputs (activations/footprint.py: traced once, then evaluated per
+    setting), else nothing (unknown)."""
+
+    def __init__(self, model: nn.Module, config: Config, example_inputs=None, units=None):
+        self.model, self.config, self.example_inputs, self.units = model, config, example_inputs, units
+        self._traced = None
+
+    @property
+    def known(self) -> bool:
+        return self.formula or self.example_inputs is not None
+
+    @property
+    def formula(self) -> bool:
+        return isinstance(self.model, GPT) and self.model.cfg.moe is None  # MoE: routing decides; not modelled
+
+    @property
+    def n_units(self) -> int:
+        return self.model.cfg.n_layer + 1 if self.formula else len(self.units or ())
+
+    def footprint(self, checkpoint: Optional[str] = None, offload: Optional[str] = None) -> Optional[ActivationFootprint]:
+        """At data.batch_size (our GPT) or the example inputs' batch (one micro-batch), under the config's
+        activations section or the `checkpoint` / `offload` settings given; None when unknown."""
+        acts = self.config.activations
+        checkpoint = acts.checkpoint if checkpoint is None else checkpoint
+        offload = acts.offload if offload is None else offload
+        if self.formula:
+            dtype = compute_dtype(self.config)  # mixed precision: the model runs in it (the engine converts it)
+            dtype_bytes = dtype.itemsize if dtype is not None else next(
+                (p.element_size() for p in self.model.parameters() if p.is_floating_point()), 4)
+            return activation_footprint(self.model.cfg, self.config.data.batch_size, dtype_bytes, checkpoint,
+                                        offload != "none", acts.offload_min_bytes, self.config.parallel.tp,
+                                        self.config.parallel.sequence_parallel)
+        traced = self.traced(acts.units) if self.example_inputs is not None else None
+        return None if traced is None else traced.footprint(checkpoint, offload != "none", acts.offload_min_bytes)
+
+    def traced(self, types: tuple = ()):
+        if self._traced is None:
+            from angel_ptm.activations.footprint import trace_activations
+
+            units = self.units if self.units is not None else find_units(self.model)
+            inner = [u.module for u in units if u.parent is not None
+                     and (not types or type(u.module).__name__ in types)]
+            try:
+                self._traced = trace_activations(self.model, self.example_inputs, inner, compute_dtype(self.config))
+            except ConfigValueError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a forward fake tensors cannot run (data-dependent shapes)
+                log.warning(f"activations: the forward could not be traced with example_inputs ({type(err).__name__}: "
+                            f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); its activations "
+                            f"are not counted in the estimate")
+                self.example_inputs = None
+                return None
+        return self._traced
+
+
 def activation_footprint_of(model: nn.Module, config: Config, checkpoint: Optional[str] = None,
-                            offload: Optional[str] = None) -> Optional[ActivationFootprint]:
-    """models.gpt.activation_footprint for a GPT at data.batch_size (one micro-batch), under the config's
-    activations section (or the `checkpoint` / `offload` settings given); None for other models."""
-    if not isinstance(model, GPT) or model.cfg.moe is not None:  # MoE: routing decides; not modelled
-        return None
-    acts = config.activations
-    dtype = compute_dtype(config)  # mixed precision: the model runs in it (the engine converts the parameters)
-    dtype_bytes = dtype.itemsize if dtype is not None else next(
-        (p.element_size() for p in model.parameters() if p.is_floating_point()), 4)
-    offload = acts.offload if offload is None else offload
-    return activation_footprint(model.cfg, config.data.batch_size, dtype_bytes,
-                                acts.checkpoint if checkpoint is None else checkpoint, offload != "none",
-                                acts.offload_min_bytes, config.parallel.tp, config.parallel.sequence_parallel)
+                            offload: Optional[str] = None, example_inputs=None,
+                            units=None) -> Optional[ActivationFootprint]:
+    """The activation footprint of one micro-batch (ActivationSource.footprint): our dense GPT's at
+    data.batch_size, another model's traced with `example_inputs`; None when unknown."""
+    return ActivationSource(model, config, example_inputs, units).footprint(checkpoint, offload)
 
 
-def activation_bytes(model: nn.Module, config: Config) -> Optional[int]:
-    """The device-side activation peak of a GPT under the config (None for other models)."""
-    footprint = activation_footprint_of(model, config)
+def activation_bytes(acts: ActivationSource) -> Optional[int]:
+    """The device-side activation peak under the config (None when unknown)."""
+    footprint = acts.footprint()
     return None if footprint is None else footprint.device
 
 
-def activation_page_bytes(model: nn.Module, config: Config, states_bytes: int) -> int:
-    """Room the activation pages need (activations.offload): a GPT's paged activations with slack for packing;
-    for another model, whose activations are not modelled, as much as its states."""
-    if config.activations.offload == "none":
+def activation_page_bytes(acts: ActivationSource, states_bytes: int) -> int:
+    """Room the activation pages need (activations.offload): the paged activations with slack for packing; for a
+    model whose activations are unknown, as much as its states."""
+    if acts.config.activations.offload == "none":
         return 0
-    footprint = activation_footprint_of(model, config)
+    footprint = acts.footprint()
     if footprint is None:
         return states_bytes
-    page = config.memory.page_bytes
-    # A tensor that fits a page never straddles two: up to a tenth more, and two pages per layer of slack.
-    return (-(-footprint.paged * 11 // (10 * page)) + 2 * (model.cfg.n_layer + 1)) * page
+    page = acts.config.memory.page_bytes
+    # A tensor that fits a page never straddles two: up to a tenth more, and two pages per unit of slack.
+    return (-(-footprint.paged * 11 // (10 * page)) + 2 * acts.n_units) * page
 
 
-def activation_suggestion(model: nn.Module, config: Config, room: int) -> str:
-    """Which activations settings would bring a GPT's device-side activations within `room` bytes."""
+def activation_suggestion(acts: ActivationSource, room: int) -> str:
+    """Which activations settings would bring the device-side activations within `room` bytes."""
     fits = []
     for checkpoint, offload in (("selective", "none"), ("full", "none"), ("none", "host"), ("full", "host")):
-        footprint = activation_footprint_of(model, config, checkpoint, offload)
+        footprint = acts.footprint(checkpoint, offload)
         if footprint is not None and footprint.device <= room:
             setting = (f"activations.checkpoint {checkpoint}" if checkpoint != "none" else "") + \
                 (f"{' + ' if checkpoint != 'none' else ''}activations.offload {offload}" if offload != "none" else "")

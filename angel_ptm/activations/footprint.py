@@ -1,0 +1,184 @@
+"""The activation footprint of any model, traced: one forward on fake tensors (no memory, no compute) records what
+autograd saves for backward, unit by unit, and the footprint follows the rules the binder measures by -- the same
+ones models.gpt.activation_footprint writes out for our GPT.
+
+    footprint = traced_footprint(model, example_inputs, units, config)   # ActivationFootprint(device, paged)
+
+`example_inputs`: the forward's positional arguments (a tuple) or keyword arguments (a dict), as one micro-batch
+calls it; tensors may be real or on the meta device (only shapes and dtypes are read). Under mixed precision the
+parameters and floating inputs are traced in the compute dtype, as the engine runs them.
+
+What is counted, as the binder counts it (binding.py, activations/recompute.py): each saved storage once, page
+views (the parameters) never; with activations.checkpoint a checkpointed unit keeps its inputs (its boundary) and,
+under `selective`, the outputs of its matrix products and fused attention kernels (recompute.saved_ops), while
+backward's recomputation rebuilds one unit's saved tensors at a time; the peak is the end of forward or a unit's
+recomputation (the units before it still holding theirs), whichever is larger. With activations.offload, saved
+tensors of at least `offload_min_bytes` go into pages (without recomputation all of them, under it the
+boundaries), the rest stay on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from contextlib import ExitStack
+
+import torch
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves, tree_map
+
+from angel_ptm.activations.recompute import saved_ops
+from angel_ptm.errors import ConfigValueError
+from angel_ptm.models.gpt import ActivationFootprint
+
+
+@dataclasses.dataclass
+class UnitActivations:
+    """What one checkpointable unit's forward saved (storage bytes, each once), its boundary (the inputs a
+    checkpoint keeps) and the bytes of its matrix products' and attention kernels' outputs (selective keeps)."""
+
+    saved: dict[int, int] = dataclasses.field(default_factory=dict)  # storage -> bytes
+    boundary: dict[int, int] = dataclasses.field(default_factory=dict)
+    selective: int = 0
+
+    @property
+    def boundary_saved(self) -> int:
+        """Of the boundary, the bytes the unit's own forward saved (a unit whose first op saves its input)."""
+        return sum(n for key, n in self.boundary.items() if key in self.saved)
+
+
+@dataclasses.dataclass
+class TracedActivations:
+    """Saved-for-backward bytes of one micro-batch's forward: per checkpointable unit, in forward order, and the
+    rest (`root`: saved outside every such unit)."""
+
+    units: list[UnitActivations]
+    root: dict[int, int]
+
+    def footprint(self, checkpoint: str = "none", offload: bool = False,
+                  offload_min_bytes: int = 0) -> ActivationFootprint:
+        def paged(nbytes: int) -> bool:
+            return offload and nbytes >= max(1, offload_min_bytes)
+
+        def split(sizes) -> tuple[int, int]:
+            on_pages = sum(n for n in sizes if paged(n))
+            return sum(sizes) - on_pages, on_pages
+
+        root_device, root_paged = split(self.root.values())
+        if checkpoint == "none" or not self.units:
+            device, in_pages = split([n for unit in self.units for n in unit.saved.values()])
+            return ActivationFootprint(device + root_device, in_pages + root_paged)
+        if checkpoint not in ("full", "selective"):
+            raise ConfigValueError(f'activations.checkpoint: "none", "full" or "selective", got {checkpoint!r}')
+        kept, boundaries_paged, peak = 0, 0, 0
+        counted = set(self.root)  # a storage is kept once however many units take it (a shared attention mask)
+        for unit in self.units:
+            boundary = [n for key, n in unit.boundary.items() if key not in counted]
+            counted.update(unit.boundary)
+            boundary_device, boundary_paged = split(boundary)
+            inside = unit.selective if checkpoint == "selective" else 0
+            # Its recomputation rebuilds what its forward saved (the input it saved is the boundary, kept already)
+            rebuilt = sum(unit.saved.values()) - unit.boundary_saved
+            peak = max(peak, kept + rebuilt)
+            kept += inside + boundary_device
+            boundaries_paged += boundary_paged
+        return ActivationFootprint(max(kept + root_device, peak), boundaries_paged + root_paged)
+
+
+class _Producers(TorchDispatchMode):
+    """Notes the storages the selective policy's ops create (their outputs are what `selective` keeps)."""
+
+    def __init__(self):
+        super().__init__()
+        self.outputs: dict[int, int] = {}  # storage -> bytes
+        self.unit: UnitActivations | None = None
+        self.alive: list[torch.Tensor] = []  # (fake: no memory) a freed storage's key could name a new one
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if self.unit is not None and func.overloadpacket in saved_ops():
+            for leaf in tree_leaves(out):
+                if isinstance(leaf, torch.Tensor):
+                    key = _storage_key(leaf)
+                    if key not in self.outputs:
+                        self.alive.append(leaf)
+                        self.outputs[key] = leaf.untyped_storage().nbytes()
+                        self.unit.selective += self.outputs[key]
+        return out
+
+
+def _storage_key(tensor: torch.Tensor) -> int:
+    return StorageWeakRef(tensor.untyped_storage()).cdata
+
+
+def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Module],
+                      compute_dtype: torch.dtype | None = None) -> TracedActivations:
+    """One forward of `model` on fake tensors with `example_inputs` (a tuple of positional arguments or a dict of
+    keyword arguments), what autograd saves recorded per module of `checkpointed` (outermost ones: a unit inside
+    another is part of it). The model is left as it was."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    args, kwargs = (example_inputs, {}) if isinstance(example_inputs, (tuple, list)) else ((), example_inputs)
+    if not isinstance(kwargs, dict):
+        raise ConfigValueError(f"example_inputs: a tuple of positional arguments or a dict of keyword arguments, "
+                               f"got {type(example_inputs).__name__}")
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    outer = {id(m) for m in checkpointed}
+    tops = [m for name, m in model.named_modules() if id(m) in outer
+            and not any(id(a) in outer for a in _ancestors(model, name))]
+    units = [UnitActivations() for _ in tops]
+    root: dict[int, int] = {}
+    seen: set[int] = set()
+    current: list[UnitActivations | None] = [None]
+    params: set[int] = set()
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    producers = _Producers()
+
+    def fake(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        dtype = compute_dtype if compute_dtype is not None and t.is_floating_point() else t.dtype
+        with mode:
+            return torch.empty(tuple(t.shape), dtype=dtype, device=device)
+
+    def pack(tensor):
+        key = _storage_key(tensor)
+        if key not in params and key not in seen:
+            seen.add(key)
+            producers.alive.append(tensor)
+            (current[0].saved if current[0] is not None else root)[key] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    def enter(unit):
+        def hook(_module, hook_args, hook_kwargs):
+            current[0], producers.unit = unit, unit
+            for t in tree_leaves((hook_args, hook_kwargs)):
+                if isinstance(t, torch.Tensor) and (key := _storage_key(t)) not in params:
+                    unit.boundary[key] = t.untyped_storage().nbytes()
+                    producers.alive.append(t)
+        return hook
+
+    def leave(_module, _args, _kwargs, _out):
+        current[0] = producers.unit = None
+
+    with ExitStack() as stack:
+        for module, unit in zip(tops, units):
+            stack.callback(module.register_forward_pre_hook(enter(unit), with_kwargs=True).remove)
+            stack.callback(module.register_forward_hook(leave, with_kwargs=True, always_call=True).remove)
+        state = {name: fake(t) for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+        for name, p in model.named_parameters():
+            params.add(_storage_key(state[name]))
+            state[name].requires_grad_(p.requires_grad)
+        fake_args, fake_kwargs = tree_map(fake, (tuple(args), dict(kwargs)))
+        stack.enter_context(mode)
+        stack.enter_context(producers)
+        stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
+        stack.enter_context(torch.enable_grad())
+        torch.func.functional_call(model, state, fake_args, fake_kwargs, strict=False, tie_weights=True)
+    return TracedActivations(units, root)
+
+
+def _ancestors(model: nn.Module, name: str) -> list[nn.Module]:
+    parts = name.split(".") if name else []
+    return [model.get_submodule(".".join(parts[:i])) for i in range(len(parts))]
