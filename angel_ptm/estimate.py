@@ -247,7 +247,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     units = find_units(model, experts=experts_as_units(own.dp, own.stage, config.parallel.ep)) if units is None \
         else units
     largest_name, largest = largest_unit(model, layout, units)
-    acts = ActivationSource(model, config, example_inputs, units)
+    acts = ActivationSource(model, config, example_inputs, units, device)
     names = {id(p): n for n, p in model.named_parameters()}
     _, chain_groups = device_pages_at_once(units, lambda p: {i // own.dp for i in layout.slot(names[id(p)]).pages})
     remote_pages = own.remote_count(layout.n_pages)  # ZeRO-3: other ranks' parameter pages, gathered here in turn
@@ -443,8 +443,11 @@ class ActivationSource:
     the model on fake tensors with the example inputs (activations/footprint.py: traced once, then evaluated per
     setting), else nothing (unknown)."""
 
-    def __init__(self, model: nn.Module, config: Config, example_inputs=None, units=None):
+    def __init__(self, model: nn.Module, config: Config, example_inputs=None, units=None,
+                 device: Optional[torch.device] = None):
         self.model, self.config, self.example_inputs, self.units = model, config, example_inputs, units
+        # The kernels traced are the compute device's where it is here (a GPU job planned without a GPU: the CPU's)
+        self.device = device if device is None or device.type != "cuda" or torch.cuda.is_available() else None
         self._traced = None
 
     @property
@@ -483,7 +486,8 @@ class ActivationSource:
             inner = [u.module for u in units if u.parent is not None
                      and (not types or type(u.module).__name__ in types)]
             try:
-                self._traced = trace_activations(self.model, self.example_inputs, inner, compute_dtype(self.config))
+                self._traced = trace_activations(self.model, self.example_inputs, inner, compute_dtype(self.config),
+                                                 self.device)
             except ConfigValueError:
                 raise
             except Exception as err:  # noqa: BLE001 - a forward fake tensors cannot run (data-dependent shapes)

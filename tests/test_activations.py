@@ -199,6 +199,23 @@ def test_the_traced_activations_agree_with_our_gpts_formula():
         assert mine.paged == pytest.approx(formula.paged, rel=0.10), activations
 
 
+def test_a_model_built_on_the_meta_device_traces_as_the_one_built_on_the_cpu():
+    from angel_ptm.activations.footprint import trace_activations
+
+    def build():
+        layer = torch.nn.TransformerEncoderLayer(32, 4, dim_feedforward=64, dropout=0.0, batch_first=True)
+        return torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    with torch.device("meta"):
+        on_meta = build()
+    on_cpu = build()
+    footprints = [trace_activations(model, (torch.empty(4, 16, 32, device="meta"),), list(model.layers))
+                  for model in (on_meta, on_cpu)]
+    for setting in ("none", "full", "selective"):
+        assert footprints[0].footprint(setting) == footprints[1].footprint(setting), setting
+    assert footprints[0].footprint("full").device < footprints[0].footprint("none").device
+
+
 def test_a_forward_that_cannot_be_traced_leaves_the_activations_unknown(caplog):
     """A data-dependent forward (as an MoE router's) cannot run on fake tensors: a warning, and the estimate
     counts no activations rather than failing the job."""

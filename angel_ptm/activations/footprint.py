@@ -113,17 +113,22 @@ def _storage_key(tensor: torch.Tensor) -> int:
 
 
 def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Module],
-                      compute_dtype: torch.dtype | None = None) -> TracedActivations:
+                      compute_dtype: torch.dtype | None = None,
+                      device: torch.device | None = None) -> TracedActivations:
     """One forward of `model` on fake tensors with `example_inputs` (a tuple of positional arguments or a dict of
     keyword arguments), what autograd saves recorded per module of `checkpointed` (outermost ones: a unit inside
-    another is part of it). The model is left as it was."""
+    another is part of it). The model is left as it was. `device`: where the fake tensors say they are, so the
+    kernels the device would run are traced (default: the parameters' device; the CPU for a meta-device model)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     args, kwargs = (example_inputs, {}) if isinstance(example_inputs, (tuple, list)) else ((), example_inputs)
     if not isinstance(kwargs, dict):
         raise ConfigValueError(f"example_inputs: a tuple of positional arguments or a dict of keyword arguments, "
                                f"got {type(example_inputs).__name__}")
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device is None:
+        device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    if device.type == "meta":  # a model built on the meta device: the kernels are the CPU's
+        device = torch.device("cpu")
     outer = {id(m) for m in checkpointed}
     tops = [m for name, m in model.named_modules() if id(m) in outer
             and not any(id(a) in outer for a in _ancestors(model, name))]
