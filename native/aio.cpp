@@ -117,13 +117,24 @@ class Engine {
         // Each chunk has an I/O part and, when checksummed, a checksum part run by the checksum threads.
         const size_t parts = checksum ? 2 : 1;
         req->pending_chunks = n_chunks * parts;
-        py::gil_scoped_release no_gil;  // may block on a full queue
-        for (size_t i = 0; i < n_chunks; ++i) {
+        // Reads are what compute waits for: they may queue past a depth filled by write-backs.
+        const size_t depth = static_cast<size_t>(queue_depth_) * (req->op == Op::Read ? 2 : 1);
+        size_t i = 0;
+        {  // The chunks the queue has room for go in with the GIL held: releasing it for a call that does not block
+           // hands it to another Python thread, and this one then waits for it back (up to a switch interval).
+            std::lock_guard<std::mutex> lock(queue_mutex_);
+            for (; i < n_chunks && queue_.size() < depth && !stopping_; ++i) {
+                size_t start = i * chunk_bytes_;
+                queue_.push_back(Chunk{req, start, std::min(chunk_bytes_, nbytes - start)});
+            }
+        }
+        if (i > 0) not_empty_.notify_all();
+        if (i == n_chunks) return req;
+        py::gil_scoped_release no_gil;  // the rest may block on a full queue
+        for (; i < n_chunks; ++i) {
             size_t start = i * chunk_bytes_;
             size_t length = std::min(chunk_bytes_, nbytes - start);
             std::unique_lock<std::mutex> lock(queue_mutex_);
-            // Reads are what compute waits for: they may queue past a depth filled by write-backs.
-            const size_t depth = static_cast<size_t>(queue_depth_) * (req->op == Op::Read ? 2 : 1);
             not_full_.wait(lock, [this, depth] { return queue_.size() < depth || stopping_; });
             if (stopping_) {  // shut down mid-submit: the chunks not queued are reported, not lost silently
                 lock.unlock();
@@ -304,11 +315,20 @@ class Engine {
 
 }  // namespace angel
 
+// Calls below this many bytes of work keep the GIL (a CRC-32C of 1 MiB takes tens of microseconds): releasing it
+// lets another Python thread take it, and this one then waits for it back, up to the interpreter's switch interval.
+constexpr size_t kReleaseGilBytes = size_t{1} << 20;
+
 void register_aio(py::module_& m) {
     using angel::Engine;
     using angel::Request;
     py::class_<Request, std::shared_ptr<Request>>(m, "Request")
-        .def("wait", &Request::wait, py::call_guard<py::gil_scoped_release>(),
+        .def("wait",
+             [](Request& r) {
+                 if (r.done()) return;  // finished: the GIL is kept (releasing it would hand it away for nothing)
+                 py::gil_scoped_release no_gil;
+                 r.wait();
+             },
              "Block (without the GIL) until every chunk of the request has finished.")
         .def("done", &Request::done)
         .def_property_readonly("error", [](Request& r) { std::lock_guard<std::mutex> l(r.mutex); return r.error; })
@@ -344,6 +364,7 @@ void register_aio(py::module_& m) {
                 throw py::value_error("crc32c: a contiguous one-dimensional buffer is needed");
             const auto* bytes = static_cast<const uint8_t*>(info.ptr);
             size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+            if (nbytes < kReleaseGilBytes) return angel::crc32c_extend(value, bytes, nbytes);  // tens of us
             py::gil_scoped_release release;
             return angel::crc32c_extend(value, bytes, nbytes);
         },

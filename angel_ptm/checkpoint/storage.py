@@ -133,6 +133,7 @@ class CheckedWriter(FileSystemWriter):
                          and data.untyped_storage().nbytes() == data.numel() * data.element_size())
             with no_zip_crc():  # the manifest's CRC-32 covers these bytes already
                 torch.save(data, sink)
+        sink.finish()
         length = stream.tell() - offset
         results.append(WriteResult(index=item.index, size_in_bytes=length,
                                    storage_data=_CheckedInfo(name, offset, length, crc=sink.crc, dense=dense)))
@@ -192,18 +193,39 @@ def no_zip_crc():
 
 class CrcWriter(io.RawIOBase):
     """A write-only stream into `raw` that keeps the checksum (`function(data, value)`, zlib.crc32 by default)
-    of what passed."""
+    of what passed. Writes under `SMALL` bytes (torch.save's headers and records: ~40 per tensor) are gathered
+    and passed on together: each checksum call releases the GIL, and on a save beside training every release
+    hands the GIL to the training thread and waits up to a switch interval to get it back (a save of 225 items
+    took 3.5-4 s that way, and slowed the steps around it by the handoffs). `finish()` passes the rest on."""
+
+    SMALL = 64 << 10
 
     def __init__(self, raw, function=zlib.crc32):
         super().__init__()
         self.raw, self.function, self.crc = raw, function, 0
+        self._pending = bytearray()
 
     def writable(self) -> bool:
         return True
 
     def write(self, b) -> int:
-        self.crc = self.function(b, self.crc)
-        return self.raw.write(b)
+        view = memoryview(b).cast("B")
+        if len(view) < self.SMALL:
+            self._pending += view
+            if len(self._pending) >= self.SMALL:
+                self.finish()
+            return len(view)
+        self.finish()
+        self.crc = self.function(view, self.crc)
+        self.raw.write(view)
+        return len(view)
+
+    def finish(self) -> None:
+        """Everything written so far passed on (and checksummed)."""
+        if self._pending:
+            pending, self._pending = self._pending, bytearray()
+            self.crc = self.function(pending, self.crc)
+            self.raw.write(pending)
 
     def close(self) -> None:  # the file stays open for the next item
         pass

@@ -22,8 +22,6 @@ from __future__ import annotations
 import os
 import time
 
-import numpy as np
-
 from angel_ptm.errors import PageIOError
 from angel_ptm.io.engine import create_engine
 from angel_ptm.io.slot_file import ALIGNMENT, aligned_empty, open_direct
@@ -50,7 +48,9 @@ class SequentialWriter:
             os.close(self.fd)
             raise
         self._buffers = [aligned_empty(chunk, huge=False) for _ in range(depth)]
-        self._arrays = [b.numpy() for b in self._buffers]
+        # Filled by memoryview assignment: a memcpy with the GIL held (numpy's copy releases it above a few hundred
+        # bytes, and a writer beside training then waits for the GIL back after every chunk)
+        self._views = [memoryview(b.numpy()) for b in self._buffers]
         self._handles: list = [None] * depth
         self._k = self._fill = 0  # the chunk being filled, and how far
         self._written = 0  # where the chunk being filled starts in the file
@@ -84,7 +84,7 @@ class SequentialWriter:
         total, done = len(view), 0
         while done < total:
             n = min(total - done, self.chunk - self._fill)
-            self._arrays[self._k][self._fill: self._fill + n] = np.frombuffer(view[done: done + n], np.uint8)
+            self._views[self._k][self._fill: self._fill + n] = view[done: done + n]
             self._fill += n
             done += n
             if self._fill == self.chunk:
@@ -146,4 +146,4 @@ class SequentialWriter:
                 pass
         self.engine.close()
         os.close(self.fd)
-        self._buffers = self._arrays = []
+        self._buffers = self._views = []

@@ -24,6 +24,7 @@ In one run, interleaved round by round so every figure sees the same disk weathe
   `async_step_slowdown` = the steps while it is written, plus the time `save_checkpoint` blocked (the snapshot),
   over as many median steps of the `--async-steps` before and after it (goal <= 1.1), with the steps it spanned,
   its seconds and the bytes it staged (pages in memory); `--async-gbps` paces it (`checkpoint.async_max_gbps`).
+  `--repeats` saves, one after another, each round's figure and their median (`async_step_slowdown_each`).
 GB/s are 1e9 bytes per second; every figure is the median over `--repeats` rounds, the ratios the median of each
 round's ratio. Last line: one JSON object.
 """
@@ -177,6 +178,7 @@ def main(argv=None) -> dict:
     import angel_ptm.checkpoint  # noqa: F401
 
     import_bytes = psutil.Process().memory_info().rss - rss0
+    med = statistics.median
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     try:
         probe = GPT(GPTConfig(vocab_size=256, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
@@ -241,21 +243,27 @@ def main(argv=None) -> dict:
                 engine.step()
                 return time.perf_counter() - t0
 
+            rounds = []  # (slowdown, steps during, blocking seconds, save seconds, staged bytes, median step)
             base = [train_step() for _ in range(args.async_steps)]
-            t0 = time.perf_counter()
-            pending = engine.save_checkpoint(work / "async", background=True)
-            blocking = time.perf_counter() - t0  # the snapshot, taken before training goes on
-            during = []
-            while not pending.done() or not during:
-                during.append(train_step())
-            engine.wait_for_checkpoint()
-            after = [train_step() for _ in range(args.async_steps)]
+            for r in range(args.repeats):  # several saves beside training: the median, as for every figure
+                t0 = time.perf_counter()
+                pending = engine.save_checkpoint(work / f"async-{r}", background=True)
+                blocking = time.perf_counter() - t0  # the snapshot, taken before training goes on
+                during = []
+                while not pending.done() or not during:
+                    during.append(train_step())
+                engine.wait_for_checkpoint()
+                after = [train_step() for _ in range(args.async_steps)]
+                step = med(base + after)
+                rounds.append(((blocking + sum(during)) / (len(during) * step), len(during), blocking,
+                               pending.seconds, pending.staged_bytes, step))
+                shutil.rmtree(work / f"async-{r}", ignore_errors=True)
+                base = after
         finally:
             engine.close()
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
-    med = statistics.median
     result = {
         "checkpoint_bytes": ckpt_bytes, "params": per_kind // 4, "page_bytes": args.page_mib << 20,
         "states_in_use": in_use,
@@ -276,11 +284,14 @@ def main(argv=None) -> dict:
         "load_ratio_io": med([(r + w * b / ckpt_bytes) / l for r, w, b, l in zip(reads, writes, landed, loads)]),
         "rss_growth_pages": med(growth), "dcp_import_bytes": import_bytes, "rss_growth_pages_each": [round(g, 2) for g in growth],
         "torch_save_s": med(torch_s), "torch_save_gbps": torch_bytes / med(torch_s) / GB,
-        # steps while the background save ran, against the median of the steps before and after it
-        "async_step_slowdown": (blocking + sum(during)) / (len(during) * med(base + after)),
-        "async_steps_during": len(during), "async_max_gbps": args.async_gbps, "async_blocking_s": blocking,
-        "async_save_s": pending.seconds, "async_staged_bytes": pending.staged_bytes,
-        "step_s": med(base + after),
+        # steps while a background save ran, plus the time it blocked, against the median of the steps before and
+        # after it; the median over the rounds (each round's too)
+        "async_step_slowdown": med(r[0] for r in rounds),
+        "async_step_slowdown_each": [round(r[0], 3) for r in rounds],
+        "async_steps_during": med(r[1] for r in rounds), "async_max_gbps": args.async_gbps,
+        "async_blocking_s": med(r[2] for r in rounds), "async_blocking_s_each": [round(r[2], 3) for r in rounds],
+        "async_save_s": med(r[3] for r in rounds), "async_staged_bytes": med(r[4] for r in rounds),
+        "step_s": med(r[5] for r in rounds),
         "repeats": args.repeats,
     }
     if not args.json:
