@@ -28,7 +28,8 @@ from torch import nn
 
 from angel_ptm import guard
 from angel_ptm.activations import ActivationPages, PackedActivation, Recomputation
-from angel_ptm.errors import ConfigValueError, ParameterAccessError
+from angel_ptm.activations.recompute import checkpoint_modes
+from angel_ptm.errors import ParameterAccessError
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
 from angel_ptm.units import PagingUnit, unit_pages
 
@@ -137,24 +138,26 @@ class ParamBinder:
 
     # ------------------------------------------------------------------ wiring
     def attach(self, recompute: str = "none", recompute_units: tuple[str, ...] = (),
-               offload: ActivationPages | None = None) -> None:
+               offload: ActivationPages | None = None, unit_modes: dict | None = None) -> None:
         """Hooks on the model. `recompute` (activations.checkpoint: full | selective): the units of the types
-        `recompute_units` names (every unit but the root if none) recompute their forward in backward. `offload`:
-        saved tensors go into its activation pages (activations.offload)."""
+        `recompute_units` names (every unit but the root if none) recompute their forward in backward;
+        `unit_modes` (activations.unit_modes) gives some unit types a mode of their own (recompute.checkpoint_modes).
+        `offload`: saved tensors go into its activation pages (activations.offload)."""
         self.offload = offload
-        checkpointed = self._checkpointed_units(recompute, recompute_units)
+        modes = checkpoint_modes(self.units, recompute, recompute_units, unit_modes)
+        checkpointed = [unit for unit, mode in zip(self.units, modes) if mode != "none"]
         config = getattr(self.model, "config", None)
         if checkpointed and getattr(config, "use_cache", False):  # a HuggingFace model: as its own checkpointing does
-            log.warning(f"activations.checkpoint {recompute}: the model's config.use_cache set to False (a "
-                        f"recomputed layer would fill its key/value cache again)")
+            log.warning(f"activations.checkpoint {'/'.join(sorted(set(modes) - {'none'}))}: the model's "
+                        f"config.use_cache set to False (a recomputed layer would fill its key/value cache again)")
             config.use_cache = False
-        self.recomputation = Recomputation(self, recompute) if checkpointed else None
-        for unit in self.units:
+        self.recomputation = Recomputation(self) if checkpointed else None
+        for unit, mode in zip(self.units, modes):
             self._handles.append(unit.module.register_forward_pre_hook(self._unit_pre_hook(unit)))
             self._handles.append(unit.module.register_forward_hook(self._unit_post_hook(unit), always_call=True))
-            if unit in checkpointed:
+            if mode != "none":
                 self._recomputed.append(unit)
-                unit.module.forward = self.recomputation.wrap(unit, unit.module.forward)
+                unit.module.forward = self.recomputation.wrap(unit, unit.module.forward, mode)
         for module in self.model.modules():
             if any(True for _ in module.parameters(recurse=False)):
                 self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
@@ -165,19 +168,6 @@ class ParamBinder:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._accumulate_grad))
             guard.label(param, name, owner.get(id(param), "<root>"))
             guard.unbind(param, self._placeholders[id(param)])
-
-    def _checkpointed_units(self, mode: str, types: tuple[str, ...]) -> list[PagingUnit]:
-        if mode == "none":
-            return []
-        inner = [unit for unit in self.units if unit.parent is not None]
-        if not types:
-            return inner
-        known = sorted({type(unit.module).__name__ for unit in inner})
-        unknown = [name for name in types if name not in known]
-        if unknown:
-            raise ConfigValueError(f"activations.units: {', '.join(unknown)} names no paging unit of this model "
-                                   f"(its unit types: {', '.join(known) or 'none but the root'})")
-        return [unit for unit in inner if type(unit.module).__name__ in types]
 
     def detach(self, values: Callable[[TensorSlot], torch.Tensor] | None = None) -> None:
         """Remove every hook; with `values`, give each parameter its values as an ordinary tensor for good."""

@@ -112,9 +112,10 @@ class Engine(StateAccess):
         self._steps_done = 0
         self._schedule = ConfigSchedule(config)  # applied on step(); set_lr turns it off
         acts = config.activations
-        self.binder.attach(recompute=acts.checkpoint, recompute_units=acts.units, offload=None if acts.offload == "none"
-                           else ActivationPages(self.scheduler, self.device, mem.page_bytes, acts.offload_min_bytes,
-                                                write_behind=acts.offload == "disk"))
+        self.binder.attach(recompute=acts.checkpoint, recompute_units=acts.units, unit_modes=acts.unit_modes,
+                           offload=None if acts.offload == "none" else ActivationPages(
+                               self.scheduler, self.device, mem.page_bytes, acts.offload_min_bytes,
+                               write_behind=acts.offload == "disk"))
         # The optimizer (pinning its pages where the estimate resolved), the data-parallel fixed points, the driver
         self.optimizer, self.data_parallel, self.driver = build_step(
             config, self.estimate, model=model, layout=self.layout, pages=self.pages, scheduler=self.scheduler,

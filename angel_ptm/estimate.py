@@ -37,6 +37,7 @@ import psutil
 import torch
 from torch import nn
 
+from angel_ptm.activations.recompute import checkpoint_modes
 from angel_ptm.config import Config, format_bytes, load_config
 from angel_ptm.errors import ConfigValueError
 from angel_ptm.memory import PageLayout, build_layout, compute_device
@@ -48,7 +49,7 @@ from angel_ptm.memory.placement import (CREATION_ORDER, Problem, StartPlacement,
 from angel_ptm.memory.disk_dir import check_disk_dir
 from angel_ptm.memory.store import PageKind
 from angel_ptm.models import GPT, build_model
-from angel_ptm.models.gpt import ActivationFootprint, activation_footprint
+from angel_ptm.models.gpt import ActivationFootprint, Block, activation_footprint
 from angel_ptm.parallel.grad_sync import reduction_buffer_bytes
 from angel_ptm.parallel.ownership import (Ownership, gather_capacity, gather_reserve, min_gather_device_pages,
                                           osdp_replicable)
@@ -448,7 +449,7 @@ class ActivationSource:
         self.model, self.config, self.example_inputs, self.units = model, config, example_inputs, units
         # The kernels traced are the compute device's where it is here (a GPU job planned without a GPU: the CPU's)
         self.device = device if device is None or device.type != "cuda" or torch.cuda.is_available() else None
-        self._traced = None
+        self._traced: dict = {}  # the checkpointed modules' ids -> their trace
 
     @property
     def known(self) -> bool:
@@ -456,7 +457,10 @@ class ActivationSource:
 
     @property
     def formula(self) -> bool:
-        return isinstance(self.model, GPT) and self.model.cfg.moe is None  # MoE: routing decides; not modelled
+        """Our dense GPT in its own units (blocks and the root): the formula's case (MoE: routing decides; other
+        units: traced)."""
+        return (isinstance(self.model, GPT) and self.model.cfg.moe is None
+                and (self.units is None or all(isinstance(u.module, Block) for u in self.units if u.parent is not None)))
 
     @property
     def n_units(self) -> int:
@@ -464,30 +468,38 @@ class ActivationSource:
 
     def footprint(self, checkpoint: Optional[str] = None, offload: Optional[str] = None) -> Optional[ActivationFootprint]:
         """At data.batch_size (our GPT) or the example inputs' batch (one micro-batch), under the config's
-        activations section or the `checkpoint` / `offload` settings given; None when unknown."""
+        activations section (each unit's mode: recompute.checkpoint_modes) or the `checkpoint` / `offload`
+        settings given (`checkpoint`: every unit but the root); None when unknown."""
         acts = self.config.activations
-        checkpoint = acts.checkpoint if checkpoint is None else checkpoint
         offload = acts.offload if offload is None else offload
-        if self.formula:
+        if not self.formula and self.example_inputs is None:
+            return None
+        units = self.units if self.units is not None else find_units(self.model)
+        modes = (checkpoint_modes(units, acts.checkpoint, acts.units, acts.unit_modes) if checkpoint is None
+                 else checkpoint_modes(units, checkpoint))
+        if self.formula:  # our GPT's units are its blocks (one type, one mode) and the root
             dtype = compute_dtype(self.config)  # mixed precision: the model runs in it (the engine converts it)
             dtype_bytes = dtype.itemsize if dtype is not None else next(
                 (p.element_size() for p in self.model.parameters() if p.is_floating_point()), 4)
-            return activation_footprint(self.model.cfg, self.config.data.batch_size, dtype_bytes, checkpoint,
+            block_mode = next((m for u, m in zip(units, modes) if u.parent is not None), "none")
+            return activation_footprint(self.model.cfg, self.config.data.batch_size, dtype_bytes, block_mode,
                                         offload != "none", acts.offload_min_bytes, self.config.parallel.tp,
                                         self.config.parallel.sequence_parallel)
-        traced = self.traced(acts.units) if self.example_inputs is not None else None
-        return None if traced is None else traced.footprint(checkpoint, offload != "none", acts.offload_min_bytes)
+        mode_of = {id(u.module): m for u, m in zip(units, modes) if m != "none"}
+        traced = self.traced([u.module for u in units if id(u.module) in mode_of])
+        if traced is None:
+            return None
+        return traced.footprint([mode_of[id(m)] for m in traced.modules], offload != "none", acts.offload_min_bytes)
 
-    def traced(self, types: tuple = ()):
-        if self._traced is None:
+    def traced(self, checkpointed: list):
+        """The trace with these modules' saved tensors apart (cached per set of modules)."""
+        key = tuple(id(m) for m in checkpointed)
+        if key not in self._traced:
             from angel_ptm.activations.footprint import trace_activations
 
-            units = self.units if self.units is not None else find_units(self.model)
-            inner = [u.module for u in units if u.parent is not None
-                     and (not types or type(u.module).__name__ in types)]
             try:
-                self._traced = trace_activations(self.model, self.example_inputs, inner, compute_dtype(self.config),
-                                                 self.device)
+                self._traced[key] = trace_activations(self.model, self.example_inputs, checkpointed,
+                                                      compute_dtype(self.config), self.device)
             except ConfigValueError:
                 raise
             except Exception as err:  # noqa: BLE001 - a forward fake tensors cannot run (data-dependent shapes)
@@ -496,7 +508,7 @@ class ActivationSource:
                             f"are not counted in the estimate")
                 self.example_inputs = None
                 return None
-        return self._traced
+        return self._traced[key]
 
 
 def activation_footprint_of(model: nn.Module, config: Config, checkpoint: Optional[str] = None,

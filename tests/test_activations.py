@@ -216,6 +216,63 @@ def test_a_model_built_on_the_meta_device_traces_as_the_one_built_on_the_cpu():
     assert footprints[0].footprint("full").device < footprints[0].footprint("none").device
 
 
+def test_a_mode_per_unit_type(tmp_path):
+    """activations.unit_modes: our GPT in units of its attention and feed-forward modules (nested in the blocks,
+    which the root owns), each type in a mode of its own (over `checkpoint: none`): the same losses as keeping
+    everything (bitwise: the same kernels recompute the same values), the units of each type recomputed in its
+    mode, and the activation peak the trace measures equal to the estimate (traced with the same modes) within
+    5%."""
+    from angel_ptm.models import GPT, GPTConfig
+    from angel_ptm.models.gpt import Attention, FeedForward
+
+    cfg = GPTConfig(vocab_size=96, seq_len=32, n_layer=2, n_head=4, dim=48)
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randint(0, 96, (4, 32), generator=g) for _ in range(4)]
+    example = (torch.empty(4, 32, dtype=torch.long, device="meta"),) * 2
+    runs = {}
+    settings = {"keep": None, "mixed": {"Attention": "selective", "FeedForward": "full"},
+                "reversed": {"Attention": "full", "FeedForward": "selective"},
+                "only-ffn": {"Attention": "none", "FeedForward": "full"}}
+    for name, modes in settings.items():
+        torch.manual_seed(0)
+        job = {"memory": {"page_bytes": "8KiB", "disk_dir": str(tmp_path / name)}, "trainer": {"device": "cpu"},
+               "activations": {"unit_modes": modes}}
+        engine = angel_ptm.initialize(GPT(cfg), job, units=[Attention, FeedForward], example_inputs=example)
+        try:
+            losses = []
+            for tokens in batches:
+                loss = engine(tokens, tokens)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            wrapped = {unit.name: unit.module.forward for unit in engine.binder._recomputed}
+            runs[name] = (losses, engine.scheduler.last_trace.activation_peak, engine.estimate.activation_bytes,
+                          sorted(wrapped))
+        finally:
+            engine.close()
+    for name in settings:
+        assert runs[name][0] == runs["keep"][0], name
+        assert runs[name][2] == pytest.approx(runs[name][1], rel=0.05), name  # (within 0.2% here)
+    assert runs["keep"][3] == []
+    assert runs["mixed"][3] == sorted(f"layers.{i}.{part}" for i in range(2) for part in ("attention", "feed_forward"))
+    assert runs["only-ffn"][3] == [f"layers.{i}.feed_forward" for i in range(2)]
+    assert runs["mixed"][1] < runs["keep"][1] * 0.8
+    assert runs["mixed"][1] != runs["reversed"][1]  # each type in its own mode
+
+
+def test_unit_modes_are_checked():
+    assert load_config({"activations": {"unit_modes": {"Block": "full"}}}).activations.unit_modes == {"Block": "full"}
+    config = load_config({}, overrides=["activations.unit_modes.Block=selective"])
+    assert config.activations.unit_modes == {"Block": "selective"}
+    with pytest.raises(ConfigValueError, match=r"activations.unit_modes.Block: must be"):
+        load_config({"activations": {"unit_modes": {"Block": "sometimes"}}})
+    from angel_ptm.models import GPT, GPTConfig
+
+    with pytest.raises(ConfigValueError, match=r"activations.unit_modes: Decoder names no paging unit.*Block"):
+        angel_ptm.initialize(GPT(GPTConfig(vocab_size=32, seq_len=8, n_layer=1, n_head=2, dim=16)),
+                             {"activations": {"unit_modes": {"Decoder": "full"}}})
+
+
 def test_a_forward_that_cannot_be_traced_leaves_the_activations_unknown(caplog):
     """A data-dependent forward (as an MoE router's) cannot run on fake tensors: a warning, and the estimate
     counts no activations rather than failing the job."""

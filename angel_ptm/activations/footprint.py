@@ -28,7 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
-from angel_ptm.activations.recompute import saved_ops
+from angel_ptm.activations.recompute import MODES, saved_ops
 from angel_ptm.errors import ConfigValueError
 from angel_ptm.models.gpt import ActivationFootprint
 
@@ -40,7 +40,15 @@ class UnitActivations:
 
     saved: dict[int, int] = dataclasses.field(default_factory=dict)  # storage -> bytes
     boundary: dict[int, int] = dataclasses.field(default_factory=dict)
-    selective: int = 0
+    produced: dict[int, int] = dataclasses.field(default_factory=dict)  # the selective policy's ops' outputs
+    outputs: set = dataclasses.field(default_factory=set)  # the unit's output storages
+    root_before: int = 0  # how many of the root's saved storages were saved before the unit ran
+
+    @property
+    def selective(self) -> int:
+        """What selective recomputation keeps: its ops' outputs, less the unit's inputs and outputs (which are
+        alive anyway, as the binder counts them)."""
+        return sum(n for key, n in self.produced.items() if key not in self.outputs and key not in self.boundary)
 
     @property
     def boundary_saved(self) -> int:
@@ -55,9 +63,15 @@ class TracedActivations:
 
     units: list[UnitActivations]
     root: dict[int, int]
+    modules: list = dataclasses.field(default_factory=list)  # each unit's module
 
-    def footprint(self, checkpoint: str = "none", offload: bool = False,
-                  offload_min_bytes: int = 0) -> ActivationFootprint:
+    def footprint(self, checkpoint="none", offload: bool = False, offload_min_bytes: int = 0) -> ActivationFootprint:
+        """`checkpoint`: one mode for every unit, or a mode per unit (in `units`' order)."""
+        modes = [checkpoint] * len(self.units) if isinstance(checkpoint, str) else list(checkpoint)
+        if len(modes) != len(self.units) or any(mode not in MODES for mode in modes):
+            raise ConfigValueError(f'activations.checkpoint: "none", "full" or "selective" for each of '
+                                   f'{len(self.units)} units, got {checkpoint!r}')
+
         def paged(nbytes: int) -> bool:
             return offload and nbytes >= max(1, offload_min_bytes)
 
@@ -66,21 +80,24 @@ class TracedActivations:
             return sum(sizes) - on_pages, on_pages
 
         root_device, root_paged = split(self.root.values())
-        if checkpoint == "none" or not self.units:
-            device, in_pages = split([n for unit in self.units for n in unit.saved.values()])
-            return ActivationFootprint(device + root_device, in_pages + root_paged)
-        if checkpoint not in ("full", "selective"):
-            raise ConfigValueError(f'activations.checkpoint: "none", "full" or "selective", got {checkpoint!r}')
+        root_sizes = list(self.root.values())
         kept, boundaries_paged, peak = 0, 0, 0
         counted = set(self.root)  # a storage is kept once however many units take it (a shared attention mask)
-        for unit in self.units:
+        for unit, checkpoint in zip(self.units, modes):
+            if checkpoint == "none":  # autograd keeps what it saved, as the root's
+                device, in_pages = split(unit.saved.values())
+                kept += device
+                boundaries_paged += in_pages
+                counted.update(unit.saved)
+                continue
             boundary = [n for key, n in unit.boundary.items() if key not in counted]
             counted.update(unit.boundary)
             boundary_device, boundary_paged = split(boundary)
             inside = unit.selective if checkpoint == "selective" else 0
             # Its recomputation rebuilds what its forward saved (the input it saved is the boundary, kept already)
             rebuilt = sum(unit.saved.values()) - unit.boundary_saved
-            peak = max(peak, kept + rebuilt)
+            # ... while the units before it keep theirs, and what was saved outside units before it is alive
+            peak = max(peak, kept + split(root_sizes[: unit.root_before])[0] + rebuilt)
             kept += inside + boundary_device
             boundaries_paged += boundary_paged
         return ActivationFootprint(max(kept + root_device, peak), boundaries_paged + root_paged)
@@ -91,7 +108,6 @@ class _Producers(TorchDispatchMode):
 
     def __init__(self):
         super().__init__()
-        self.outputs: dict[int, int] = {}  # storage -> bytes
         self.unit: UnitActivations | None = None
         self.alive: list[torch.Tensor] = []  # (fake: no memory) a freed storage's key could name a new one
 
@@ -100,11 +116,8 @@ class _Producers(TorchDispatchMode):
         if self.unit is not None and func.overloadpacket in saved_ops():
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
-                    key = _storage_key(leaf)
-                    if key not in self.outputs:
-                        self.alive.append(leaf)
-                        self.outputs[key] = leaf.untyped_storage().nbytes()
-                        self.unit.selective += self.outputs[key]
+                    self.alive.append(leaf)
+                    self.unit.produced[_storage_key(leaf)] = leaf.untyped_storage().nbytes()
         return out
 
 
@@ -158,13 +171,19 @@ def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Mo
     def enter(unit):
         def hook(_module, hook_args, hook_kwargs):
             current[0], producers.unit = unit, unit
+            unit.root_before = len(root)
             for t in tree_leaves((hook_args, hook_kwargs)):
                 if isinstance(t, torch.Tensor) and (key := _storage_key(t)) not in params:
                     unit.boundary[key] = t.untyped_storage().nbytes()
                     producers.alive.append(t)
         return hook
 
-    def leave(_module, _args, _kwargs, _out):
+    def leave(_module, _args, _kwargs, out):
+        if current[0] is not None:
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    current[0].outputs.add(_storage_key(t))
+                    producers.alive.append(t)
         current[0] = producers.unit = None
 
     with ExitStack() as stack:
@@ -181,7 +200,7 @@ def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Mo
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
         stack.enter_context(torch.enable_grad())
         torch.func.functional_call(model, state, fake_args, fake_kwargs, strict=False, tie_weights=True)
-    return TracedActivations(units, root)
+    return TracedActivations(units, root, tops)
 
 
 def _ancestors(model: nn.Module, name: str) -> list[nn.Module]:

@@ -1,4 +1,4 @@
-"""Recomputation per paging unit (activations.checkpoint: full | selective).
+"""Recomputation per paging unit (activations.checkpoint: full | selective; per unit type: activations.unit_modes).
 
 A checkpointed unit's forward runs under `torch.utils.checkpoint` (non-reentrant, RNG state restored):
 
@@ -155,17 +155,45 @@ class _Recompute:
         self.owner.binder.count_activations(rebuilt)
 
 
+MODES = ("none", "full", "selective")
+
+
+def checkpoint_modes(units, checkpoint: str, types=(), unit_modes=None) -> list[str]:
+    """The activations.checkpoint mode of each of `units` (paging units; the root never recomputes): a type named
+    in `unit_modes` (activations.unit_modes) takes its mode there; otherwise `checkpoint` if `types`
+    (activations.units) is empty or names the type, else "none". A name that no unit of the model has is a
+    ConfigValueError listing the model's unit types. The binder, the estimate and the trace all ask here."""
+    unit_modes = unit_modes or {}
+    inner = sorted({type(u.module).__name__ for u in units if u.parent is not None})
+    for key, names in (("units", list(types)), ("unit_modes", list(unit_modes))):
+        unknown = [name for name in names if name not in inner]
+        if unknown:
+            raise ConfigValueError(f"activations.{key}: {', '.join(unknown)} names no paging unit of this model "
+                                   f"(its unit types: {', '.join(inner) or 'none but the root'})")
+    modes = []
+    for unit in units:
+        name = type(unit.module).__name__
+        if unit.parent is None:
+            modes.append("none")
+        elif name in unit_modes:
+            modes.append(unit_modes[name])
+        else:
+            modes.append(checkpoint if not types or name in types else "none")
+    return modes
+
+
 class Recomputation:
     """Wraps the forward of each checkpointed unit; `binder` binds parameters and counts activation bytes."""
 
-    def __init__(self, binder, mode: str):
-        if mode not in ("full", "selective"):
-            raise ConfigValueError(f'activations.checkpoint: "full" or "selective", got {mode!r}')
-        self.binder, self.mode = binder, mode
+    def __init__(self, binder):
+        self.binder = binder
         self.rebuilt = 0  # bytes the latest recomputation rebuilt (alive until its unit's backward is done)
 
-    def wrap(self, unit, forward: Callable) -> Callable:
-        selective = self.mode == "selective"
+    def wrap(self, unit, forward: Callable, mode: str) -> Callable:
+        """`unit`'s forward recomputed in backward (`mode` full or selective)."""
+        if mode not in ("full", "selective"):
+            raise ConfigValueError(f'activations.checkpoint: "full" or "selective", got {mode!r}')
+        selective = mode == "selective"
 
         def checkpointed(*args, **kwargs):
             if not torch.is_grad_enabled():

@@ -18,7 +18,7 @@ from typing import Any, Optional, Union
 
 import yaml
 
-from angel_ptm.config.schema import Config, MoESettings, field_types, section_classes
+from angel_ptm.config.schema import MAPPING_FIELDS, Config, field_types, section_classes
 from angel_ptm.config.sizes import show_value
 from angel_ptm.errors import ConfigError, ConfigTypeError, UnknownKeyError
 
@@ -142,7 +142,7 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     name, _, sub = name.partition(".")  # model.moe.experts: a key inside a mapping-valued field
     if section not in section_classes() or name not in field_types(section_classes()[section]):
         raise _unknown_key(key)
-    if sub and field_types(section_classes()[section])[name] is not MoESettings:
+    if sub and field_types(section_classes()[section])[name] not in MAPPING_FIELDS:
         raise _unknown_key(key)
     try:
         value = yaml.safe_load(value_text)

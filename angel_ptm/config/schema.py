@@ -62,6 +62,27 @@ def parse_moe(value: object, key: str) -> Optional[dict]:
 MoESettings = Annotated[Optional[dict], parse_moe]
 
 
+def parse_unit_modes(value: object, key: str) -> Optional[dict]:
+    """`activations.unit_modes`: null or a mapping of unit type (module class name) to "none", "full" or
+    "selective"."""
+    if value is None:
+        return None
+    if not isinstance(value, dict):
+        raise ConfigTypeError(f"{key}: expected a mapping of unit type to checkpoint mode, got {show_value(value)}")
+    out = {}
+    for name, mode in value.items():
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigValueError(f"{key}: keys are module class names, got {show_value(name)}")
+        if mode not in ("none", "full", "selective"):
+            raise ConfigValueError(f'{key}.{name}: must be "none", "full" or "selective", got {show_value(mode)}')
+        out[name] = mode
+    return out
+
+
+UnitModes = Annotated[Optional[dict], parse_unit_modes]
+MAPPING_FIELDS = (MoESettings, UnitModes)  # fields whose keys `--set section.field.key=value` may name
+
+
 @functools.cache
 def field_types(cls: type) -> dict[str, Any]:
     """Field name -> resolved annotation (``Annotated`` kept: it carries the byte-size parsers); no ClassVars."""
@@ -361,6 +382,9 @@ class ActivationsConfig(_Section):
     # The unit types (module class names, as `angel-ptm estimate` lists the units) that checkpoint; empty: every
     # unit but the model's root.
     units: Tuple[str, ...] = ()
+    # A mode per unit type, over `checkpoint` and `units` for the types it names (e.g. {Attention: selective,
+    # FeedForward: full}); null: none (angel_ptm/activations/recompute.py checkpoint_modes).
+    unit_modes: UnitModes = None
     # Saved tensors in activation pages (angel_ptm/activations/offload.py): "host" writes every saved tensor of at
     # least offload_min_bytes (under checkpointing: each checkpointed unit's inputs) into pages that the scheduler
     # moves like any page -- evicted from the device when the pool needs room, prefetched back before the backward
