@@ -291,6 +291,27 @@ def test_a_forward_that_cannot_be_traced_leaves_the_activations_unknown(caplog):
     assert "could not be traced" in caplog.text
 
 
+def test_a_collective_in_a_traced_forward_is_refused_before_it_reaches_the_process_group(caplog):
+    """A tensor- or expert-parallel layer communicates in its forward: traced on fake tensors, its collective
+    raises before the process group sees a fake tensor, and the activations stay unknown."""
+    from angel_ptm.parallel.collectives import Collectives
+
+    class Talks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            collectives = Collectives.__new__(Collectives)
+            collectives.failed = None
+            collectives._run("all_reduce", "tp test", 0, lambda: pytest.fail("a collective ran on fake tensors"))
+            return self.linear(x).sum()
+
+    with caplog.at_level("WARNING", logger="angel_ptm"):
+        assert activation_footprint_of(Talks(), load_config({}), example_inputs=(torch.randn(3, 4),)) is None
+    assert "a parallel layer's activations are not traced" in caplog.text
+
+
 # ------------------------------------------------------------------------------------------ selective and offload
 SETTINGS = {
     "selective": {"checkpoint": "selective"},

@@ -20,7 +20,7 @@ boundaries), the rest stay on the device.
 from __future__ import annotations
 
 import dataclasses
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 
 import torch
 from torch import nn
@@ -195,12 +195,25 @@ def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Mo
             params.add(_storage_key(state[name]))
             state[name].requires_grad_(p.requires_grad)
         fake_args, fake_kwargs = tree_map(fake, (tuple(args), dict(kwargs)))
+        stack.enter_context(_refusing_collectives())
         stack.enter_context(mode)
         stack.enter_context(producers)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
         stack.enter_context(torch.enable_grad())
         torch.func.functional_call(model, state, fake_args, fake_kwargs, strict=False, tie_weights=True)
     return TracedActivations(units, root, tops)
+
+
+@contextmanager
+def _refusing_collectives():
+    """A collective during the trace raises (it would hand fake tensors to the process group)."""
+    from angel_ptm.parallel.collectives import FAKE_TRACE
+
+    FAKE_TRACE.on = True
+    try:
+        yield
+    finally:
+        FAKE_TRACE.on = False
 
 
 def _ancestors(model: nn.Module, name: str) -> list[nn.Module]:

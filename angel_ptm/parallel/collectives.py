@@ -32,6 +32,9 @@ from angel_ptm.trace.recorder import TraceRecorder
 
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
 PAIRWISE_ON_GLOO = True  # gloo's page-group collectives as pairwise exchanges (tests turn it off to run NCCL's way)
+# Set while a forward runs on fake tensors (activations/footprint.py): a collective there (a tensor- or
+# expert-parallel layer's) is refused before it reaches the process group, which cannot move fake tensors.
+FAKE_TRACE = threading.local()
 
 
 def world_group(mesh: Mesh) -> Group:
@@ -91,6 +94,9 @@ class Collectives:
         counted from `since` (a wait: when the collective was issued, as the process group's timeout counts)."""
         if self.failed is not None:  # the group is poisoned: no rank may wait on it again
             raise self.failed
+        if getattr(FAKE_TRACE, "on", False):
+            raise RuntimeError(f"{name} ({what}) in a forward traced on fake tensors: a parallel layer's "
+                               f"activations are not traced")
         t0 = time.perf_counter()
         start = self.trace.now() if self.trace.enabled else 0.0
         try:
