@@ -398,3 +398,23 @@ def test_state_dicts_at_tp2_hold_whole_tensors_that_load_at_tp1_and_round_trip(t
         engine.close()
     plain = build()  # and torch itself takes the model's
     plain.load_state_dict(saved["model"])
+
+
+def test_tp_collectives_give_their_shapes_in_a_fake_tensor_trace():
+    """Traced on fake tensors (activations/footprint.py), a tp rank's collectives return what they would in shape
+    -- new storage where the collective makes one -- and never reach a process group (a planning comm has none)."""
+    from angel_ptm.parallel.collectives import FAKE_TRACE
+    from angel_ptm.parallel.tensor import TPComm
+
+    comm = TPComm.planning(2, sequence_parallel=True)
+    x = torch.randn(2, 8, 4)
+    FAKE_TRACE.on = True
+    try:
+        assert comm.all_reduce(x, "t") is x
+        assert comm.all_gather(x, 1, "t").shape == (2, 16, 4)
+        scattered = comm.reduce_scatter(x, 1, "t")
+        assert scattered.shape == (2, 4, 4) and scattered.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    finally:
+        FAKE_TRACE.on = False
+    with pytest.raises(TensorParallelError):
+        comm.all_reduce(x, "t")

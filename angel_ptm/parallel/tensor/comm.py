@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from angel_ptm.errors import TensorParallelError
-from angel_ptm.parallel.collectives import MAX, Collectives
+from angel_ptm.parallel.collectives import FAKE_TRACE, MAX, Collectives
 from angel_ptm.parallel.mesh import Mesh
 
 SEQ_DIM = 1
@@ -46,7 +46,11 @@ class TPComm:
             self.collectives.trace = trace
 
     # ---------------------------------------------------------------- raw collectives (no autograd)
+    # While a forward is traced on fake tensors (activations/footprint.py), each returns a tensor of the shape (and,
+    # where the collective makes one, the new storage) the collective would: the trace sees one rank's activations.
     def all_reduce(self, x: torch.Tensor, what: str, op=None) -> torch.Tensor:
+        if self.size > 1 and getattr(FAKE_TRACE, "on", False):
+            return x
         if self.size > 1 and self.collectives is None:
             raise TensorParallelError("a model split for planning (TPComm.planning) cannot run")
         if self.collectives is not None:
@@ -57,6 +61,8 @@ class TPComm:
         return self.all_reduce(x, what, op=MAX)
 
     def all_gather(self, x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+        if self.size > 1 and getattr(FAKE_TRACE, "on", False):
+            return torch.cat([x.contiguous()] * self.size, dim=dim)
         if self.collectives is None:
             return x
         x = x.contiguous()
@@ -65,6 +71,8 @@ class TPComm:
         return torch.cat(parts, dim=dim)
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, what: str) -> torch.Tensor:
+        if self.size > 1 and getattr(FAKE_TRACE, "on", False):
+            return self.split(x, dim)[self.rank].contiguous().clone()
         if self.collectives is None:
             return x
         parts = [p.contiguous() for p in self.split(x, dim)]

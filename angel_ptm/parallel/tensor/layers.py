@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from angel_ptm.errors import TensorParallelError
+from angel_ptm.parallel.collectives import FAKE_TRACE
 from angel_ptm.parallel.tensor.comm import TPComm, leave_region, reduce_from
 
 
@@ -200,6 +201,9 @@ class VocabShardedLogits(torch.Tensor):
 
     @staticmethod
     def wrap(local: torch.Tensor, comm: TPComm, vocab_start: int, full_vocab: int) -> "VocabShardedLogits":
+        if getattr(FAKE_TRACE, "on", False):  # a fake tensor cannot take the subclass
+            raise RuntimeError("vocabulary-parallel logits in a forward traced on fake tensors: a tensor-parallel "
+                               "model's activations are not traced (our GPT's are counted by formula)")
         out = local.as_subclass(VocabShardedLogits)
         out._tp = (comm, vocab_start, full_vocab)
         return out
