@@ -155,7 +155,8 @@ class Estimate:
         lines.append(f"    {'states':<11} {n_states:>6} pages  {format_bytes(self.states_bytes):>10}")
         lines.append(f"  largest unit '{self.largest_layer}': {self.largest_layer_pages} pages on the device at once;"
                      f" optimizer updates on the {self.update_tier}")
-        act = "unknown (not our GPT: pass example_inputs)" if self.activation_bytes is None else format_bytes(self.activation_bytes)
+        act = ("unknown (not our GPT: pass example_inputs)" if self.activation_bytes is None
+               else format_bytes(self.activation_bytes))
         if self.gather_pages:
             lines.append(f"  gathered parameter pages up to {self.gather_pages} on the device "
                          f"({format_bytes(self.gather_pages * self.page_bytes)}: "
@@ -452,21 +453,18 @@ class ActivationSource:
         self._traced: dict = {}  # the checkpointed modules' ids -> their trace
 
     @property
-    def known(self) -> bool:
-        return self.formula or self.example_inputs is not None
-
-    @property
     def formula(self) -> bool:
         """Our dense GPT in its own units (blocks and the root): the formula's case (MoE: routing decides; other
         units: traced)."""
-        return (isinstance(self.model, GPT) and self.model.cfg.moe is None
-                and (self.units is None or all(isinstance(u.module, Block) for u in self.units if u.parent is not None)))
+        blocks = self.units is None or all(isinstance(u.module, Block) for u in self.units if u.parent is not None)
+        return isinstance(self.model, GPT) and self.model.cfg.moe is None and blocks
 
     @property
     def n_units(self) -> int:
         return self.model.cfg.n_layer + 1 if self.formula else len(self.units or ())
 
-    def footprint(self, checkpoint: Optional[str] = None, offload: Optional[str] = None) -> Optional[ActivationFootprint]:
+    def footprint(self, checkpoint: Optional[str] = None,
+                  offload: Optional[str] = None) -> Optional[ActivationFootprint]:
         """At data.batch_size (our GPT) or the example inputs' batch (one micro-batch), under the config's
         activations section (each unit's mode: recompute.checkpoint_modes) or the `checkpoint` / `offload`
         settings given (`checkpoint`: every unit but the root); None when unknown."""
