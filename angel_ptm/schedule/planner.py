@@ -24,6 +24,7 @@ its gathers from the recorded sequence of page-group accesses (parallel/zero.py)
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -105,6 +106,8 @@ class _Tiers:
                 raise ScheduleError(f"{len(self.resident[tier])} pages rest on the {tier.value} tier, "
                                     f"which holds {capacity[tier]}")
 
+    on_place = None  # called with (pid, tier) after each move (the victim index follows residency)
+
     def place(self, pid: int, tier: Tier) -> None:
         old = self.loc[pid]
         if old is not Tier.DISK:
@@ -114,6 +117,45 @@ class _Tiers:
             self.resident[tier].add(pid)
             self.free[tier] -= 1
         self.loc[pid] = tier
+        if self.on_place is not None:
+            self.on_place(pid, tier)
+
+
+class _Victims:
+    """The resident pages of the device and host tiers ordered by the policy's key (Belady: farthest next use, then
+    least recently used, then lowest id; LRU: least recently used, then lowest id), as heaps whose stale entries
+    are skipped: finding a victim costs a few heap operations, not a scan of every resident page (a step of
+    thousands of accesses over thousands of pages -- an MoE model with many experts -- planned in seconds, not
+    minutes). A page's key changes only when it is used (its next use moves on, its last use is now), so `update`
+    is called then and whenever it changes tier."""
+
+    def __init__(self, key):
+        self.key = key  # (pid, t) -> the key to maximise (a tuple of numbers)
+        self.heaps: dict[Tier, list] = {Tier.DEVICE: [], Tier.HOST: []}
+        self.version: dict[int, int] = {}
+        self.loc: dict[int, Tier] = {}
+
+    def update(self, pid: int, tier: Tier, t: int) -> None:
+        version = self.version[pid] = self.version.get(pid, 0) + 1
+        self.loc[pid] = tier
+        if tier is not Tier.DISK:
+            heapq.heappush(self.heaps[tier], (tuple(-k for k in self.key(pid, t)), version, pid))
+
+    def victim(self, tier: Tier, protected: set[int]) -> int | None:
+        heap, skipped, found = self.heaps[tier], [], None
+        while heap:
+            entry = heap[0]
+            pid = entry[2]
+            if self.version.get(pid) != entry[1] or self.loc.get(pid) is not tier:
+                heapq.heappop(heap)  # stale: the page moved or was used since
+            elif pid in protected:
+                skipped.append(heapq.heappop(heap))
+            else:
+                found = pid
+                break
+        for entry in skipped:
+            heapq.heappush(heap, entry)
+        return found
 
 
 def grad_final_times(trace: StepTrace) -> dict[int, int]:
@@ -235,14 +277,17 @@ def plan_with_reserve(trace: StepTrace, residency: Mapping[int, Tier], capacity:
     last_used: dict[int, int] = {}
     groups: list[tuple[int, list[tuple[Op, int]]]] = []  # (access time, [(op, bytes)]) in order
 
+    # Belady: the farthest next use; among equals the least recently used, then the lowest id (as BeladyPolicy).
+    # LRU: the least recently used, then the lowest id.
+    victims = _Victims((lambda q, t: (next_use(q, t), -last_used.get(q, -1), -q)) if policy == "belady"
+                       else (lambda q, t: (-last_used.get(q, -1), -q)))
+    now = [-1]  # the access being simulated (a page placed now is keyed from it)
+    for pid, tier in sim.loc.items():
+        victims.update(pid, tier, -1)
+    sim.on_place = lambda pid, tier: victims.update(pid, tier, now[0])
+
     def victim_of(tier: Tier, t: int, protected: set[int]) -> int | None:
-        candidates = [q for q in sim.resident[tier] if q not in protected]
-        if not candidates:
-            return None
-        if policy == "lru":
-            return min(candidates, key=lambda q: (last_used.get(q, -1), q))
-        # Farthest next use; among equals the least recently used, then the lowest id (as BeladyPolicy).
-        return max(candidates, key=lambda q: (next_use(q, t), -last_used.get(q, -1), -q))
+        return victims.victim(tier, protected)
 
     def make_room(tier: Tier, t: int, protected: set[int], out: list) -> bool:
         victim = victim_of(tier, t, protected)
@@ -282,6 +327,7 @@ def plan_with_reserve(trace: StepTrace, residency: Mapping[int, Tier], capacity:
         return True
 
     for t in range(horizon):
+        now[0] = t
         access = trace[t % n]
         pinned = set(access.pages) | set(access.held)
         out: list[tuple[Op, int]] = []
@@ -295,6 +341,7 @@ def plan_with_reserve(trace: StepTrace, residency: Mapping[int, Tier], capacity:
             groups.append((t, out))
         for pid in access.pages:
             last_used[pid] = t
+            victims.update(pid, sim.loc[pid], t)
         sim.dirty.update(access.writes)
         for pid in access.discards:
             if sim.loc[pid] is not Tier.DISK:
