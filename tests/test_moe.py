@@ -350,7 +350,7 @@ def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_p
         memory = {"page_bytes": "16KiB", "disk_dir": str(tmp_path / str(units)), "scheduler": "planned",
                   "device_budget": "3MiB", "host_budget": "32MiB"}
         engine = angel_ptm.initialize(build(), engine_config(memory), units=units)
-        losses, deviations, skipped, cancelled = [], [], 0, 0
+        losses, deviations, skipped, cancelled, replans = [], [], 0, 0, []
         try:
             for x, y in batches:
                 loss = engine(x, y)
@@ -361,9 +361,11 @@ def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_p
                 deviations.append(stats.deviations)
                 skipped += stats.optional_skipped
                 cancelled += stats.optional_cancelled
+                replans.append((stats.replanned, stats.optional_unplanned))
             stats = engine.memory_stats()
             return losses, deviations, skipped, stats["moved"], dict(stats["expert_moved"], cancelled=cancelled,
-                                                                    wasted=stats["expert_prefetch_wasted"])
+                                                                    wasted=stats["expert_prefetch_wasted"],
+                                                                    replans=replans)
         finally:
             engine.close()
 
@@ -371,9 +373,16 @@ def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_p
     assert losses == pytest.approx(expected, rel=1e-6)
     assert deviations == [0] * len(batches)
     assert skipped > 0  # planned expert accesses the routing did not make
+    # The plan holds every expert routed to in the steps it learned from (a superset): a step re-plans only when
+    # its routing reaches an expert none of them did, never when it merely leaves some out
+    replans = experts["replans"]
+    assert all(replanned == (i == 0 or unplanned > 0) for i, (replanned, unplanned) in enumerate(replans)), replans
+    assert sum(replanned for replanned, _ in replans) < len(batches)
     whole, _, _, moved_whole, _ = run([Block])  # experts inside their blocks' units
     assert whole == losses
-    assert moved["host->device"] < 0.6 * moved_whole["host->device"]
+    # (the superset's planned fetches of experts a step does not route to are cancelled once its gate has routed;
+    # those issued before that come up unused: 0.62 here, 0.54 when every step re-planned from its own routing)
+    assert moved["host->device"] < 0.7 * moved_whole["host->device"]
     assert 0 < experts["host->device"] <= moved["host->device"]  # the experts' share, counted apart
     # Once the gate has routed, the planned fetches of experts with no token are cancelled: against the same job
     # with cancelling turned off, fewer expert bytes come up and fewer prefetches are wasted, the same losses

@@ -269,3 +269,23 @@ def test_trainer_logs_stall_moves_and_deviations_per_step(tmp_path):
     lanes = {e["lane"] for e in events if e["event"] == "interval"}
     assert {"compute", "disk", "copy"} <= lanes
     assert any(e["event"] == "mark" and e.get("name") == "plan" for e in events)
+
+
+def test_merging_optional_accesses_keeps_every_expert_in_an_order_both_steps_keep():
+    """An MoE step's trace and the trace its plan was made from, which differ only in optional accesses (experts
+    routed to in one and not the other): the union, in order; other accesses that differ give None."""
+    from angel_ptm.schedule.trace import Access, StepTrace, merge_optional
+
+    def trace(*labels):
+        return StepTrace([Access(label, (int(label[1:]),), Tier.DEVICE) for label in labels])
+
+    def optional(access):
+        return access.label.startswith("e")
+
+    learned = trace("a1", "e11", "e13", "a2", "e12", "a3")
+    new = trace("a1", "e12", "e13", "e14", "a2", "a3")
+    merged = merge_optional(learned, new, optional)
+    assert [a.label for a in merged.accesses] == ["a1", "e11", "e12", "e13", "e14", "a2", "e12", "a3"]
+    assert merged.accesses[0] is new.accesses[0]  # the accesses both make: the new step's
+    assert merge_optional(learned, trace("a1", "e11", "a4", "a3"), optional) is None
+    assert merge_optional(learned, trace("a1", "a2"), optional) is None

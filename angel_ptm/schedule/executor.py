@@ -31,7 +31,7 @@ from angel_ptm.memory.moves import Hop
 from angel_ptm.memory.page import Page, PageState, Tier
 from angel_ptm.memory.policy import BeladyPolicy, LRUPolicy
 from angel_ptm.schedule.planner import Op, Plan, plan_step
-from angel_ptm.schedule.trace import StepRecorder, StepTrace
+from angel_ptm.schedule.trace import StepRecorder, StepTrace, merge_optional
 from angel_ptm.trace.recorder import TraceRecorder
 
 RESYNC_WINDOW = 64  # accesses searched ahead of the plan's position for an unexpected access
@@ -181,6 +181,7 @@ class Scheduler:
         # demand and learned (the next plan follows this step's routing), not a deviation either.
         self.optional_pages: frozenset[int] = frozenset()
         self._learn = False
+        self._learned: StepTrace | None = None  # the trace (in the order recorded) the plan was made from
         self._keys: list[tuple] = []
         self._positions: dict[tuple, list[int]] = {}
         self._offsets: list[int] = []
@@ -284,9 +285,11 @@ class Scheduler:
         if not positions:
             return None
         i = bisect.bisect_left(positions, cursor)
-        if i < len(positions) and positions[i] - cursor <= RESYNC_WINDOW:
+        optional_gap = i < len(positions) and all(self._optional(self._keys[j][0])
+                                                  for j in range(cursor, positions[i]))
+        if i < len(positions) and (positions[i] - cursor <= RESYNC_WINDOW or optional_gap):
             skipped = range(cursor, positions[i])
-            if all(self._optional(self._keys[j][0]) for j in skipped):  # experts nothing was routed to
+            if optional_gap:  # experts nothing was routed to (a plan holds every expert routed to lately)
                 self.stats.optional_skipped += len(skipped)
                 for j in skipped:  # their planned moves for later accesses still serve those
                     self.executor.submit(self.plan.ops_after[j])
@@ -328,7 +331,13 @@ class Scheduler:
         stats.optional_cancelled = counts["cancelled"]
         counts.clear()
         if self.planned and len(trace) and (self.plan is None or stats.deviations or self._learn):
-            self._replan(trace)
+            basis = trace
+            if self._learn and not stats.deviations and self._learned is not None:
+                # Experts routed to now that the plan lacked: added to the ones it has (a superset, so routing that
+                # comes back makes no re-plan), unless the other accesses differ
+                basis = merge_optional(self._learned, trace, lambda a: self._optional(a.pages)) or trace
+            self._replan(basis)
+            self._learned = basis
             stats.replanned = True
         self._learn = False
         self.last_trace = trace

@@ -112,3 +112,49 @@ class StepRecorder:
 
     def __len__(self) -> int:
         return len(self._trace)
+
+
+def merge_optional(learned: StepTrace, new: StepTrace, optional) -> StepTrace | None:
+    """`learned` (the trace a plan was made from) and `new` (a later step's), where they differ only in optional
+    accesses (`optional(access)`: an MoE expert's, made only when routed to): every access of either, the ones both
+    make taken from `new`, each run of optional accesses between two others in the order of both. The plan made from
+    it holds a layer's experts as a superset, so a step routing to experts some earlier step did makes no re-plan.
+    None if their other accesses differ (a deviation: plan from `new` alone)."""
+    a, b, out = learned.accesses, new.accesses, []
+    i = j = 0
+    while i < len(a) or j < len(b):
+        run_a, run_b = [], []
+        while i < len(a) and optional(a[i]):
+            run_a.append(a[i])
+            i += 1
+        while j < len(b) and optional(b[j]):
+            run_b.append(b[j])
+            j += 1
+        out.extend(_union(run_a, run_b))
+        if i < len(a) and j < len(b):
+            if a[i].key() != b[j].key():
+                return None
+            out.append(b[j])
+            i, j = i + 1, j + 1
+        elif i < len(a) or j < len(b):
+            return None
+    return StepTrace(out)
+
+
+def _union(a: list[Access], b: list[Access]) -> list[Access]:
+    """Both runs' accesses, each key once (b's where both have it), in an order both runs keep."""
+    in_b = {access.key() for access in b}
+    out, i, j = [], 0, 0
+    while i < len(a) or j < len(b):
+        if i < len(a) and j < len(b) and a[i].key() == b[j].key():
+            out.append(b[j])
+            i, j = i + 1, j + 1
+        elif i < len(a) and a[i].key() not in in_b:
+            out.append(a[i])
+            i += 1
+        elif j < len(b):
+            out.append(b[j])
+            j += 1
+        else:  # a[i] is in b, further on: b's order places it
+            i += 1
+    return out
