@@ -58,16 +58,18 @@ def _farthest(future, candidates, now: int, last_use: dict) -> int:
 @settings(max_examples=80, deadline=None)
 @given(st.lists(st.integers(0, 9), min_size=1, max_size=40),
        st.lists(st.tuples(st.sampled_from(["access", "seek", "victim"]), st.integers(0, 60),
-                          st.sets(st.integers(0, 9), min_size=1)), max_size=60))
+                          st.sets(st.integers(0, 9), min_size=1), st.sampled_from([None, "device", "host"])),
+                max_size=60))
 def test_belady_keeps_next_uses_between_evictions_and_still_picks_what_a_fresh_scan_picks(future, ops):
-    """The victim keeps each page's next use until the clock passes it (or goes back): whatever the accesses,
-    seeks forward and back, it names the page a scan from scratch names."""
+    """The victim's index (a heap per group of candidates, each entry valid until its page is used or the clock
+    passes its next use) names, whatever the accesses, seeks forward and back and candidate sets coming and going
+    in each group, the page a scan from scratch names."""
     policy = BeladyPolicy(future)
-    for op, number, candidates in ops:
+    for op, number, candidates, group in ops:
         if op == "access":
             policy.on_access(number % 10)
         elif op == "seek":
             policy.seek(number)
         else:
             pool = sorted(candidates)
-            assert policy.victim(pool) == _farthest(future, pool, policy._now, policy.history._last_use)
+            assert policy.victim(pool, group) == _farthest(future, pool, policy._now, policy.history._last_use)

@@ -65,7 +65,7 @@ class NonBlockingMoves:
             candidates.remove(keep.id)
         if not candidates:
             return False
-        victim = self.pages[self.policy.victim(candidates)]
+        victim = self.pages[self.policy.victim(candidates, tier)]
         if next_use(victim.id) <= need:
             return False  # everything here is needed sooner than the page we would make room for
         if tier is Tier.DEVICE and not victim.droppable and self.pools[Tier.HOST].free_slots == 0:

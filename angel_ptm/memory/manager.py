@@ -376,7 +376,7 @@ class PageManager(RemotePages, NonBlockingMoves):
                     continue
                 raise BudgetError(tier.value, self.page_bytes, 0,
                                   what=f"one page ({pool.capacity} slots, all pinned or in flight)")
-            victim = self.pages[self.policy.victim(candidates)]
+            victim = self.pages[self.policy.victim(candidates, tier)]
             self._emit("evict", victim, tier, Tier.HOST if tier is Tier.DEVICE else Tier.DISK)
             self._start_down(victim, wait_for_room=True)
             self._wait_move(victim)

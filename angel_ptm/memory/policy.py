@@ -8,6 +8,7 @@ use is farthest away) serves every later iteration, whose access sequence the re
 from __future__ import annotations
 
 import bisect
+import heapq
 from collections import defaultdict
 from typing import Iterable, Protocol, Sequence
 
@@ -15,7 +16,7 @@ from typing import Iterable, Protocol, Sequence
 class Policy(Protocol):
     def on_access(self, page_id: int) -> None: ...
 
-    def victim(self, candidates: Sequence[int]) -> int: ...
+    def victim(self, candidates: Sequence[int], group=None) -> int: ...
 
 
 class LRUPolicy:
@@ -31,7 +32,7 @@ class LRUPolicy:
         self._clock += 1
         self._last_use[page_id] = self._clock
 
-    def victim(self, candidates: Sequence[int]) -> int:
+    def victim(self, candidates: Sequence[int], group=None) -> int:
         if not candidates:
             raise ValueError("no eviction candidates")
         return min(candidates, key=self.recency)
@@ -63,18 +64,19 @@ class BeladyPolicy:
         self._now = start
         self.deviations = 0
         self._sequence_length = sum(len(v) for v in self._uses.values())
-        # page -> its next use as last found (at a clock no later than now): still its next use until the clock
-        # passes it; cleared when the clock goes back
-        self._next: dict[int, float] = {}
-        # the last ranking of candidates (best first), and the clock it holds at (victim())
-        self._ranking: list[int] = []
-        self._ranked: set[int] = set()
-        self._ranked_at: tuple | None = None
+        self._reset_index()
+
+    def _reset_index(self) -> None:
+        """The victims' index (see `victim`), empty: it fills again from the next candidates."""
+        self._stamp: dict[int, int] = {}  # page -> how often its key has changed (an entry with another is stale)
+        self._heaps: dict = {}  # group -> heap of (negated key, stamp, page): the farthest next use on top
+        self._expiry: dict = {}  # group -> heap of (next use, stamp, page): keys the clock will pass
+        self._known: dict = {}  # group -> pages with a current entry in its heap
 
     def seek(self, position: int) -> None:
         """The next access is `position` of the known sequence (a scheduler keeps the clock in step with it)."""
         if position < self._now:
-            self._next = {}
+            self._reset_index()  # next uses move back: every key may change
         self._now = position
 
     def next_use(self, page_id: int) -> float:
@@ -90,40 +92,56 @@ class BeladyPolicy:
             self.deviations += 1
         self._now += 1
         self.history.on_access(page_id)
+        self._rekey(page_id)
+
+    def _rekey(self, page_id: int) -> None:
+        """`page_id`'s key changed: its entries are stale, a fresh one is made when it is next a candidate."""
+        self._stamp[page_id] = self._stamp.get(page_id, 0) + 1
+        for known in self._known.values():
+            known.discard(page_id)
 
     def _is_expected(self, page_id: int) -> bool:
         uses = self._uses[page_id]
         i = bisect.bisect_left(uses, self._now)
         return i < len(uses) and uses[i] == self._now
 
-    def victim(self, candidates: Sequence[int]) -> int:
+    def victim(self, candidates: Sequence[int], group=None) -> int:
+        """Farthest next use first; among equals the least recently used; then the lowest id (deterministic).
+
+        This runs on every eviction and every look for room, over every unpinned page of a tier (`group`: which
+        tier's, so each keeps its own index): a heap per group holds the candidates by key, each entry valid until
+        the page is used (its next use moves on, its last use is now) or the clock passes its next use unused (a
+        skipped access): then a fresh entry is pushed. A call costs a few heap operations, not a ranking of
+        thousands of pages."""
         if not candidates:
             raise ValueError("no eviction candidates")
-        # Farthest next use first; among equals the least recently used; then the lowest id (deterministic).
-        # This runs on every eviction (and every look for room), over every unpinned page of the tier; most calls
-        # come at the same clock as the one before (several evictions between two accesses), when every key is
-        # what it was: then the answer is the first page of that call's ranking that is still a candidate.
-        state = (self._now, self.history._clock)  # (set_future starts the ranking over)
-        if state == self._ranked_at and self._ranked.issuperset(candidates):
-            wanted = set(candidates)
-            for pid in self._ranking:
-                if pid in wanted:
-                    return pid
-        # A page's next use is found once and kept until the clock passes it (or goes back).
-        uses, now, cached, last_use = self._uses, self._now, self._next, self.history._last_use
-        inf = float("inf")
-        keys = []
-        for pid in candidates:
-            nxt = cached.get(pid)
-            if nxt is None or nxt < now:
-                page_uses = uses.get(pid)
-                i = bisect.bisect_left(page_uses, now) if page_uses else 0
-                nxt = cached[pid] = page_uses[i] if page_uses and i < len(page_uses) else inf
-            keys.append((nxt, -last_use.get(pid, 0), -pid))
-        keys.sort(reverse=True)
-        self._ranking = [-key[2] for key in keys]
-        self._ranked, self._ranked_at = set(self._ranking), state
-        return self._ranking[0]
+        heap = self._heaps.setdefault(group, [])
+        expiry = self._expiry.setdefault(group, [])
+        known = self._known.setdefault(group, set())
+        stamps, now = self._stamp, self._now
+        while expiry and expiry[0][0] < now:  # the clock passed these pages' next uses without them
+            _, stamp, pid = heapq.heappop(expiry)
+            if stamps.get(pid, 0) == stamp:
+                self._rekey(pid)
+        wanted = set(candidates)
+        last_use = self.history._last_use
+        for pid in wanted - known:
+            nxt = self.next_use(pid)
+            stamp = stamps.get(pid, 0)
+            heapq.heappush(heap, ((-nxt, last_use.get(pid, 0), pid), stamp, pid))
+            if nxt != float("inf"):
+                heapq.heappush(expiry, (nxt, stamp, pid))
+            known.add(pid)
+        while heap:
+            _, stamp, pid = heap[0]
+            if stamp != stamps.get(pid, 0):
+                heapq.heappop(heap)  # stale: a fresh entry exists, or will when the page is a candidate again
+            elif pid not in wanted:
+                heapq.heappop(heap)  # no longer a candidate here (moved, pinned): pushed again if it comes back
+                known.discard(pid)
+            else:
+                return pid
+        raise AssertionError("every candidate has an entry")  # (pushed above)
 
 
 def count_misses(policy: Policy, sequence: Sequence[int], capacity: int) -> int:
