@@ -14,7 +14,7 @@ import torch
 import angel_ptm
 from angel_ptm.config import load_config
 from angel_ptm.errors import ConfigValueError
-from angel_ptm.estimate import activation_footprint_of
+from angel_ptm.activations.source import activation_footprint_of
 from angel_ptm.trace import TraceRecorder
 from angel_ptm.viz import build_report
 from angel_ptm.viz.residency import CATEGORIES

@@ -76,7 +76,7 @@ def activation_peaks(rank: int, world: int, spec: dict, tmp: str) -> dict:
     import os
 
     from angel_ptm.config import load_config
-    from angel_ptm.estimate import activation_footprint_of
+    from angel_ptm.activations.source import activation_footprint_of
 
     out = {}
     for acts in ACTIVATIONS:

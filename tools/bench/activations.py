@@ -35,7 +35,8 @@ import time
 import torch
 
 import angel_ptm
-from angel_ptm.estimate import activation_footprint_of, estimate_job
+from angel_ptm.activations.source import activation_footprint_of
+from angel_ptm.estimate import estimate_job
 from angel_ptm.config import load_config
 from angel_ptm.models import GPT, GPTConfig
 

@@ -1,0 +1,131 @@
+"""Where a job's activation footprint comes from, for the estimate (angel_ptm/estimate.py): our dense GPT's formula
+(models.gpt.activation_footprint), any other model's trace on fake tensors (activations/footprint.py), or nothing;
+each unit in the checkpoint mode recompute.checkpoint_modes gives it."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+from torch import nn
+
+from angel_ptm.activations.recompute import checkpoint_modes
+from angel_ptm.config import Config, format_bytes
+from angel_ptm.errors import ConfigValueError
+from angel_ptm.memory.placement import compute_dtype
+from angel_ptm.models import GPT
+from angel_ptm.models.gpt import ActivationFootprint, Block, activation_footprint
+from angel_ptm.units import find_units
+
+log = logging.getLogger("angel_ptm")
+
+
+class ActivationSource:
+    """Where a job's activation footprint comes from: the formula of our dense GPT (models.gpt), else a trace of
+    the model on fake tensors with the example inputs (activations/footprint.py: traced once, then evaluated per
+    setting), else nothing (unknown)."""
+
+    def __init__(self, model: nn.Module, config: Config, example_inputs=None, units=None,
+                 device: Optional[torch.device] = None):
+        self.model, self.config, self.example_inputs, self.units = model, config, example_inputs, units
+        # The kernels traced are the compute device's where it is here (a GPU job planned without a GPU: the CPU's)
+        self.device = device if device is None or device.type != "cuda" or torch.cuda.is_available() else None
+        self._traced: dict = {}  # the checkpointed modules' ids -> their trace
+
+    @property
+    def formula(self) -> bool:
+        """Our dense GPT in its own units (blocks and the root): the formula's case (MoE: routing decides; other
+        units: traced)."""
+        blocks = self.units is None or all(isinstance(u.module, Block) for u in self.units if u.parent is not None)
+        return isinstance(self.model, GPT) and self.model.cfg.moe is None and blocks
+
+    @property
+    def n_units(self) -> int:
+        return self.model.cfg.n_layer + 1 if self.formula else len(self.units or ())
+
+    def footprint(self, checkpoint: Optional[str] = None,
+                  offload: Optional[str] = None) -> Optional[ActivationFootprint]:
+        """At data.batch_size (our GPT) or the example inputs' batch (one micro-batch), under the config's
+        activations section (each unit's mode: recompute.checkpoint_modes) or the `checkpoint` / `offload`
+        settings given (`checkpoint`: every unit but the root); None when unknown."""
+        acts = self.config.activations
+        offload = acts.offload if offload is None else offload
+        if not self.formula and self.example_inputs is None:
+            return None
+        units = self.units if self.units is not None else find_units(self.model)
+        modes = (checkpoint_modes(units, acts.checkpoint, acts.units, acts.unit_modes) if checkpoint is None
+                 else checkpoint_modes(units, checkpoint))
+        if self.formula:  # our GPT's units are its blocks (one type, one mode) and the root
+            dtype = compute_dtype(self.config)  # mixed precision: the model runs in it (the engine converts it)
+            dtype_bytes = dtype.itemsize if dtype is not None else next(
+                (p.element_size() for p in self.model.parameters() if p.is_floating_point()), 4)
+            block_mode = next((m for u, m in zip(units, modes) if u.parent is not None), "none")
+            return activation_footprint(self.model.cfg, self.config.data.batch_size, dtype_bytes, block_mode,
+                                        offload != "none", acts.offload_min_bytes, self.config.parallel.tp,
+                                        self.config.parallel.sequence_parallel)
+        mode_of = {id(u.module): m for u, m in zip(units, modes) if m != "none"}
+        traced = self.traced([u.module for u in units if id(u.module) in mode_of])
+        if traced is None:
+            return None
+        return traced.footprint([mode_of[id(m)] for m in traced.modules], offload != "none", acts.offload_min_bytes)
+
+    def traced(self, checkpointed: list):
+        """The trace with these modules' saved tensors apart (cached per set of modules)."""
+        key = tuple(id(m) for m in checkpointed)
+        if key not in self._traced:
+            from angel_ptm.activations.footprint import trace_activations
+
+            try:
+                self._traced[key] = trace_activations(self.model, self.example_inputs, checkpointed,
+                                                      compute_dtype(self.config), self.device)
+            except ConfigValueError:
+                raise
+            except Exception as err:  # noqa: BLE001 - a forward fake tensors cannot run (data-dependent shapes)
+                log.warning(f"activations: the forward could not be traced with example_inputs ({type(err).__name__}: "
+                            f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); its activations "
+                            f"are not counted in the estimate")
+                self.example_inputs = None
+                return None
+        return self._traced[key]
+
+
+def activation_footprint_of(model: nn.Module, config: Config, checkpoint: Optional[str] = None,
+                            offload: Optional[str] = None, example_inputs=None,
+                            units=None) -> Optional[ActivationFootprint]:
+    """The activation footprint of one micro-batch (ActivationSource.footprint): our dense GPT's at
+    data.batch_size, another model's traced with `example_inputs`; None when unknown."""
+    return ActivationSource(model, config, example_inputs, units).footprint(checkpoint, offload)
+
+
+def activation_bytes(acts: ActivationSource) -> Optional[int]:
+    """The device-side activation peak under the config (None when unknown)."""
+    footprint = acts.footprint()
+    return None if footprint is None else footprint.device
+
+
+def activation_page_bytes(acts: ActivationSource, states_bytes: int) -> int:
+    """Room the activation pages need (activations.offload): the paged activations with slack for packing; for a
+    model whose activations are unknown, as much as its states."""
+    if acts.config.activations.offload == "none":
+        return 0
+    footprint = acts.footprint()
+    if footprint is None:
+        return states_bytes
+    page = acts.config.memory.page_bytes
+    # A tensor that fits a page never straddles two: up to a tenth more, and two pages per unit of slack.
+    return (-(-footprint.paged * 11 // (10 * page)) + 2 * acts.n_units) * page
+
+
+def activation_suggestion(acts: ActivationSource, room: int) -> str:
+    """Which activations settings would bring the device-side activations within `room` bytes."""
+    fits = []
+    for checkpoint, offload in (("selective", "none"), ("full", "none"), ("none", "host"), ("full", "host")):
+        footprint = acts.footprint(checkpoint, offload)
+        if footprint is not None and footprint.device <= room:
+            setting = (f"activations.checkpoint {checkpoint}" if checkpoint != "none" else "") + \
+                (f"{' + ' if checkpoint != 'none' else ''}activations.offload {offload}" if offload != "none" else "")
+            fits.append(f"{setting} ({format_bytes(footprint.device)})")
+    if not fits:
+        return "; no activations setting fits: a smaller data.batch_size or model.seq_len"
+    return "; these fit: " + ", ".join(fits)
