@@ -113,3 +113,45 @@ def test_read_ahead_advises_in_order_within_its_window_and_stops(tmp_path):
         ahead.reached(5)
         settles_at([10 * i for i in range(9)])
     file.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
+def test_a_dense_tensors_archive_is_written_around_its_elements_byte_for_byte_as_torch_save_writes_it(dtype):
+    """The checkpoint writer keeps the archive torch.save writes around a dense tensor's elements, per layout
+    (storage.Containers), and writes later tensors of that layout as the same bytes with their own elements in:
+    byte for byte what torch.save writes (its records' CRC-32 off, as the writer has them; its serialization id
+    aside, should a torch draw one per save), which torch.load reads;
+    a small or non-dense tensor goes through torch.save every time."""
+    import io
+
+    from angel_ptm.checkpoint.storage import Containers, no_zip_crc
+
+    class Sink(io.RawIOBase):
+        def __init__(self):
+            super().__init__()
+            self.data = bytearray()
+
+        def writable(self):
+            return True
+
+        def write(self, b):
+            self.data += memoryview(b).cast("B")
+            return len(memoryview(b).cast("B"))
+
+    containers = Containers()
+    g = torch.Generator().manual_seed(0)
+    tensors = [(torch.randn(64, 40, generator=g) * 50).to(dtype) for _ in range(3)]
+    tensors += [torch.ones(3, dtype=dtype), (torch.randn(64, 40, generator=g) * 50).to(dtype).t()]  # small, strided
+    for tensor in tensors:
+        ours, theirs = Sink(), Sink()
+        dense = tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+        containers.write(tensor, ours, dense)
+        with no_zip_crc():
+            torch.save(tensor, theirs)
+        mine, torchs = bytes(ours.data), bytes(theirs.data)
+        assert len(mine) == len(torchs)
+        differ = [i for i, (a, b) in enumerate(zip(mine, torchs)) if a != b]
+        at = torchs.find(b".data/serialization_id")  # (an id torch may draw per save: its record alone may differ)
+        assert all(at < i < at + 22 + 30 + 64 for i in differ), differ[:8]
+        assert torch.equal(torch.load(io.BytesIO(mine)), tensor)
+    assert list(containers._known.values()) != [] and all(v is not None for v in containers._known.values())
