@@ -118,13 +118,13 @@ def test_read_ahead_advises_in_order_within_its_window_and_stops(tmp_path):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
 def test_a_dense_tensors_archive_is_written_around_its_elements_byte_for_byte_as_torch_save_writes_it(dtype):
     """The checkpoint writer keeps the archive torch.save writes around a dense tensor's elements, per layout
-    (storage.Containers), and writes later tensors of that layout as the same bytes with their own elements in:
+    (serialize.Containers), and writes later tensors of that layout as the same bytes with their own elements in:
     byte for byte what torch.save writes (its records' CRC-32 off, as the writer has them; its serialization id
     aside, should a torch draw one per save), which torch.load reads;
     a small or non-dense tensor goes through torch.save every time."""
     import io
 
-    from angel_ptm.checkpoint.storage import Containers, no_zip_crc
+    from angel_ptm.checkpoint.serialize import Containers, no_zip_crc
 
     class Sink(io.RawIOBase):
         def __init__(self):
