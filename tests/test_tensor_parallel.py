@@ -3,7 +3,8 @@ forward outputs and every full parameter's gradient (re-assembled from the shard
 1e-5; 20 steps of tp 2 give the 1-rank losses within 1e-5 in each placement, with and without sequence
 parallelism, for our GPT and a HuggingFace Llama (meta-device init and clipping too); dp 2 x tp 2 on 4 ranks with
 ZeRO 3 gives the losses of 1 rank with grad_accum 2; each rank holds 1/tp of every split tensor. Plans and
-dimensions that do not split are typed errors; so is any op on vocabulary-sharded logits but the loss.
+dimensions that do not split are typed errors; so is any op on vocabulary-sharded logits but the loss. Dropout
+draws one mask on replicated activations and each rank's own on split ones, and recomputation redraws the same.
 
 The ranks are spawned once per module group (tests/dist_harness.py) and run every job in turn.
 """
@@ -142,7 +143,52 @@ def whole_state_dicts(rank: int, world: int, spec: dict, tmp: str) -> dict:
             "path": os.path.join(tmp, "tp2-state.pt")}
 
 
-SPECIAL = {"layers": layer_grads, "activations": activation_peaks, "state_dicts": whole_state_dicts}
+def dropout_streams(rank: int, world: int, spec: dict, tmp: str) -> dict:
+    """A GPT with dropout 0.2 at tp 2, each rank's generator seeded differently after the build: the residual
+    dropout's masks (which elements it zeroed) and the block outputs of one training forward, and 3 engine steps
+    under each activations setting (recomputation must draw the masks the forward drew)."""
+    import os
+
+    from angel_ptm.config import load_config
+    from angel_ptm.parallel.mesh import init_mesh
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=96, seq_len=32, n_layer=2, n_head=4, dim=48, dropout=0.2))
+
+    mesh = init_mesh(load_config({"parallel": {"tp": world, "sequence_parallel": spec["sp"]}}).parallel)
+    model = build()
+    torch.manual_seed(100 + rank)  # parallelize() gives every tp rank tp rank 0's generator
+    comm = TPComm(mesh)
+    parallelize(model, comm, plan_for(model))
+    masks, outputs = [], []
+    model.layers[0].resid_dropout.register_forward_hook(lambda m, a, out: masks.append((out == 0).tolist()))
+    model.layers[1].register_forward_hook(lambda m, a, out: outputs.append(out.tolist()))
+    tokens = torch.randint(0, 96, (4, 32), generator=torch.Generator().manual_seed(1))
+    model(tokens, tokens).backward()
+    out = {"masks": masks, "block_output": outputs[0], "forks": comm.random.forks}
+    for acts in ("none", "full", "selective", "offload"):
+        engine = angel_ptm.initialize(build(), {
+            "memory": {"page_bytes": "16KiB", "disk_dir": os.path.join(tmp, f"drop-{acts}-{rank}")},
+            "trainer": {"device": "cpu"}, "model": {"dropout": 0.2},
+            "parallel": {"tp": world, "sequence_parallel": spec["sp"]},
+            "activations": {"offload": "host"} if acts == "offload" else {"checkpoint": acts}})
+        try:
+            torch.manual_seed(5)
+            losses = []
+            for _ in range(3):
+                loss = engine(tokens, tokens)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            out[acts] = losses
+        finally:
+            engine.close()
+    return out
+
+
+SPECIAL = {"layers": layer_grads, "activations": activation_peaks, "state_dicts": whole_state_dicts,
+           "dropout": dropout_streams}
 
 
 def run_all(rank: int, world: int, specs: list, tmp: str) -> dict:
@@ -157,13 +203,14 @@ LAYER_JOBS = [dict(name=f"layers-{m}-{'sp' if sp else 'tp'}", kind="layers", mod
               for m in ("gpt", "llama") for sp in (False, True)]
 ACTIVATION_JOBS = [dict(name=f"activations-{'sp' if sp else 'tp'}", kind="activations", sp=sp) for sp in (False, True)]
 STATE_DICT_JOB = job("state-dicts", kind="state_dicts", tp=2, placement="device+host")
+DROPOUT_JOBS = [dict(name=f"dropout-{'sp' if sp else 'tp'}", kind="dropout", sp=sp) for sp in (False, True)]
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp2")
-    return values(spawn(2, run_all, (list(TP_JOBS) + LAYER_JOBS + ACTIVATION_JOBS + [STATE_DICT_JOB], str(tmp)),
-                        tmp))
+    jobs = list(TP_JOBS) + LAYER_JOBS + ACTIVATION_JOBS + [STATE_DICT_JOB] + DROPOUT_JOBS
+    return values(spawn(2, run_all, (jobs, str(tmp)), tmp))
 
 
 @pytest.fixture(scope="module")
@@ -249,6 +296,27 @@ def test_dp2_tp2_on_four_ranks_gives_the_one_rank_losses_with_grad_accum_2(four_
     for rank in range(4):
         assert four_ranks[rank][name]["losses"] == got["losses"]
     assert_close(got["losses"], one_rank(spec, tmp_path, accum=2)["losses"])
+
+
+@pytest.mark.parametrize("name", [j["name"] for j in DROPOUT_JOBS])
+def test_dropout_draws_shared_masks_on_replicated_activations_and_own_masks_on_shards(two_ranks, name):
+    """Megatron's model-parallel RNG: without sequence parallelism the residual stream is replicated, so every tp
+    rank draws the same residual-dropout mask and the block outputs stay equal on both ranks (although their
+    generators were seeded differently); with it, the residual stream is sequence shards and each rank draws its
+    own mask. Recomputation and offload draw what the forward drew: the same losses, bitwise."""
+    result(two_ranks, name)
+    got = [by_job[name] for by_job in two_ranks]
+    assert got[0]["forks"] > 0 and got[1]["forks"] == got[0]["forks"]
+    same_masks = got[0]["masks"] == got[1]["masks"]
+    if name.endswith("-tp"):
+        assert same_masks
+        assert got[0]["block_output"] == got[1]["block_output"]
+    else:
+        assert not same_masks
+    for rank in (0, 1):
+        runs = got[rank]
+        assert runs["none"] == runs["full"] == runs["selective"] == runs["offload"], runs
+        assert runs["none"] == got[0]["none"]  # the loss is the same on both tp ranks
 
 
 @pytest.mark.parametrize("name", [j["name"] for j in ACTIVATION_JOBS])
@@ -418,3 +486,95 @@ def test_tp_collectives_give_their_shapes_in_a_fake_tensor_trace():
         FAKE_TRACE.on = False
     with pytest.raises(TensorParallelError):
         comm.all_reduce(x, "t")
+
+
+def _draws(rank, replicated_inside: bool):
+    """One tp rank's draws: before a split scope, inside it, after the activations turn replicated inside it (or
+    nothing), and after it."""
+    from angel_ptm.parallel.tensor.rng import ShardedRandom
+
+    rng = ShardedRandom(rank, 2)
+    torch.manual_seed(3)
+    before = torch.rand(4)
+    rng.fork()
+    inside = torch.rand(4)
+    after_exit = None
+    if replicated_inside:
+        rng.replicated()
+        after_exit = torch.rand(4)
+    rng.join()
+    return before, inside, after_exit, torch.rand(4)
+
+
+@pytest.mark.parametrize("replicated_inside", [False, True])
+def test_a_split_scope_draws_per_rank_and_leaves_the_shared_stream_in_step(replicated_inside):
+    """Inside a scope each tp rank draws its own numbers; outside it, and after a row-parallel exit inside it (a
+    dropout after the exit, as GPT-2's attention has), every rank draws the same ones, and the shared stream goes
+    on as if the scope had drawn one number."""
+    zero, one = _draws(0, replicated_inside), _draws(1, replicated_inside)
+    assert torch.equal(zero[0], one[0]) and not torch.equal(zero[1], one[1])
+    if replicated_inside:
+        assert torch.equal(zero[2], one[2])
+    assert torch.equal(zero[3], one[3])
+    torch.manual_seed(3)
+    torch.rand(4)
+    torch.empty((), dtype=torch.int64).random_(0, 1 << 62)  # the scope's one draw
+    expected = torch.rand(4)
+    assert torch.equal(zero[2] if replicated_inside else zero[3], expected)
+
+
+def test_recomputation_draws_the_masks_the_forward_drew():
+    """A scoped dropout module under torch's checkpoint (which restores the generator where the unit began): the
+    recomputed masks are the forward's, so the gradients equal those without recomputation."""
+    from torch.utils.checkpoint import checkpoint
+
+    from angel_ptm.parallel.tensor.rng import ShardedRandom
+
+    def grads(recompute):
+        torch.manual_seed(0)
+        block = nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Linear(8, 8), nn.Dropout(0.5))
+        ShardedRandom(1, 2).scope(block[1])
+        ShardedRandom(1, 2).scope(block[3])
+        x = torch.randn(4, 8, requires_grad=True)
+        y = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        y.sum().backward()
+        return [x.grad] + [p.grad for p in block.parameters()]
+
+    for a, b in zip(grads(False), grads(True)):
+        assert torch.equal(a, b)
+
+
+def test_dropout_is_found_in_modules_and_in_rate_attributes():
+    from angel_ptm.parallel.tensor.rng import ShardedRandom, has_dropout
+    from angel_ptm.parallel.collectives import FAKE_TRACE
+
+    class HFStyle(nn.Module):  # HuggingFace attention keeps its rate and calls the functional dropout
+        def __init__(self, rate):
+            super().__init__()
+            self.attention_dropout, self.is_causal = rate, True
+
+    assert has_dropout(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.1)))
+    assert not has_dropout(nn.Sequential(nn.Linear(2, 2), nn.Dropout(0.0)))
+    assert has_dropout(HFStyle(0.1)) and not has_dropout(HFStyle(0.0))
+    assert not has_dropout(GPT(GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, dim=8)))
+    assert has_dropout(GPT(GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, dim=8, dropout=0.1)))
+    rng = ShardedRandom(1, 2)
+    state = torch.get_rng_state()
+    FAKE_TRACE.on = True
+    try:
+        rng.fork()  # a fake-tensor trace draws nothing
+        rng.join()
+    finally:
+        FAKE_TRACE.on = False
+    assert torch.equal(state, torch.get_rng_state()) and rng.forks == 0
+
+
+def test_a_gpt_without_dropout_gets_no_random_scopes_and_keeps_the_generator():
+    """No dropout: tensor parallelism draws nothing from the generator (a 1-rank run's sequence is kept)."""
+    model = GPT(GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, dim=8))
+    parallelize(model, TPComm.planning(2, sequence_parallel=True), plan_for(model))
+    assert not [m for m in model.modules() if m._forward_hooks]  # a scope's join is a forward hook
+    with_dropout = GPT(GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, dim=8, dropout=0.1))
+    parallelize(with_dropout, TPComm.planning(2, sequence_parallel=True), plan_for(with_dropout))
+    scoped = {n for n, m in with_dropout.named_modules() if m._forward_hooks}
+    assert scoped == {"drop", "layers.0", "layers.0.attention", "layers.0.feed_forward", "output"}, scoped

@@ -19,6 +19,7 @@ from angel_ptm.models.gpt import ActivationFootprint, Block, activation_footprin
 from angel_ptm.units import find_units
 
 log = logging.getLogger("angel_ptm")
+_WARNED: set = set()  # (model type, reason) of the traces that failed and said so
 
 
 class ActivationSource:
@@ -29,16 +30,20 @@ class ActivationSource:
     def __init__(self, model: nn.Module, config: Config, example_inputs=None, units=None,
                  device: Optional[torch.device] = None):
         self.model, self.config, self.example_inputs, self.units = model, config, example_inputs, units
+        if example_inputs is None and isinstance(model, GPT) and not self.formula:  # our GPT's batch is known
+            tokens = torch.empty(config.data.batch_size, model.cfg.seq_len, dtype=torch.long, device="meta")
+            self.example_inputs = (tokens, tokens)
         # The kernels traced are the compute device's where it is here (a GPU job planned without a GPU: the CPU's)
         self.device = device if device is None or device.type != "cuda" or torch.cuda.is_available() else None
         self._traced: dict = {}  # the checkpointed modules' ids -> their trace
 
     @property
     def formula(self) -> bool:
-        """Our dense GPT in its own units (blocks and the root): the formula's case (MoE: routing decides; other
-        units: traced)."""
+        """Our dense GPT without dropout in its own units (blocks and the root): the formula's case (MoE: routing
+        decides; dropout's masks and other units: traced)."""
         blocks = self.units is None or all(isinstance(u.module, Block) for u in self.units if u.parent is not None)
-        return isinstance(self.model, GPT) and self.model.cfg.moe is None and blocks
+        return (isinstance(self.model, GPT) and self.model.cfg.moe is None and not self.model.cfg.dropout
+                and blocks)
 
     @property
     def n_units(self) -> int:
@@ -82,9 +87,11 @@ class ActivationSource:
             except ConfigValueError:
                 raise
             except Exception as err:  # noqa: BLE001 - a forward fake tensors cannot run (data-dependent shapes)
-                log.warning(f"activations: the forward could not be traced with example_inputs ({type(err).__name__}: "
-                            f"{str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}); its activations "
-                            f"are not counted in the estimate")
+                reason = f"{type(err).__name__}: {str(err).strip().splitlines()[0][:200] if str(err).strip() else ''}"
+                if (type(self.model).__name__, reason) not in _WARNED:  # once per process: every engine says it
+                    _WARNED.add((type(self.model).__name__, reason))
+                    log.warning(f"activations: the forward could not be traced with example_inputs ({reason}); its "
+                                f"activations are not counted in the estimate")
                 self.example_inputs = None
                 return None
         return self._traced[key]

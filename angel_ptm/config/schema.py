@@ -132,6 +132,7 @@ class ModelConfig(_Section):
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    dropout: float = 0.0  # embeddings, attention probabilities and residual branches, while training
     # Mixture of experts (null: dense): {experts, top_k, gate, capacity_factor, every, aux_loss_weight, ...}
     # replaces the feed-forward of every `every`-th block with an MoE layer (angel_ptm/models/moe.py).
     moe: MoESettings = None
@@ -139,6 +140,7 @@ class ModelConfig(_Section):
     def validate(self) -> None:
         self._require_positive("vocab_size", "seq_len", "n_layer", "n_head", "dim")
         self._require_positive("rope_theta", "norm_eps", "init_std")
+        self._require("dropout", 0 <= self.dropout < 1, ">= 0 and < 1")
         self._require("dim", self.dim % self.n_head == 0, f"divisible by model.n_head ({self.n_head})")
         if self.n_kv_head is not None:
             self._require("n_kv_head", self.n_kv_head > 0, "> 0 or null")

@@ -33,6 +33,7 @@ class GPTConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
+    dropout: float = 0.0  # on the embeddings, the attention probabilities and each residual branch (training only)
     moe: Optional[dict] = None  # None: dense; else models/moe.py's settings (moe_settings: `every` and MoESpec)
 
     def __post_init__(self) -> None:
@@ -54,6 +55,10 @@ class GPTConfig:
             raise ConfigValueError(
                 f"head dim model.dim / model.n_head = {self.head_dim} must be even for rotary embeddings"
             )
+        if isinstance(self.dropout, bool) or not isinstance(self.dropout, numbers.Real):
+            raise ConfigTypeError(f"model.dropout must be a number, got {self.dropout!r}")
+        if not 0 <= self.dropout < 1:
+            raise ConfigValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.moe is not None:
             from angel_ptm.models.moe import moe_settings
 
@@ -140,6 +145,7 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_head * cfg.head_dim, cfg.dim, bias=False)
+        self.dropout = float(cfg.dropout)  # of the attention probabilities
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
         b, t, _ = x.shape
@@ -150,7 +156,7 @@ class Attention(nn.Module):
         if self.n_kv_head != self.n_head:  # grouped-query: each kv head serves n_head / n_kv_head query heads
             repeats = self.n_head // self.n_kv_head
             k, v = k.repeat_interleave(repeats, dim=1), v.repeat_interleave(repeats, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.wo(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -180,10 +186,11 @@ class Block(nn.Module):
 
             self.feed_forward = MoE(cfg.dim, cfg.hidden_dim, moe_spec,
                                     make_expert=lambda: FeedForward(cfg.dim, cfg.hidden_dim), token_ids=token_ids)
+        self.resid_dropout = nn.Dropout(cfg.dropout)
 
     def forward(self, x: torch.Tensor, rope: RotaryEmbedding) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
-        return x + self.feed_forward(self.ffn_norm(x))
+        x = x + self.resid_dropout(self.attention(self.attention_norm(x), rope))
+        return x + self.resid_dropout(self.feed_forward(self.ffn_norm(x)))
 
 
 class GPT(nn.Module):
@@ -191,6 +198,7 @@ class GPT(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.drop = nn.Dropout(cfg.dropout)
         self.rope = RotaryEmbedding(cfg.head_dim, cfg.seq_len, cfg.rope_theta)
         self.token_ids = None  # the ids of the forward in progress, for hash gates (a models.gates.TokenIds)
         spec, every = None, 0
@@ -244,7 +252,7 @@ class GPT(nn.Module):
             raise ConfigValueError(f"input length {t} exceeds model.seq_len ({self.cfg.seq_len})")
         if self.token_ids is not None:
             self.token_ids.ids = idx.reshape(-1)
-        h = self.tok_embeddings(idx)
+        h = self.drop(self.tok_embeddings(idx))
         for layer in self.layers:
             h = layer(h, self.rope)
         logits = self.output(self.norm(h))
@@ -275,8 +283,8 @@ class ActivationFootprint:
 def activation_footprint(cfg: GPTConfig, batch_size: int, dtype_bytes: int = 4, checkpoint: str = "none",
                          offload: bool = False, offload_min_bytes: int = 0, tp: int = 1,
                          sequence_parallel: bool = False) -> ActivationFootprint:
-    """The activations one training step of this GPT saves for backward, per activations setting, as the
-    binder measures them (each storage once; tools.bench.activations and tests/test_activations.py check it).
+    """The activations one training step of this GPT (without dropout: its masks and the attention it needs are
+    traced instead, activations/source.py) saves for backward, per activations setting, as the binder measures them (each storage once; tools.bench.activations and tests/test_activations.py check it).
 
     Per token, in elements of ``dtype_bytes`` (d = dim, q = n_head * head_dim, kv = n_kv_head * head_dim,
     h = hidden_dim), with a fused attention kernel (flash / memory-efficient, or its CPU counterpart):

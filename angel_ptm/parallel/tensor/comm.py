@@ -19,6 +19,7 @@ import torch
 from angel_ptm.errors import TensorParallelError
 from angel_ptm.parallel.collectives import FAKE_TRACE, MAX, Collectives
 from angel_ptm.parallel.mesh import Mesh
+from angel_ptm.parallel.tensor.rng import ShardedRandom
 
 SEQ_DIM = 1
 
@@ -31,6 +32,7 @@ class TPComm:
         self.rank, self.size = mesh.tp_rank, mesh.tp
         self.sequence_parallel = mesh.sequence_parallel
         self.collectives = Collectives(mesh, group=mesh.tp_ranks) if mesh.tp > 1 else None
+        self.random = ShardedRandom(self.rank, self.size)  # dropout's streams (rng.py)
 
     @classmethod
     def planning(cls, tp: int, sequence_parallel: bool = False) -> "TPComm":
@@ -39,6 +41,7 @@ class TPComm:
         comm = cls.__new__(cls)
         comm.mesh, comm.rank, comm.size = None, 0, tp
         comm.sequence_parallel, comm.collectives = sequence_parallel and tp > 1, None
+        comm.random = ShardedRandom(0, tp)
         return comm
 
     def set_trace(self, trace) -> None:
@@ -147,7 +150,11 @@ def copy_to(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
 
 
 def reduce_from(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
-    return x if comm.size == 1 else _ReduceFrom.apply(x, comm)
+    """Partial sums leave the region whole on every rank: random numbers come from the replicated stream again."""
+    if comm.size == 1:
+        return x
+    comm.random.replicated()
+    return _ReduceFrom.apply(x, comm)
 
 
 def gather_seq(x: torch.Tensor, comm: TPComm) -> torch.Tensor:

@@ -18,6 +18,15 @@ A plan maps module names (fnmatch patterns over `named_modules()`: "layers.*.att
                    from its length)
     norm           a norm whose input is sequence shards (sequence parallelism only): its weight's gradient is
                    all-reduced over tp
+    seq_sharded    a module whose forward runs on sequence shards under sequence parallelism (decoder layers, an
+                   embedding dropout after a sharded embedding): its dropout draws this tp rank's own masks (the
+                   outermost module a pattern matches; nothing without sequence parallelism)
+
+Random numbers (rng.py): where the model has dropout, an `enter` module's forward and a `seq_sharded` one's draw
+from this tp rank's own stream, and the row-parallel exit without sequence parallelism returns to the stream every
+tp rank shares (the replicated activations get the same mask everywhere), as Megatron's model-parallel RNG does;
+recomputation draws the same masks again. `Plan.random` (default: `rng.has_dropout(model)`) turns the scopes on or
+off.
 
 and `divide` names integer attributes that count heads (divided by tp on the modules that hold them). Every pattern
 must match a module and every dimension it splits must divide by tp, else a TensorParallelError names them.
@@ -37,14 +46,17 @@ from torch import nn
 from angel_ptm.errors import TensorParallelError
 from angel_ptm.parallel.tensor.comm import TPComm, copy_to, enter_region, scatter_seq
 from angel_ptm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from angel_ptm.parallel.tensor.rng import has_dropout, sync_random_state
 
-STYLES = ("colwise", "rowwise", "vocab_embed", "vocab_embed_whole", "vocab_output", "enter", "seq_scatter", "norm")
+STYLES = ("colwise", "rowwise", "vocab_embed", "vocab_embed_whole", "vocab_output", "enter", "seq_scatter", "norm",
+          "seq_sharded")
 
 
 @dataclass(frozen=True)
 class Plan:
     styles: dict[str, tuple[str, ...]]  # pattern -> styles applied to each module it matches, in order
     divide: dict[str, tuple[str, ...]] = field(default_factory=dict)  # pattern -> head-count attributes
+    random: bool | None = None  # dropout's per-rank streams (rng.py); None: where the model has dropout
 
 
 def gpt_plan(model: nn.Module) -> Plan:
@@ -56,7 +68,7 @@ def gpt_plan(model: nn.Module) -> Plan:
                 "layers.*.attention.w[qkv]": ("colwise",), "layers.*.attention.wo": ("rowwise",),
                 "layers.*.feed_forward.w[13]": ("colwise",), "layers.*.feed_forward.w2": ("rowwise",),
                 "layers.*.attention_norm": ("norm",), "layers.*.ffn_norm": ("norm",), "norm": ("norm",),
-                "output": ("enter", "vocab_output")},
+                "output": ("enter", "vocab_output"), "layers.*": ("seq_sharded",), "drop": ("seq_sharded",)},
         divide={"layers.*.attention": ("n_head", "n_kv_head")})
 
 
@@ -72,7 +84,8 @@ def llama_plan(model: nn.Module) -> Plan:
                 "model.layers.*.mlp.gate_proj": ("colwise",), "model.layers.*.mlp.up_proj": ("colwise",),
                 "model.layers.*.mlp.down_proj": ("rowwise",),
                 "model.layers.*.input_layernorm": ("norm",), "model.layers.*.post_attention_layernorm": ("norm",),
-                "model.norm": ("norm",), "lm_head": ("enter", "vocab_output")})
+                "model.norm": ("norm",), "lm_head": ("enter", "vocab_output"),
+                "model.layers.*": ("seq_sharded",)})
 
 
 def plan_for(model: nn.Module) -> Plan:
@@ -133,13 +146,19 @@ def parallelize(model: nn.Module, comm: TPComm, plan: Plan) -> nn.Module:
         for name in matches[pattern]:
             for style in styles:
                 _check_divisible(modules[name], name, style, comm.size)
+    random = has_dropout(model) if plan.random is None else plan.random
     if comm.collectives is not None:  # (a planning comm, for the estimate, has none: shapes only)
         _same_full_values(model, comm)
+        if random:
+            sync_random_state(comm)
     shared: dict = {}
     for pattern, styles in plan.styles.items():
         for name in matches[pattern]:
             for style in styles:
-                _apply(model, name, style, comm, shared)
+                if style == "seq_sharded" and any(fnmatch.fnmatchcase(name[:i], pattern)
+                                                  for i, c in enumerate(name) if c == "."):
+                    continue  # inside a module the pattern matched: that one's scope covers it
+                _apply(model, name, style, comm, shared, random)
     for pattern, attrs in plan.divide.items():
         for name in matches_divide[pattern]:
             for attr in attrs:
@@ -148,7 +167,7 @@ def parallelize(model: nn.Module, comm: TPComm, plan: Plan) -> nn.Module:
     return model
 
 
-def _apply(model: nn.Module, name: str, style: str, comm: TPComm, shared: dict) -> None:
+def _apply(model: nn.Module, name: str, style: str, comm: TPComm, shared: dict, random: bool = False) -> None:
     module = model.get_submodule(name)
     parent_name, _, leaf = name.rpartition(".")
     replace = None
@@ -164,6 +183,11 @@ def _apply(model: nn.Module, name: str, style: str, comm: TPComm, shared: dict) 
                                                         whole=style == "vocab_embed_whole")
     elif style == "enter":
         module.register_forward_pre_hook(_first_input(lambda x: enter_region(x, comm)), with_kwargs=True)
+        if random:
+            comm.random.scope(module)
+    elif style == "seq_sharded":
+        if random and comm.sequence_parallel:
+            comm.random.scope(module)
     elif style == "seq_scatter":
         if comm.sequence_parallel:
             module.register_forward_pre_hook(_first_input(lambda x: scatter_seq(x, comm)), with_kwargs=True)
