@@ -170,7 +170,7 @@ def dropout_streams(rank: int, world: int, spec: dict, tmp: str) -> dict:
     for acts in ("none", "full", "selective", "offload"):
         engine = angel_ptm.initialize(build(), {
             "memory": {"page_bytes": "16KiB", "disk_dir": os.path.join(tmp, f"drop-{acts}-{rank}")},
-            "trainer": {"device": "cpu"}, "model": {"dropout": 0.2},
+            "trainer": {"device": "cpu"}, "model": {"dropout": 0.2}, "data": {"batch_size": 4},
             "parallel": {"tp": world, "sequence_parallel": spec["sp"]},
             "activations": {"offload": "host"} if acts == "offload" else {"checkpoint": acts}})
         try:
@@ -182,8 +182,24 @@ def dropout_streams(rank: int, world: int, spec: dict, tmp: str) -> dict:
                 engine.step()
                 losses.append(loss.item())
             out[acts] = losses
+            if acts in ("none", "full"):  # traced (not the dropout-free formula), the vocabulary-parallel loss too
+                out[f"peak-{acts}"] = (engine.scheduler.last_trace.activation_peak, engine.estimate.activation_bytes)
         finally:
             engine.close()
+    # A HuggingFace Llama split by its plan: its activations traced with the example inputs (one rank's share)
+    build_llama, batches, llama_loss = CASES["llama"]
+    ids, labels = batches()[0]
+    engine = angel_ptm.initialize(build_llama(), {
+        "memory": {"page_bytes": "16KiB", "disk_dir": os.path.join(tmp, f"drop-llama-{rank}")},
+        "trainer": {"device": "cpu"}, "parallel": {"tp": world, "sequence_parallel": spec["sp"]}},
+        example_inputs={"input_ids": ids, "labels": labels})
+    try:
+        for _ in range(2):
+            engine.backward(llama_loss(engine, ids, labels))
+            engine.step()
+        out["peak-llama"] = (engine.scheduler.last_trace.activation_peak, engine.estimate.activation_bytes)
+    finally:
+        engine.close()
     return out
 
 
@@ -317,6 +333,9 @@ def test_dropout_draws_shared_masks_on_replicated_activations_and_own_masks_on_s
         runs = got[rank]
         assert runs["none"] == runs["full"] == runs["selective"] == runs["offload"], runs
         assert runs["none"] == got[0]["none"]  # the loss is the same on both tp ranks
+        for key in ("peak-none", "peak-full", "peak-llama"):  # one rank's activations, traced, against the trace
+            measured, estimate = runs[key]
+            assert estimate is not None and abs(estimate - measured) <= 0.1 * measured, (key, measured, estimate)
 
 
 @pytest.mark.parametrize("name", [j["name"] for j in ACTIVATION_JOBS])

@@ -201,17 +201,17 @@ class VocabShardedLogits(torch.Tensor):
 
     @staticmethod
     def wrap(local: torch.Tensor, comm: TPComm, vocab_start: int, full_vocab: int) -> "VocabShardedLogits":
-        if getattr(FAKE_TRACE, "on", False):  # a fake tensor cannot take the subclass
-            raise RuntimeError("vocabulary-parallel logits in a forward traced on fake tensors: a tensor-parallel "
-                               "model's activations are not traced (our GPT's are counted by formula)")
-        out = local.as_subclass(VocabShardedLogits)
+        if getattr(FAKE_TRACE, "on", False):  # a fake tensor (the activation trace's) keeps its own class
+            out = _fake_sharded(local)
+        else:
+            out = local.as_subclass(VocabShardedLogits)
         out._tp = (comm, vocab_start, full_vocab)
         return out
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        sharded = next(a for a in list(args) + list(kwargs.values()) if isinstance(a, VocabShardedLogits))
+        sharded = next(a for a in list(args) + list(kwargs.values()) if _is_sharded(a))
         comm, start, full_vocab = sharded._tp
         name = getattr(func, "__name__", str(func))
         if func is F.cross_entropy:
@@ -233,20 +233,47 @@ class VocabShardedLogits(torch.Tensor):
                 keeps = (out.dim() > 0 and out.shape[-1] == local and out.dtype.is_floating_point
                          and out.numel() == rows * local)
             if keeps:
-                return VocabShardedLogits.wrap(out.as_subclass(torch.Tensor), comm, start, full_vocab)
+                return VocabShardedLogits.wrap(_plain(out), comm, start, full_vocab)
         raise TensorParallelError(
             f"tensor parallelism: {name} on logits sharded over the vocabulary would compute on this rank's "
             f"{local} of {full_vocab} columns only; compute the loss with F.cross_entropy, or take "
             f"angel_ptm.parallel.tensor.gather_logits(logits) first")
 
 
+_FAKE_CLASSES: dict = {}  # a fake tensor class -> its vocabulary-sharded subclass
+
+
+def _fake_sharded(local: torch.Tensor) -> torch.Tensor:
+    """A fake tensor as vocabulary-sharded logits: the same object, its class a subclass of its own with
+    VocabShardedLogits' __torch_function__ (a fake tensor's state lives on the object, which `as_subclass` would
+    leave behind), so a traced forward computes the vocabulary-parallel loss on one rank's share."""
+    cls = type(local)
+    if cls not in _FAKE_CLASSES:
+        _FAKE_CLASSES[cls] = type(f"VocabSharded{cls.__name__}", (cls,),
+                                  {"__torch_function__": VocabShardedLogits.__dict__["__torch_function__"]})
+    local.__class__ = _FAKE_CLASSES[cls]
+    return local
+
+
+def _is_sharded(value) -> bool:
+    return isinstance(value, VocabShardedLogits) or type(value) in _FAKE_CLASSES.values()
+
+
+def _plain(logits: torch.Tensor) -> torch.Tensor:
+    """The local logits as a plain tensor (a fake one in a trace: a view, no new storage)."""
+    if type(logits) in _FAKE_CLASSES.values():
+        with torch._C.DisableTorchFunctionSubclass():
+            return logits.view_as(logits)
+    return logits.as_subclass(torch.Tensor)
+
+
 def gather_logits(logits: torch.Tensor) -> torch.Tensor:
     """The whole logits from vocabulary-sharded ones (an all-gather over tp; the gradient flows back to the
     shards); any other tensor as it is."""
-    if not isinstance(logits, VocabShardedLogits):
+    if not _is_sharded(logits):
         return logits
     comm = logits._tp[0]
-    local = logits.as_subclass(torch.Tensor)
+    local = _plain(logits)
     return _GatherVocab.apply(local, comm)
 
 
@@ -271,7 +298,7 @@ def _cross_entropy(comm: TPComm, vocab_start: int, logits, target, weight=None, 
     if target.is_floating_point():
         raise TensorParallelError("tensor parallelism: the vocabulary-parallel cross-entropy takes class indices, "
                                   "not probabilities")
-    local = logits.as_subclass(torch.Tensor)
+    local = _plain(logits)
     if local.dim() != 2:
         raise TensorParallelError(f"tensor parallelism: cross_entropy over sharded logits of shape "
                                   f"{tuple(local.shape)}: flatten them to [tokens, vocabulary] first")
