@@ -72,8 +72,10 @@ class Engine(StateAccess):
         self.kinds = creation_order(config)
         self.layout = build_layout(model, mem.page_bytes, dp_world_size=self.mesh.dp,
                                    compute_dtype=self.compute_dtype, local=self.expert_names)
-        if self.layout.local_pages is not None:
-            self.ownership = dataclasses.replace(self.ownership, local_pages=self.layout.local_pages)
+        if self.layout.local_pages is not None:  # (with ep < dp, the ranks holding the same experts shard them)
+            experts = self.mesh.expert_dp_ranks
+            self.ownership = dataclasses.replace(self.ownership, local_pages=self.layout.local_pages,
+                                                 local_dp=experts.size, local_rank=experts.index(self.mesh.rank))
         # same job everywhere, then the data-parallel group's rank 0's initial values
         self.world = agree_on_job(self.mesh, self.collectives, config, self.layout, model, self.trace,
                                   set(self.expert_names))
@@ -122,6 +124,7 @@ class Engine(StateAccess):
             manager=self.manager, binder=self.binder, collectives=self.collectives, ownership=own, mesh=self.mesh,
             split=self.split, n_units=len(self.units))
         self._schedule.apply(self.optimizer, 0)
+        self.tensors.replicas = getattr(self.data_parallel, "replicas", None)  # reads of experts' sharded states
         self.rebalancer = rebalancer_for(self)  # parallel.moe_rebalance_every: experts move to balance the load
 
     # ------------------------------------------------------------------ the step

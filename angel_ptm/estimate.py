@@ -264,7 +264,9 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         reserve = gather_reserve(max(len(slot.segments) for slot in layout.slots),
                                  group if update == "device" else 0)
         gather_min = min_gather_device_pages(chain_groups, own.dp, reserve)
-        gather_groups = gather_capacity(chain_groups, own.dp, slots["device"], reserve, layout.n_pages // own.dp)
+        local = layout.local_pages[1] - layout.local_pages[0] if layout.local_pages is not None else 0
+        gather_groups = gather_capacity(chain_groups, own.dp, slots["device"], reserve,  # (experts: never gathered)
+                                        (layout.n_pages - local) // own.dp)
         gather_pages = gather_groups * own.dp
     disk_reserved = sum(disk_reservations(counts, slots["disk"]).values())
     reserve = device_reserve_pages(slots["device"], n_states + gather_pages, max(largest, gather_pages))
@@ -273,6 +275,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
 
     # 1. the budgets themselves (as resolve_budgets refuses them)
     needed_on_disk = max(0, states_bytes - max(0, budgets["device"] - gather_pages * page_bytes) - budgets["host"])
+    import os as _o; _o.environ.get("DBG") and print("DBG", counts, gather_pages, remote_pages, budgets, own, flush=True)
     if needed_on_disk and budgets["disk"] < needed_on_disk:
         problems.append(Problem("disk", needed_on_disk, budgets["disk"],
                                 "the model states that fit neither the device nor the host budget"))

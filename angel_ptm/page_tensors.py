@@ -30,6 +30,7 @@ class PageTensors:
                  ownership: Ownership | None = None, collectives=None):
         self.manager, self.layout, self.pages = manager, layout, pages
         self.ownership, self.collectives = ownership or Ownership(), collectives
+        self.replicas = None  # ep < dp: the collectives of the ranks holding this rank's experts (set by the engine)
         self._scratch: torch.Tensor | None = None  # made at the first disk read
         self._carrier: torch.Tensor | None = None  # a page broadcast by its owner (sharded kinds)
 
@@ -48,7 +49,7 @@ class PageTensors:
         dtype = self.dtype(kind, slot.segments[0].page)
         out = torch.empty(slot.numel, dtype=dtype)
         for seg in slot.segments:
-            shared = self.ownership.sharded(kind) and not self.ownership.rank_local(seg.page)
+            shared = self.ownership.sharded_at(kind, seg.page)
             raw = self._from_owner(kind, seg.page) if shared else self._peek(self.pages[kind][seg.page])
             out[seg.start : seg.start + seg.numel] = raw.view(dtype)[seg.offset : seg.offset + seg.numel].cpu()
         return out.view(slot.shape)
@@ -58,10 +59,11 @@ class PageTensors:
         if self._carrier is None:
             self._carrier = torch.empty(self.layout.page_bytes, dtype=torch.uint8,
                                         device=self.collectives.mesh.comm_device)
-        home = self.ownership.home(index)
-        if home == self.ownership.rank:
+        home = self.ownership.home(index)  # (a rank-local page: its owner among the ranks holding its experts)
+        if self.ownership.owns(index):
             self._carrier.copy_(self._peek(self.pages[kind][index]))
-        self.collectives.broadcast(self._carrier, home, what=f"{kind} page {index} for a state read")
+        comm = self.replicas if self.ownership.rank_local(index) else self.collectives
+        comm.broadcast(self._carrier, home, what=f"{kind} page {index} for a state read")
         return self._carrier
 
     def _peek(self, page: Page) -> torch.Tensor:
@@ -105,8 +107,9 @@ class PageTensors:
         def write(slot: TensorSlot, flat: torch.Tensor) -> None:
             kind = self.weights_kind(slot)
             self.write(kind, slot, flat)
-            if kind == "master" and self.ownership.sharded("master"):  # ZeRO 1/2: the master pages this rank does
-                self.write("param", slot, flat)  # not own never reach its param pages: rounded here instead
+            if kind == "master" and (self.ownership.sharded("master") or self.ownership.sharded_local("master")):
+                self.write("param", slot, flat)  # ZeRO: the master pages this rank does not own never reach its
+                # param pages: rounded here instead
 
         if has_meta_parameters(model):
             return materialize_parameters(model, {s.name: s for s in self.layout.slots}, write)

@@ -222,7 +222,8 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
                 "osdp_allowed": engine.estimate.osdp_groups,
                 "overlapped": getattr(getattr(engine.data_parallel, "sync", None), "overlapped", 0),
                 "rebalances": engine.rebalancer.decisions if engine.rebalancer is not None else [],
-                "expert_names": dict(engine.expert_names), "cancelled": cancelled, "deviations": deviations}
+                "expert_names": dict(engine.expert_names), "cancelled": cancelled, "deviations": deviations,
+                "local_pages": engine.layout.local_pages}
     finally:
         engine.close()
 

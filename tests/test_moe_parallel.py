@@ -69,7 +69,11 @@ def four_ways(rank: int, world: int, tmp: str) -> dict:
 # same experts (0 and 2, 1 and 3) all-reduce their gradients
 def dp4_jobs(tmp: str) -> list:
     base = dict(ep=2, model="gpt-moe", steps=4, memory=ROOM)
-    return [job("ep2-dp4-zero0", zero=0, **base),
+    roomier = dict(base, memory={"device_budget": "512KiB", "host_budget": "512KiB"})  # ZeRO 1/2: whole gradients
+    return [job("ep2-dp4-zero0", zero=0, **base), job("ep2-dp4-zero1", zero=1, **roomier),
+            job("ep2-dp4-zero2-stale", zero=2, staleness=1, **roomier),
+            job("ep2-dp4-zero0-bf16", zero=0, dtype="bfloat16", state_dicts=True, **roomier),
+            job("ep2-dp4-zero1-bf16", zero=1, dtype="bfloat16", state_dicts=True, **roomier),
             job("ep2-dp4-zero3-clip", zero=3, clip=0.5, save_at=2, save_to=os.path.join(tmp, "dp4"), **base),
             job("ep2-dp4-zero3", zero=3, **base),
             job("ep2-dp4-zero3-moved", zero=3, rebalance=2, rebalance_threshold=1.0, rebalance_pays=True, **base)]
@@ -89,10 +93,12 @@ def test_ep4_as_two_nodes_of_two_flat_and_hierarchical_give_the_unsplit_layer(fo
     check_against_the_unsplit_layer([r[a2a] for r in four_ranks], name)
 
 
-@pytest.mark.parametrize("name", ["ep2-dp4-zero0", "ep2-dp4-zero3", "ep2-dp4-zero3-clip"])
+@pytest.mark.parametrize("name", ["ep2-dp4-zero0", "ep2-dp4-zero1", "ep2-dp4-zero2-stale", "ep2-dp4-zero3",
+                                  "ep2-dp4-zero3-clip"])
 def test_ep2_on_4_data_parallel_ranks_gives_the_losses_of_one_rank_with_grad_accum_4(four_ranks, name, tmp_path):
-    """ep < dp: experts replicated over the expert-parallel groups, their gradients all-reduced over the ranks that
-    hold the same ones (clipping counts each expert once); the losses are one rank's within 1e-5."""
+    """ep < dp: experts replicated over the expert-parallel groups, their gradients reduced over the ranks that
+    hold the same ones (ZeRO >= 1: onto the owner of each page, which alone updates it and sends the others the new
+    weights; clipping counts each expert once); the losses are one rank's within 1e-5."""
     spec = next(j for j in dp4_jobs(str(tmp_path)) if j["name"] == name)
     results = [r["engine"][name] for r in four_ranks]
     for got in results:
@@ -101,6 +107,29 @@ def test_ep2_on_4_data_parallel_ranks_gives_the_losses_of_one_rank_with_grad_acc
     one = train(0, 1, dict(spec, ep=1, accum=4, save_at=None), str(tmp_path))
     for step, (a, e) in enumerate(zip(results[0]["losses"], one["losses"])):
         assert a == pytest.approx(e, rel=1e-5), f"step {step}: one rank {e}, ep 2 x dp 4 {a}"
+
+
+@pytest.mark.parametrize("name", ["ep2-dp4-zero0", "ep2-dp4-zero1", "ep2-dp4-zero2-stale", "ep2-dp4-zero3"])
+def test_expert_optimizer_states_are_sharded_over_the_ranks_holding_the_same_experts(four_ranks, name):
+    """ZeRO >= 1 with ep 2 on 4 ranks: each rank keeps 1/4 of the shared pages' AdamW moments and 1/2 of its
+    experts' (the two ranks holding the same experts split them); ZeRO 0 keeps them all."""
+    for got in (r["engine"][name] for r in four_ranks):
+        assert "error" not in got, got.get("error")
+        start, end = got["local_pages"]
+        zero = int(name.split("zero")[1][0])
+        expected = start + end - start if zero == 0 else start // 4 + (end - start) // 2
+        assert got["pages"]["exp_avg"] == got["pages"]["exp_avg_sq"] == expected, (got["pages"], start, end)
+        assert got["pages"]["param"] >= end - start  # the experts' weights whole on every rank holding them
+
+
+def test_sharded_expert_states_under_bf16_give_the_replicated_run_bitwise(four_ranks):
+    """Mixed precision: the fp32 masters and moments of the experts live on their owners only, the others get the
+    bf16 weights from them; losses, model and AdamW state dicts equal those of ZeRO 0 (experts whole everywhere)."""
+    for r in four_ranks:
+        whole, sharded = r["engine"]["ep2-dp4-zero0-bf16"], r["engine"]["ep2-dp4-zero1-bf16"]
+        assert "error" not in whole and "error" not in sharded, (whole.get("error"), sharded.get("error"))
+        assert sharded["pages"]["master"] < whole["pages"]["master"]
+        assert sharded["losses"] == whole["losses"] and sharded["states"] == whole["states"]
 
 
 def test_experts_moved_under_ep_smaller_than_dp_move_alike_in_every_group_and_change_no_loss(four_ranks):

@@ -84,6 +84,22 @@ def test_every_page_of_every_kind_has_exactly_one_owner_at_8_ranks():
         layout.n_pages * (WORLD - 1)
 
 
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_each_expert_page_has_one_owner_among_the_ranks_holding_the_same_experts_at_8_ranks(stage):
+    """ep 2 on 8 ranks: 4 ranks hold each set of experts. Their optimizer states (stage >= 1) live on one of the 4
+    each, which alone updates the page; their weights and gradients stay on all 4 and are never gathered."""
+    local, holders = (8, 24), 4  # the rank-local pages (whole page groups of the 8 ranks)
+    owns = [Ownership(r, WORLD, stage, local, local_dp=holders, local_rank=r // 2) for r in range(WORLD)]
+    for i in range(*local):
+        group = [o for r, o in enumerate(owns) if r % 2 == 0]  # the ranks at place 0 of each ep group
+        for kind in ("exp_avg", "exp_avg_sq", "master"):
+            keep = [o.local_rank for o in group if o.local(kind, i)]
+            assert keep == ([(i - 8) % holders] if stage else [0, 1, 2, 3]), (kind, i, keep)
+        assert [o.local_rank for o in group if o.updated(i)] == keep
+        assert all(o.local("param", i) and o.local("grad", i) and not o.remote("param", i) for o in group)
+    assert owns[0].local_count("exp_avg", 24) == (8 // WORLD if stage else 8) + (16 // holders if stage else 16)
+
+
 @pytest.mark.parametrize("stage", [1, 2])
 def test_the_reduction_leaves_each_owner_the_mean_gradient_at_8_ranks(stage):
     def rank_main(rank):

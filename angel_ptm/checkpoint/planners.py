@@ -245,16 +245,18 @@ class PageSavePlanner(SavePlanner):
             items.append(_tensor_item(fqn, (0,) * tensor.dim(), tuple(tensor.shape), tensor.dtype, tensor.shape))
         self.order: list[Page] = []
         on_page = segments_by_page(layout)
+        own = engine.ownership
         for index in range(layout.n_pages):
-            if not engine.ownership.owns(index):  # (rank-local pages: every rank writes its own experts ...
+            local = own.rank_local(index)  # every rank writes its own experts' pages, each page once: ...
+            if not local and not own.owns(index):
                 continue
-            if engine.ownership.rank_local(index) and engine.mesh.expert_dp_ranks.index(engine.mesh.rank):
-                continue  # ... once: with ep < dp the first of the ranks that hold the same experts)
             for kind in SAVED_KINDS:
                 pages = engine.pages.get(kind, ())
                 page = pages[index] if index < len(pages) else None
                 if page is None or page.home is not None:
                     continue
+                if local and not own.sharded_local(kind) and own.local_rank:
+                    continue  # ... with ep < dp by the first of the ranks holding them, or a sharded kind's owner
                 runs = page_runs(layout, on_page[index], kind, index, engine.tensors.dtype(kind, index))
                 if engine.mesh.tp_rank:  # a tensor whole on every tp rank is written by tp rank 0's group
                     runs = [r for r in runs if r[2].name in engine.tp_shards]

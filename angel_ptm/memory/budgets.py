@@ -46,6 +46,11 @@ def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, dev
     host_budget = int(host_budget)
     needed_on_disk = max(0, states_bytes - max(0, device_budget - gathered_bytes) - host_budget)
     if disk_budget == "auto":  # room for a home slot per page, so clean copies are dropped, never rewritten
+        # A device that cannot hold every state keeps `slack_bytes` free for the largest layer to come up
+        # (placement.device_reserve_pages): what would rest there rests on the host or the disk instead.
+        room = device_budget - gathered_bytes
+        if 0 < room < states_bytes and not needed_on_disk:
+            needed_on_disk = max(0, states_bytes - max(0, room - slack_bytes) - host_budget)
         # With activation pages on disk there is a disk tier, so any page may get its home slot there too.
         # Activation pages may spill to a disk tier too, and with them on disk any page may get its home slot there.
         on_disk = bool(needed_on_disk) or activation_tier == "disk"

@@ -216,7 +216,11 @@ class GradSync:
         n = self.n_shared
         needed = [any(name not in without_grad for name in self._on[i]) for i in range(self.layout.trainable_pages)]
         grads = self.pages["grad"]
+        if self.own.sharded_local("master"):  # ep < dp, stage >= 1: each expert page's mean onto its owner only
+            self._reduce_local(needed)
         for i in range(n, self.layout.trainable_pages):  # rank-local: this rank's tokens' and the others' sums
+            if self.own.sharded_local("master"):
+                break
             if needed[i] and self.replicas is not None:  # (and the other expert-parallel groups' sums)
                 self._all_reduce_page(grads[i], i, self.replicas)
             elif needed[i]:
@@ -240,6 +244,42 @@ class GradSync:
             self.comm.seal_reductions()
         if self.own.stage >= 1:
             self.manager.discard([grads[i] for i in range(n) if not self.own.owns(i) and not grads[i].dead
+                                  and not grads[i].pin_count])
+
+    def _reduce_local(self, needed: list[bool]) -> None:
+        """The rank-local pages' reduce-scatter over the ranks holding the same experts, group by group (local_dp
+        consecutive pages; every holder issues the same ones: which tensors have a gradient is agreed among them),
+        fp32 whatever the compute dtype; the owner's page takes the mean over all dp ranks, the others are dropped."""
+        grads, k = self.pages["grad"], self.own.local_dp
+        start, end = self.layout.local_pages
+        for first in range(start, end, k):
+            indices = range(first, first + k)
+            if not any(needed[i] for i in indices):
+                continue
+            inputs = []
+            for i in indices:
+                numel = self.layout.page_numel(i)
+                if not needed[i]:
+                    inputs.append(self._zeros(numel))
+                    continue
+                self.manager.acquire([grads[i]], self.tier)
+                try:
+                    inputs.append(self._take(numel).copy_(grads[i].view(self.layout.page_dtypes[i])[:numel]))
+                finally:
+                    self.manager.release([grads[i]])
+            mine = first + self.own.local_rank
+            out = self._take(self.layout.page_numel(mine))
+            self.replicas.reduce_scatter(out, inputs, what=f"expert grad group {(first - start) // k}")
+            if needed[mine]:
+                page = grads[mine]
+                self.manager.acquire([page], self.tier)
+                try:
+                    page.view(self.layout.page_dtypes[mine])[: self.layout.page_numel(mine)].copy_(
+                        out.mul_(1.0 / self.dp))
+                finally:
+                    self.manager.release([page], dirty=True)
+            self._give(out, *[t for t, i in zip(inputs, indices) if needed[i]])
+            self.manager.discard([grads[i] for i in indices if i != mine and not grads[i].dead
                                   and not grads[i].pin_count])
 
     def _group(self, group: int) -> range:
@@ -351,17 +391,29 @@ class GradSync:
             shared = math.fsum(v for i, v in squares.items() if not self.layout.is_local(i))
             return math.sqrt(shared + float(mine.item()) / self.n_replicas)
         vector = torch.zeros(n, dtype=torch.float64)
+        replicated = not self.own.sharded_local("master")  # else each expert page counted by its owner alone
         for index, value in squares.items():
-            vector[index] = value / self.n_replicas if self.layout.is_local(index) else value
+            vector[index] = value / self.n_replicas if replicated and self.layout.is_local(index) else value
         self.comm.all_reduce(vector, "gradient norm")
         return math.sqrt(math.fsum(vector.tolist()))
 
     # ------------------------------------------------------------------ parameters
     def publish_params(self) -> None:
-        """Stages 1 and 2: the owners' updated parameter pages, all-gathered group by group into every rank's."""
+        """Stages 1 and 2: the owners' updated parameter pages, all-gathered group by group into every rank's; and
+        with ep < dp (stage >= 1) the experts' pages over the ranks holding the same experts."""
+        params = self.pages["param"]
+        if self.own.sharded_local("master"):
+            k, (start, end) = self.own.local_dp, self.layout.local_pages
+            for first in range(start, end, k):
+                pages = params[first : first + k]
+                self.manager.acquire(pages, self.tier)
+                try:
+                    self.replicas.all_gather([p.buffer for p in pages], pages[self.own.local_rank].buffer,
+                                             what=f"expert param group {(first - start) // k}")
+                finally:
+                    self.manager.release(pages, dirty=True)
         if self.own.stage not in (1, 2):
             return
-        params = self.pages["param"]
         n = self.n_shared
         for first in range(0, n, self.dp):
             pages = params[first : first + self.dp]

@@ -13,6 +13,12 @@ stage says which kinds are sharded:
 
 Gradient pages exist on every rank in every stage: backward writes a rank's own gradient of every tensor, and the
 reduction makes the owner's page the mean over ranks (stages 1-3 then drop the others unwritten).
+
+Rank-local pages (expert parallelism's experts, `local_pages`) hold different tensors on the ranks of one
+expert-parallel group; with ep < dp the `local_dp` ranks of an expert-dp group hold the same ones. Those shard the
+experts' optimizer states in every stage >= 1 (ZeRO-1 over the expert-dp group: local page i is owned by expert-dp
+rank (i - start) % local_dp, which alone keeps its master weights and moments and updates it; the others get the
+new parameters from it after the step); the experts' parameters and gradients stay whole on each of them.
 """
 
 from __future__ import annotations
@@ -31,27 +37,40 @@ class Ownership:
     # Pages [start, end) of rank-local tensors (PageLayout.local_pages: expert parallelism's experts, other ones on
     # every rank): this rank's own in every stage, never sharded, gathered or reduced.
     local_pages: tuple[int, int] | None = None
+    local_dp: int = 1  # the ranks holding this rank's experts (the expert-dp group: dp / ep)
+    local_rank: int = 0  # this rank's place in it
 
     def sharded(self, kind: str) -> bool:
         """Pages of `kind` live on their owner only (REMOTE elsewhere for parameters, absent for optimizer states)."""
         return self.dp > 1 and kind in SHARDED_KINDS[self.stage]
 
+    def sharded_local(self, kind: str) -> bool:
+        """Rank-local pages of `kind` live on their owner in the expert-dp group only (optimizer states, stage >= 1)."""
+        return self.local_dp > 1 and self.stage >= 1 and kind in OPTIMIZER_KINDS
+
+    def sharded_at(self, kind: str, index: int) -> bool:
+        """Page `index` of `kind` lives on its owner only (its group's: the dp group's, or the expert-dp group's)."""
+        return self.sharded_local(kind) if self.rank_local(index) else self.sharded(kind)
+
     def rank_local(self, index: int) -> bool:
         return self.local_pages is not None and self.local_pages[0] <= index < self.local_pages[1]
 
     def home(self, index: int) -> int:
-        return self.rank if self.rank_local(index) else index % self.dp
+        """The owner's rank in the page's group: the dp group, or for a rank-local page the expert-dp group."""
+        if self.rank_local(index):
+            return (index - self.local_pages[0]) % self.local_dp
+        return index % self.dp
 
     def owns(self, index: int) -> bool:
-        return self.home(index) == self.rank
+        return self.home(index) == (self.local_rank if self.rank_local(index) else self.rank)
 
     def local(self, kind: str, index: int) -> bool:
         """This rank holds page `index` of `kind` as its own (creates it, keeps it on its tiers)."""
-        return not self.sharded(kind) or self.owns(index)
+        return not self.sharded_at(kind, index) or self.owns(index)
 
     def remote(self, kind: str, index: int) -> bool:
         """Page `index` of `kind` exists here as a REMOTE page (its group is gathered before use)."""
-        return kind == "param" and self.sharded(kind) and not self.owns(index)
+        return kind == "param" and self.sharded(kind) and not self.rank_local(index) and not self.owns(index)
 
     def local_count(self, kind: str, n_pages: int) -> int:
         """Pages of `kind` this rank creates out of the `n_pages` the layout has."""
@@ -62,7 +81,9 @@ class Ownership:
         return sum(1 for i in range(n_pages) if self.remote("param", i))
 
     def updated(self, index: int) -> bool:
-        """This rank's optimizer updates page group `index` (stage 0: every rank updates every group)."""
+        """This rank's optimizer updates page `index` (stage 0: every rank updates every page)."""
+        if self.rank_local(index):
+            return not self.sharded_local("master") or self.owns(index)
         return self.stage == 0 or self.dp == 1 or self.owns(index)
 
     @property
