@@ -26,6 +26,8 @@ memory, not toward any tier budget.
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -228,9 +230,20 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
 
             parallelize(model, TPComm.planning(config.parallel.tp, config.parallel.sequence_parallel),
                         plan_for(model))
+        if config.parallel.ep > 1:  # one expert-parallel rank's experts (the engine splits them alike)
+            from angel_ptm.parallel.moe import EPComm, apply_expert_parallel
+
+            apply_expert_parallel(model, EPComm.planning(config.parallel.ep))
     own = ownership or Ownership()
     if layout is None:
-        layout = build_layout(model, page_bytes, dp_world_size=own.dp, compute_dtype=compute_dtype(config))
+        from angel_ptm.parallel.moe import expert_names
+
+        layout = build_layout(model, page_bytes, dp_world_size=own.dp, compute_dtype=compute_dtype(config),
+                              local=expert_names(model))
+        if layout.local_pages is not None and own.local_pages is None:  # this rank's experts, as the engine says
+            holders = max(1, own.dp // config.parallel.ep)  # with ep < dp: the ranks holding the same experts
+            own = dataclasses.replace(own, local_pages=layout.local_pages, local_dp=holders,
+                                      local_rank=own.rank // config.parallel.ep % holders)
     kinds = creation_order(config)
     group = len(kinds)  # pages one optimizer update pins: one of each kind
     # This rank's pages of each kind (parallel/ownership.py); frozen tensors' pages are parameter pages only.

@@ -377,3 +377,26 @@ def test_ep2_on_a_meta_built_model_starts_from_the_1_rank_weights(two_ranks):
     meta, built = two_ranks[0]["ep2-zero3-meta"], two_ranks[0]["ep2-zero3"]
     assert "error" not in meta, meta.get("error")
     assert meta["losses"] == built["losses"] == two_ranks[1]["ep2-zero3-meta"]["losses"]
+
+
+def test_the_estimate_of_an_ep_job_counts_one_ranks_experts_and_their_sharded_states():
+    """`angel-ptm estimate --world-size 4` at ep 2: one rank holds half of every MoE layer's experts, their weights
+    whole and their AdamW moments split with the other rank holding them (ZeRO >= 1), the shared pages 1/4."""
+    from angel_ptm.config import load_config
+    from angel_ptm.estimate import estimate_job
+    from angel_ptm.memory import build_layout
+    from angel_ptm.models import build_model
+    from angel_ptm.parallel import Ownership
+    from angel_ptm.parallel.moe import EPComm, apply_expert_parallel, expert_names
+
+    cfg = {"model": {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 2, "dim": 32,
+                     "moe": {"experts": 4, "top_k": 2}},
+           "memory": {"page_bytes": "4KiB"}, "trainer": {"device": "cpu"}, "parallel": {"dp": 4, "ep": 2, "zero": 3}}
+    model = apply_expert_parallel(build_model(load_config(cfg).model), EPComm.planning(2))
+    layout = build_layout(model, 4096, dp_world_size=4, local=expert_names(model))
+    start, end = layout.local_pages
+    got = estimate_job(cfg, ownership=Ownership(0, 4, 3)).kind_bytes
+    assert got["exp_avg"] == (start // 4 + (end - start) // 2) * 4096
+    assert got["param"] == (start // 4 + (end - start)) * 4096
+    whole = estimate_job(dict(cfg, parallel={"dp": 4, "ep": 1, "zero": 3}), ownership=Ownership(0, 4, 3)).kind_bytes
+    assert got["param"] < whole["param"] * 4 and end - start < layout.n_pages

@@ -36,6 +36,14 @@ class EPComm:
     node's ranks receive: one message per pair of nodes on the slow links instead of one per pair of ranks. The
     rows each rank receives, and their order (by source rank), are the flat exchange's."""
 
+    @classmethod
+    def planning(cls, ep: int) -> "EPComm":
+        """Rank 0 of an ep group that never communicates: apply_expert_parallel() on a meta-device model gives the
+        experts one rank holds (the estimate's use); running such a model raises at its first exchange."""
+        comm = cls.__new__(cls)
+        comm.rank, comm.size, comm.collectives, comm.hierarchical = 0, ep, None, False
+        return comm
+
     def __init__(self, mesh: Mesh, group: Group | None = None, hierarchical: bool = False,
                  node_size: int | None = None):
         group = group or mesh.ep_ranks
