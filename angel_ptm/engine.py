@@ -11,12 +11,9 @@ a ParamBinder that points parameters at pages around each module's forward and b
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import nn
 
-from angel_ptm.activations import ActivationPages
 from angel_ptm.binding import ParamBinder
 from angel_ptm.config import Config, load_config
 from angel_ptm.failure import Failure
@@ -30,6 +27,7 @@ from angel_ptm.page_tensors import PageTensors
 from angel_ptm.paging import Paging, choose_disk_dir, open_paging
 from angel_ptm.parallel.data_parallel import agree_on_job, join
 from angel_ptm.parallel.moe.placement import rebalancer_for
+from angel_ptm.parallel.ownership import with_experts
 from angel_ptm.parallel.split import split_model
 from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import StateAccess
@@ -72,10 +70,7 @@ class Engine(StateAccess):
         self.kinds = creation_order(config)
         self.layout = build_layout(model, mem.page_bytes, dp_world_size=self.mesh.dp,
                                    compute_dtype=self.compute_dtype, local=self.expert_names)
-        if self.layout.local_pages is not None:  # (with ep < dp, the ranks holding the same experts shard them)
-            experts = self.mesh.expert_dp_ranks
-            self.ownership = dataclasses.replace(self.ownership, local_pages=self.layout.local_pages,
-                                                 local_dp=experts.size, local_rank=experts.index(self.mesh.rank))
+        self.ownership = with_experts(self.ownership, self.layout.local_pages, config.parallel.ep)
         # same job everywhere, then the data-parallel group's rank 0's initial values
         self.world = agree_on_job(self.mesh, self.collectives, config, self.layout, model, self.trace,
                                   set(self.expert_names))
@@ -113,11 +108,7 @@ class Engine(StateAccess):
         self._closed = False
         self._steps_done = 0
         self._schedule = ConfigSchedule(config)  # applied on step(); set_lr turns it off
-        acts = config.activations
-        self.binder.attach(recompute=acts.checkpoint, recompute_units=acts.units, unit_modes=acts.unit_modes,
-                           offload=None if acts.offload == "none" else ActivationPages(
-                               self.scheduler, self.device, mem.page_bytes, acts.offload_min_bytes,
-                               write_behind=acts.offload == "disk"))
+        self.binder.attach_config(config.activations, self.scheduler, mem.page_bytes)  # recompute, offload
         # The optimizer (pinning its pages where the estimate resolved), the data-parallel fixed points, the driver
         self.optimizer, self.data_parallel, self.driver = build_step(
             config, self.estimate, model=model, layout=self.layout, pages=self.pages, scheduler=self.scheduler,

@@ -26,8 +26,6 @@ memory, not toward any tier budget.
 
 from __future__ import annotations
 
-import dataclasses
-
 import json
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -53,7 +51,7 @@ from angel_ptm.memory.store import PageKind
 from angel_ptm.models import build_model
 from angel_ptm.parallel.grad_sync import reduction_buffer_bytes
 from angel_ptm.parallel.ownership import (Ownership, gather_capacity, gather_reserve, min_gather_device_pages,
-                                          osdp_replicable)
+                                          osdp_replicable, with_experts)
 
 MIXED_MASTER_NOTE = "param and grad pages hold bf16/fp16 in half their bytes"
 STALE_MASTER_NOTE = "optimizer.staleness 1: the delayed update writes it while a step computes with the param pages"
@@ -240,10 +238,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
 
         layout = build_layout(model, page_bytes, dp_world_size=own.dp, compute_dtype=compute_dtype(config),
                               local=expert_names(model))
-        if layout.local_pages is not None and own.local_pages is None:  # this rank's experts, as the engine says
-            holders = max(1, own.dp // config.parallel.ep)  # with ep < dp: the ranks holding the same experts
-            own = dataclasses.replace(own, local_pages=layout.local_pages, local_dp=holders,
-                                      local_rank=own.rank // config.parallel.ep % holders)
+        if own.local_pages is None:  # this rank's experts, as the engine says
+            own = with_experts(own, layout.local_pages, config.parallel.ep)
     kinds = creation_order(config)
     group = len(kinds)  # pages one optimizer update pins: one of each kind
     # This rank's pages of each kind (parallel/ownership.py); frozen tensors' pages are parameter pages only.

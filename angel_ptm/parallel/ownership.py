@@ -23,6 +23,7 @@ new parameters from it after the step); the experts' parameters and gradients st
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 OPTIMIZER_KINDS = ("exp_avg", "exp_avg_sq", "master")
@@ -90,6 +91,15 @@ class Ownership:
     def gathers(self) -> bool:
         """Parameters are gathered before use (stage 3 with more than one rank)."""
         return self.sharded("param")
+
+
+def with_experts(own: Ownership, local_pages: tuple[int, int] | None, ep: int) -> Ownership:
+    """`own` with the layout's rank-local pages (expert parallelism's experts): with ep < dp, the dp / ep ranks at the
+    same place of each group of ep consecutive ranks hold the same experts (the mesh's expert-dp group), and this
+    rank is the (rank // ep)-th of them. The engine and the estimate both call it."""
+    if local_pages is None:
+        return own
+    return dataclasses.replace(own, local_pages=local_pages, local_dp=max(1, own.dp // ep), local_rank=own.rank // ep)
 
 
 def gather_reserve(max_tensor_pages: int, update_pins: int) -> int:
