@@ -5,6 +5,7 @@ parallelism, for our GPT and a HuggingFace Llama (meta-device init and clipping 
 ZeRO 3 gives the losses of 1 rank with grad_accum 2; each rank holds 1/tp of every split tensor. Plans and
 dimensions that do not split are typed errors; so is any op on vocabulary-sharded logits but the loss. Dropout
 draws one mask on replicated activations and each rank's own on split ones, and recomputation redraws the same.
+Each region entry's backward collective runs while the column-parallel weight gradients are computed.
 
 The ranks are spawned once per module group (tests/dist_harness.py) and run every job in turn.
 """
@@ -64,7 +65,8 @@ def layer_grads(rank: int, world: int, spec: dict, tmp: str) -> dict:
     with torch.no_grad():
         out = model(batch[0])
         logits = gather_logits(out if torch.is_tensor(out) else out.logits)
-    return {"loss": loss.item(), "grads": grads, "logits": logits.tolist(), "calls": comm.collectives.calls}
+    return {"loss": loss.item(), "grads": grads, "logits": logits.tolist(), "calls": comm.collectives.calls,
+            "overlapped": comm.overlapped}
 
 
 ACTIVATIONS = [{"checkpoint": "none"}, {"checkpoint": "full"}, {"checkpoint": "selective"}, {"offload": "host"},
@@ -272,6 +274,10 @@ def test_forward_and_every_full_gradient_equal_the_unsplit_models(two_ranks, nam
             assert (grad - p.grad).abs().max().item() <= 1e-5 * scale, pname
     calls = two_ranks[0][name]["calls"]
     assert calls > 0
+    # Megatron's overlap: each region entry's backward collective (attention, feed-forward and output head of
+    # every layer) ran while the column-parallel weight gradients were computed (layers.WeightGradStash)
+    n_layer = model.config.num_hidden_layers if hasattr(model, "config") else model.cfg.n_layer
+    assert two_ranks[0][name]["overlapped"] == 2 * n_layer + 1
 
 
 @pytest.mark.parametrize("name", [j["name"] for j in TP_JOBS if "save_at" not in j])
@@ -591,9 +597,13 @@ def test_dropout_is_found_in_modules_and_in_rate_attributes():
 def test_a_gpt_without_dropout_gets_no_random_scopes_and_keeps_the_generator():
     """No dropout: tensor parallelism draws nothing from the generator (a 1-rank run's sequence is kept)."""
     model = GPT(GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, dim=8))
-    parallelize(model, TPComm.planning(2, sequence_parallel=True), plan_for(model))
-    assert not [m for m in model.modules() if m._forward_hooks]  # a scope's join is a forward hook
+    comm = TPComm.planning(2, sequence_parallel=True)
+    parallelize(model, comm, plan_for(model))
+    assert not comm.random.scoped
     with_dropout = GPT(GPTConfig(vocab_size=16, seq_len=8, n_layer=1, n_head=2, dim=8, dropout=0.1))
-    parallelize(with_dropout, TPComm.planning(2, sequence_parallel=True), plan_for(with_dropout))
-    scoped = {n for n, m in with_dropout.named_modules() if m._forward_hooks}
-    assert scoped == {"drop", "layers.0", "layers.0.attention", "layers.0.feed_forward", "output"}, scoped
+    comm = TPComm.planning(2, sequence_parallel=True)
+    parallelize(with_dropout, comm, plan_for(with_dropout))
+    names = {id(m): n for n, m in with_dropout.named_modules()}
+    scoped = {names.get(id(m), "(replaced: the output head)") for m in comm.random.scoped}
+    assert scoped == {"drop", "layers.0", "layers.0.attention", "layers.0.feed_forward",
+                      "(replaced: the output head)"}, scoped

@@ -271,10 +271,16 @@ class Collectives:
             return tensor.to(self._stage_to)
         return torch.empty(tensor.shape, dtype=tensor.dtype, device=self._stage_to)
 
-    def all_reduce(self, tensor: torch.Tensor, what: str, op=SUM) -> None:
+    def all_reduce(self, tensor: torch.Tensor, what: str, op=SUM, async_op: bool = False):
+        """`tensor` reduced over the group, in place. With `async_op`, a handle whose `wait()` returns once it is
+        (the reduction runs on the process group's own threads or stream meanwhile)."""
         staged = self._to_comm(tensor)
-        self._run("all_reduce", what, _nbytes(tensor), dist.all_reduce, staged, op=op, group=self._pg)
+        work = self._run("all_reduce", what, _nbytes(tensor), dist.all_reduce, staged, op=op, group=self._pg,
+                         async_op=async_op)
+        if async_op:
+            return Pending(self, [work], what, then=_copy_back([tensor], [staged]))
         _land([tensor], [staged])
+        return None
 
     def all_gather_list(self, outputs: list[torch.Tensor], tensor: torch.Tensor, what: str) -> None:
         """outputs[r] <- group rank r's `tensor`, with the backend's own all-gather (blocking)."""

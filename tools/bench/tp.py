@@ -1,5 +1,7 @@
 """Tensor-parallel benchmark: the same GPT at tp 1 (one process) and tp N (N gloo ranks, dp 1), step time, bytes
-per rank and the share of the step spent in the tensor-parallel collectives.
+per rank and the share of the step spent in the tensor-parallel collectives; and tp N again with every tp
+collective blocking (`blocking_step_s`), against which `overlap_gain` says what Megatron's overlap of the region
+entries' backward collectives with the weight gradients (parallel/tensor/layers.py) saves.
 
     python -m tools.bench.tp --nproc 2 --dir DIR [--dim 512] [--layers 4] [--heads 8] [--seq 128] [--batch 4]
                              [--vocab 4096] [--sequence-parallel] [--steps 5] [--warmup 2] [--device cpu|cuda]
@@ -40,8 +42,12 @@ def config(args, tp: int, disk_dir: str) -> dict:
             "parallel": {"tp": tp, "sequence_parallel": args.sequence_parallel and tp > 1, "timeout_s": 300}}
 
 
-def run(rank: int, world: int, port: int, args, out: str) -> None:
-    """One rank of a tp `world` run (world 1: the baseline, no process group)."""
+def run(rank: int, world: int, port: int, args, out: str, overlap: bool = True) -> None:
+    """One rank of a tp `world` run (world 1: the baseline, no process group); `overlap` False: every tp
+    collective blocks (no weight gradient computed beside the region entries' backward collectives)."""
+    from angel_ptm.parallel.tensor import layers
+
+    layers.ANCHORED_ENTRY = overlap
     if world > 1:
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                           LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -80,13 +86,13 @@ def run(rank: int, world: int, port: int, args, out: str) -> None:
         json.dump(result, f)
 
 
-def spawn(world: int, args) -> list[dict]:
+def spawn(world: int, args, overlap: bool = True) -> list[dict]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tempfile.mktemp(prefix="tp-bench-", dir=args.dir)
     ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, world, port, args, out)) for r in range(world)]
+    procs = [ctx.Process(target=run, args=(r, world, port, args, out, overlap)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
@@ -122,11 +128,14 @@ def main(argv=None) -> dict:
     os.makedirs(args.dir, exist_ok=True)
     one = spawn(1, args)[0]
     many = spawn(args.nproc, args)
+    blocking = spawn(args.nproc, args, overlap=False)[0]
     first = many[0]
     for r in [one] + many:
         who = "tp 1" if r is one else f"tp {args.nproc} rank {r['rank']}"
         say(f"{who}: step {r['step_s']:.3f}s, "
             f"tp collectives {r['comm_s']:.3f}s, param bytes {r['param_bytes']:,}, pages {r['pages']}")
+    say(f"tp {args.nproc} rank 0, every collective blocking: step {blocking['step_s']:.3f}s, "
+        f"tp collectives {blocking['comm_s']:.3f}s")
     worst = max(abs(a - b) / abs(b) for a, b in zip(first["losses"], one["losses"]))
     report = {
         "nproc": args.nproc, "sequence_parallel": args.sequence_parallel, "device": args.device,
@@ -134,6 +143,8 @@ def main(argv=None) -> dict:
         "tp_step_max_s": round(max(r["step_s"] for r in many), 4),
         "step_ratio": round(first["step_s"] / one["step_s"], 3),
         "comm_s": round(first["comm_s"], 4), "comm_share": round(first["comm_s"] / first["step_s"], 3),
+        "blocking_step_s": round(blocking["step_s"], 4), "blocking_comm_s": round(blocking["comm_s"], 4),
+        "overlap_gain": round(blocking["step_s"] / first["step_s"], 3),
         "param_bytes_tp1": one["param_bytes"], "param_bytes_per_rank": first["param_bytes"],
         "param_fraction": round(first["param_bytes"] / one["param_bytes"], 4),
         "pages_tp1": one["pages"], "pages_per_rank": first["pages"],

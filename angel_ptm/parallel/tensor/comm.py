@@ -7,8 +7,9 @@
     scatter_seq(x)      forward: this rank's chunk   backward: all-gather      (a replicated tensor -> sequence shards)
 
 The sequence dimension is 1 (inputs are [batch, seq, ...], as every model here and HuggingFace's are). Each call is
-one blocking collective of the tp group on the compute path (as Megatron's, without overlap), timed on the trace's
-comm lane; a dead or hung peer raises CollectiveError within `parallel.timeout_s`. Every tp rank runs the same
+one collective of the tp group on the compute path, timed on the trace's comm lane, blocking except where a region's
+entry is anchored (layers.py: the backward all-reduce or reduce-scatter of the region's input gradient runs while
+the column-parallel weight gradients are computed, Megatron's overlap); a dead or hung peer raises CollectiveError within `parallel.timeout_s`. Every tp rank runs the same
 layers in the same order, so the collective sequences match.
 """
 
@@ -33,6 +34,8 @@ class TPComm:
         self.sequence_parallel = mesh.sequence_parallel
         self.collectives = Collectives(mesh, group=mesh.tp_ranks) if mesh.tp > 1 else None
         self.random = ShardedRandom(self.rank, self.size)  # dropout's streams (rng.py)
+        self.stashes: list = []  # the `enter` modules running now: their WeightGradStash (layers.py), or None
+        self.overlapped = 0  # region entries whose backward collective ran beside weight gradients, cumulative
 
     @classmethod
     def planning(cls, tp: int, sequence_parallel: bool = False) -> "TPComm":
@@ -42,6 +45,7 @@ class TPComm:
         comm.mesh, comm.rank, comm.size = None, 0, tp
         comm.sequence_parallel, comm.collectives = sequence_parallel and tp > 1, None
         comm.random = ShardedRandom(0, tp)
+        comm.stashes, comm.overlapped = [], 0
         return comm
 
     def set_trace(self, trace) -> None:
@@ -83,6 +87,21 @@ class TPComm:
         self.collectives.reduce_scatter_list(out, parts, f"tp {what}")
         return out
 
+    def all_reduce_async(self, x: torch.Tensor, what: str):
+        """`x` summed over tp in place, started now: the handle to wait on (None: nothing in flight)."""
+        if self.collectives is None or getattr(FAKE_TRACE, "on", False):
+            self.all_reduce(x, what)
+            return None
+        return self.collectives.all_reduce(x, f"tp {what}", async_op=True)
+
+    def reduce_scatter_async(self, x: torch.Tensor, dim: int, what: str):
+        """(this rank's chunk of the sum over tp along `dim`, the handle to wait on before reading it)."""
+        if self.collectives is None or getattr(FAKE_TRACE, "on", False):
+            return self.reduce_scatter(x, dim, what), None
+        parts = [p.contiguous() for p in self.split(x, dim)]
+        out = torch.empty_like(parts[self.rank])
+        return out, self.collectives.reduce_scatter(out, parts, f"tp {what}", async_op=True)
+
     def split(self, x: torch.Tensor, dim: int) -> list[torch.Tensor]:
         if x.shape[dim] % self.size:
             raise TensorParallelError(f"parallel.sequence_parallel: dimension {dim} of a {tuple(x.shape)} tensor "
@@ -93,13 +112,17 @@ class TPComm:
 
 class _CopyTo(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
+    def forward(ctx, x, comm, stash=None):
+        ctx.comm, ctx.stash = comm, stash
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.all_reduce(grad.contiguous().clone(), "copy_to backward"), None
+        grad = grad.contiguous().clone()
+        if ctx.stash is not None:  # the region's weight gradients are computed while it is all-reduced (layers.py)
+            ctx.stash.pending = ctx.comm.all_reduce_async(grad, "copy_to backward")
+            return grad, None, None
+        return ctx.comm.all_reduce(grad, "copy_to backward"), None, None
 
 
 class _ReduceFrom(torch.autograd.Function):
@@ -114,13 +137,16 @@ class _ReduceFrom(torch.autograd.Function):
 
 class _GatherSeq(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
+    def forward(ctx, x, comm, stash=None):
+        ctx.comm, ctx.stash = comm, stash
         return comm.all_gather(x, SEQ_DIM, "gather_seq forward")
 
     @staticmethod
     def backward(ctx, grad):
-        return ctx.comm.reduce_scatter(grad, SEQ_DIM, "gather_seq backward"), None
+        if ctx.stash is not None:  # the region's weight gradients are computed while it is reduce-scattered
+            out, ctx.stash.pending = ctx.comm.reduce_scatter_async(grad, SEQ_DIM, "gather_seq backward")
+            return out, None, None
+        return ctx.comm.reduce_scatter(grad, SEQ_DIM, "gather_seq backward"), None, None
 
 
 class _ReduceScatterSeq(torch.autograd.Function):
@@ -145,8 +171,8 @@ class _ScatterSeq(torch.autograd.Function):
         return ctx.comm.all_gather(grad, SEQ_DIM, "scatter_seq backward"), None
 
 
-def copy_to(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
-    return x if comm.size == 1 else _CopyTo.apply(x, comm)
+def copy_to(x: torch.Tensor, comm: TPComm, stash=None) -> torch.Tensor:
+    return x if comm.size == 1 else _CopyTo.apply(x, comm, stash)
 
 
 def reduce_from(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
@@ -157,8 +183,8 @@ def reduce_from(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
     return _ReduceFrom.apply(x, comm)
 
 
-def gather_seq(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
-    return x if comm.size == 1 else _GatherSeq.apply(x, comm)
+def gather_seq(x: torch.Tensor, comm: TPComm, stash=None) -> torch.Tensor:
+    return x if comm.size == 1 else _GatherSeq.apply(x, comm, stash)
 
 
 def reduce_scatter_seq(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
@@ -169,10 +195,11 @@ def scatter_seq(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
     return x if comm.size == 1 else _ScatterSeq.apply(x, comm)
 
 
-def enter_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:
+def enter_region(x: torch.Tensor, comm: TPComm, stash=None) -> torch.Tensor:
     """A module's input entering the tensor-parallel region: sequence shards gathered (sequence parallelism), else
-    the replicated input copied in (its gradient all-reduced)."""
-    return gather_seq(x, comm) if comm.sequence_parallel else copy_to(x, comm)
+    the replicated input copied in (its gradient all-reduced). With a `stash` (layers.WeightGradStash), that
+    backward collective is started and left in flight for the stash's anchor to wait on."""
+    return gather_seq(x, comm, stash) if comm.sequence_parallel else copy_to(x, comm, stash)
 
 
 def leave_region(x: torch.Tensor, comm: TPComm) -> torch.Tensor:

@@ -25,7 +25,7 @@ from torch import nn
 
 from angel_ptm.errors import TensorParallelError
 from angel_ptm.parallel.collectives import FAKE_TRACE
-from angel_ptm.parallel.tensor.comm import TPComm, leave_region, reduce_from
+from angel_ptm.parallel.tensor.comm import TPComm, enter_region, leave_region, reduce_from
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,91 @@ def _move_into(new: nn.Module, old: nn.Module) -> None:
             getattr(new, attr).update(getattr(old, attr))
 
 
+class WeightGradStash:
+    """Megatron's overlap of a region's input-gradient collective with its weight gradients, for one forward of a
+    module the plan marks `enter` (its input enters the region once, however many column-parallel linears read it).
+
+    Forward: the input passes an anchor (`_Anchor`, holding the column-parallel weights as inputs) before it enters
+    the region; each of those linears (`_DeferredLinear`) computes its output as F.linear does. Backward, in the
+    order autograd runs it: each linear returns its input gradient and keeps (output gradient, input) here instead
+    of computing its weight gradient; the region's entry starts the all-reduce (or, with sequence parallelism, the
+    reduce-scatter) of the summed input gradient without waiting; the anchor, the next node back, computes every
+    kept weight gradient (the same products autograd's linear makes) while that collective runs, then waits for it.
+    A linear whose backward comes after the anchor's (its input did not come through the region) computes its own."""
+
+    __slots__ = ("comm", "weights", "entries", "pending", "anchored")
+
+    def __init__(self, comm: TPComm, weights: list[nn.Parameter]):
+        self.comm = comm
+        self.weights = {id(w): i for i, w in enumerate(weights)}
+        self.entries: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # weight index -> (grad output, input)
+        self.pending = None  # the input gradient's collective in flight
+        self.anchored = False  # the anchor's backward ran
+
+    def linear(self, x: torch.Tensor, weight: nn.Parameter, bias) -> torch.Tensor:
+        index = self.weights.get(id(weight))
+        if index is None or not torch.is_grad_enabled() or not weight.requires_grad:
+            return F.linear(x, weight, bias)
+        return _DeferredLinear.apply(x, weight, bias, self, index)
+
+
+def _weight_grad(grad: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The weight gradient nn.Linear's backward makes: grad_output^T @ input over every leading dimension."""
+    return grad.reshape(-1, grad.shape[-1]).t().mm(x.reshape(-1, x.shape[-1]))
+
+
+class _DeferredLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, stash, index):
+        ctx.save_for_backward(x, weight)
+        ctx.stash, ctx.index, ctx.has_bias = stash, index, bias is not None
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        grad_x = grad.matmul(weight) if ctx.needs_input_grad[0] else None
+        grad_b = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if ctx.stash.anchored:  # nothing left to overlap with: as F.linear's backward
+            return grad_x, _weight_grad(grad, x), grad_b, None, None
+        ctx.stash.entries[ctx.index] = (grad, x)
+        return grad_x, None, grad_b, None, None
+
+
+class _Anchor(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, stash, *weights):
+        ctx.stash, ctx.n = stash, len(weights)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        stash = ctx.stash
+        stash.anchored = True
+        grads = [None] * ctx.n
+        for index, (grad_out, x) in stash.entries.items():
+            grads[index] = _weight_grad(grad_out, x)
+        if stash.pending is not None:  # the input gradient, reduced in place (or its reduce-scatter's output)
+            stash.comm.overlapped += bool(stash.entries)  # weight gradients computed while it ran
+            pending, stash.pending = stash.pending, None
+            pending.wait()
+        stash.entries.clear()
+        return (grad, None, *grads)
+
+
+ANCHORED_ENTRY = True  # Megatron's overlap (WeightGradStash); False: every tp collective blocks (tools/bench/tp)
+
+
+def anchored_entry(x: torch.Tensor, comm: TPComm, weights: list[nn.Parameter]) -> tuple[torch.Tensor, object]:
+    """`x` entering the region through an anchor for `weights` (see WeightGradStash); the stash the module's
+    column-parallel linears use while it runs (None where nothing can overlap: tp 1, no gradients, a trace)."""
+    if (comm.size == 1 or not weights or not torch.is_grad_enabled() or getattr(FAKE_TRACE, "on", False)
+            or not ANCHORED_ENTRY):
+        return enter_region(x, comm), None
+    stash = WeightGradStash(comm, weights)
+    return enter_region(_Anchor.apply(x, stash, *weights), comm, stash), stash
+
+
 class ColumnParallelLinear(nn.Linear):
     """Output features split over tp. `vocab_output`: the model's output head over a vocabulary, whose logits
     stay sharded (`VocabShardedLogits`) for the vocabulary-parallel cross-entropy."""
@@ -108,7 +193,8 @@ class ColumnParallelLinear(nn.Linear):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        stash = self.comm.stashes[-1] if getattr(self.comm, "stashes", None) else None
+        y = stash.linear(x, self.weight, self.bias) if stash is not None else F.linear(x, self.weight, self.bias)
         if self.vocab_output and self.comm.size > 1:
             return VocabShardedLogits.wrap(y, self.comm, self.tp_shards["weight"].start, self.full_out_features)
         return y

@@ -44,8 +44,9 @@ import torch
 from torch import nn
 
 from angel_ptm.errors import TensorParallelError
-from angel_ptm.parallel.tensor.comm import TPComm, copy_to, enter_region, scatter_seq
-from angel_ptm.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+from angel_ptm.parallel.tensor.comm import TPComm, copy_to, scatter_seq
+from angel_ptm.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
+                                              anchored_entry)
 from angel_ptm.parallel.tensor.rng import has_dropout, sync_random_state
 
 STYLES = ("colwise", "rowwise", "vocab_embed", "vocab_embed_whole", "vocab_output", "enter", "seq_scatter", "norm",
@@ -182,7 +183,7 @@ def _apply(model: nn.Module, name: str, style: str, comm: TPComm, shared: dict, 
         replace = VocabParallelEmbedding.from_embedding(module, comm, shared, name,
                                                         whole=style == "vocab_embed_whole")
     elif style == "enter":
-        module.register_forward_pre_hook(_first_input(lambda x: enter_region(x, comm)), with_kwargs=True)
+        _anchor_entry(module, comm)
         if random:
             comm.random.scope(module)
     elif style == "seq_sharded":
@@ -238,6 +239,29 @@ def _first_input(transform):
                                   f"input or hidden_states=; the plan cannot find the input to split")
 
     return hook
+
+
+def _anchor_entry(module: nn.Module, comm: TPComm) -> None:
+    """`module`'s input enters the region (enter_region) through an anchor for the column-parallel linears in it,
+    whose weight gradients are then computed while the input gradient's collective runs (layers.WeightGradStash)."""
+    weights: list = []  # found at the first forward: a later style may still replace the module (vocab_output)
+
+    def enter(mod, args, kwargs):
+        if not weights:
+            weights.extend(m.weight for m in mod.modules() if isinstance(m, ColumnParallelLinear))
+
+        def anchored(x):
+            x, stash = anchored_entry(x, comm, weights)
+            comm.stashes.append(stash)
+            return x
+        return _first_input(anchored)(mod, args, kwargs)
+
+    def leave(*_):
+        if comm.stashes:
+            comm.stashes.pop()
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, always_call=True)
 
 
 def _reduce_param_grads(module: nn.Module, comm: TPComm) -> None:

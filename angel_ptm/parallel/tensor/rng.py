@@ -79,6 +79,7 @@ class ShardedRandom:
         self.rank, self.size = rank, size
         self._local = threading.local()
         self.forks = 0  # scopes entered (forward and recomputation)
+        self.scoped: list[nn.Module] = []  # the modules whose forward is a split scope
 
     def _frames(self) -> list:
         frames = getattr(self._local, "frames", None)
@@ -129,3 +130,4 @@ class ShardedRandom:
         """`module`'s forward runs in a split scope (its pre-hook forks, its forward hook joins, on errors too)."""
         module.register_forward_pre_hook(lambda *_: self.fork())
         module.register_forward_hook(lambda *_: self.join(), always_call=True)
+        self.scoped.append(module)
