@@ -218,13 +218,12 @@ class GradSync:
         grads = self.pages["grad"]
         if self.own.sharded_local("master"):  # ep < dp, stage >= 1: each expert page's mean onto its owner only
             self._reduce_local(needed)
-        for i in range(n, self.layout.trainable_pages):  # rank-local: this rank's tokens' and the others' sums
-            if self.own.sharded_local("master"):
-                break
-            if needed[i] and self.replicas is not None:  # (and the other expert-parallel groups' sums)
-                self._all_reduce_page(grads[i], i, self.replicas)
-            elif needed[i]:
-                self._scale_page(grads[i], i, 1.0 / self.dp)
+        else:
+            for i in range(n, self.layout.trainable_pages):  # rank-local: this rank's tokens' and the others' sums
+                if needed[i] and self.replicas is not None:  # (and the other expert-parallel groups' sums)
+                    self._all_reduce_page(grads[i], i, self.replicas)
+                elif needed[i]:
+                    self._scale_page(grads[i], i, 1.0 / self.dp)
         if self.own.stage == 0:
             for i in range(n):
                 if needed[i]:
@@ -256,29 +255,13 @@ class GradSync:
             indices = range(first, first + k)
             if not any(needed[i] for i in indices):
                 continue
-            inputs = []
-            for i in indices:
-                numel = self.layout.page_numel(i)
-                if not needed[i]:
-                    inputs.append(self._zeros(numel))
-                    continue
-                self.manager.acquire([grads[i]], self.tier)
-                try:
-                    inputs.append(self._take(numel).copy_(grads[i].view(self.layout.page_dtypes[i])[:numel]))
-                finally:
-                    self.manager.release([grads[i]])
+            inputs, staged = self._stage(indices, [needed[i] for i in indices])
             mine = first + self.own.local_rank
             out = self._take(self.layout.page_numel(mine))
             self.replicas.reduce_scatter(out, inputs, what=f"expert grad group {(first - start) // k}")
             if needed[mine]:
-                page = grads[mine]
-                self.manager.acquire([page], self.tier)
-                try:
-                    page.view(self.layout.page_dtypes[mine])[: self.layout.page_numel(mine)].copy_(
-                        out.mul_(1.0 / self.dp))
-                finally:
-                    self.manager.release([page], dirty=True)
-            self._give(out, *[t for t, i in zip(inputs, indices) if needed[i]])
+                self._write_mean(mine, out)
+            self._give(out, *staged)
             self.manager.discard([grads[i] for i in indices if i != mine and not grads[i].dead
                                   and not grads[i].pin_count])
 
@@ -290,8 +273,19 @@ class GradSync:
         as FSDP2 copies into its reduce-scatter input, and the pages are dead from then on: nothing stays pinned
         while the collective is in flight, and the mean lands in a cleared slot of this rank's page."""
         grads = self.pages["grad"]
+        inputs, staged = self._stage(self._group(group), needed)
+        self.manager.discard([grads[i] for i, need in zip(self._group(group), needed) if need])
+        mine = group * self.dp + self.own.rank
+        out = self._take(self.layout.page_numel(mine))
+        pending = self.comm.reduce_scatter(out, inputs, what=f"grad group {group}", async_op=True)
+        self._flight.append(_Reduction(group, pending, out, staged, needed[self.own.rank], self._events))
+
+    def _stage(self, indices: range, needed: list[bool]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """A reduce-scatter's inputs for the pages `indices`: each needed page's gradient copied (fp32) into a buffer
+        of the collective's own, zeros for the others; and those buffers (to give back once it has landed)."""
+        grads = self.pages["grad"]
         inputs, staged = [], []
-        for i, need in zip(self._group(group), needed):
+        for i, need in zip(indices, needed):
             numel = self.layout.page_numel(i)
             if not need:
                 inputs.append(self._zeros(numel))
@@ -302,11 +296,17 @@ class GradSync:
             finally:
                 self.manager.release([grads[i]])
             inputs.append(staged[-1])
-        self.manager.discard([grads[i] for i, need in zip(self._group(group), needed) if need])
-        mine = group * self.dp + self.own.rank
-        out = self._take(self.layout.page_numel(mine))
-        pending = self.comm.reduce_scatter(out, inputs, what=f"grad group {group}", async_op=True)
-        self._flight.append(_Reduction(group, pending, out, staged, needed[self.own.rank], self._events))
+        return inputs, staged
+
+    def _write_mean(self, index: int, summed: torch.Tensor) -> None:
+        """Gradient page `index` takes the mean over the dp ranks of a reduction's sum (`summed`, scaled in place)."""
+        page = self.pages["grad"][index]
+        self.manager.acquire([page], self.tier)
+        try:
+            page.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)].copy_(
+                summed.mul_(1.0 / self.dp))
+        finally:
+            self.manager.release([page], dirty=True)
 
     def _land(self, block: bool) -> None:
         """Land the reductions in flight that are done (all of them with `block`), oldest first."""
@@ -319,14 +319,7 @@ class GradSync:
             took = time.perf_counter() - red.pending.issued
             self._typical_s = took if not self._typical_s else 0.8 * self._typical_s + 0.2 * took
         if red.write:
-            index = red.group * self.dp + self.own.rank
-            page = self.pages["grad"][index]
-            self.manager.acquire([page], self.tier)
-            try:
-                page.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)].copy_(
-                    red.out.mul_(1.0 / self.dp))
-            finally:
-                self.manager.release([page], dirty=True)
+            self._write_mean(red.group * self.dp + self.own.rank, red.out)
         self._give(red.out, *red.staged)
         self._landed.append(red.group)
 
