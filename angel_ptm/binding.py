@@ -140,9 +140,9 @@ class ParamBinder:
     def attach_config(self, acts, scheduler, page_bytes: int) -> None:
         """`attach` as the config's activations section says: recomputation per unit, offload into pages of
         `page_bytes` through `scheduler` (disk: written behind)."""
-        self.attach(recompute=acts.checkpoint, recompute_units=acts.units, unit_modes=acts.unit_modes,
-                    offload=None if acts.offload == "none" else ActivationPages(
-                        scheduler, self.device, page_bytes, acts.offload_min_bytes, write_behind=acts.offload == "disk"))
+        offload = None if acts.offload == "none" else ActivationPages(
+            scheduler, self.device, page_bytes, acts.offload_min_bytes, write_behind=acts.offload == "disk")
+        self.attach(recompute=acts.checkpoint, recompute_units=acts.units, unit_modes=acts.unit_modes, offload=offload)
 
     def attach(self, recompute: str = "none", recompute_units: tuple[str, ...] = (),
                offload: ActivationPages | None = None, unit_modes: dict | None = None) -> None:

@@ -284,7 +284,6 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
 
     # 1. the budgets themselves (as resolve_budgets refuses them)
     needed_on_disk = max(0, states_bytes - max(0, budgets["device"] - gather_pages * page_bytes) - budgets["host"])
-    import os as _o; _o.environ.get("DBG") and print("DBG", counts, gather_pages, remote_pages, budgets, own, flush=True)
     if needed_on_disk and budgets["disk"] < needed_on_disk:
         problems.append(Problem("disk", needed_on_disk, budgets["disk"],
                                 "the model states that fit neither the device nor the host budget"))

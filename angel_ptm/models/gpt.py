@@ -283,8 +283,10 @@ class ActivationFootprint:
 def activation_footprint(cfg: GPTConfig, batch_size: int, dtype_bytes: int = 4, checkpoint: str = "none",
                          offload: bool = False, offload_min_bytes: int = 0, tp: int = 1,
                          sequence_parallel: bool = False) -> ActivationFootprint:
-    """The activations one training step of this GPT (without dropout: its masks and the attention it needs are
-    traced instead, activations/source.py) saves for backward, per activations setting, as the binder measures them (each storage once; tools.bench.activations and tests/test_activations.py check it).
+    """The activations one training step of this GPT saves for backward, per activations setting, as the binder
+    measures them (each storage once; tools.bench.activations and tests/test_activations.py check it). Without
+    dropout: a GPT with `dropout` (its masks, and the attention kernel it needs) is traced instead
+    (activations/source.py).
 
     Per token, in elements of ``dtype_bytes`` (d = dim, q = n_head * head_dim, kv = n_kv_head * head_dim,
     h = hidden_dim), with a fused attention kernel (flash / memory-efficient, or its CPU counterpart):

@@ -36,7 +36,7 @@ class Ownership:
     dp: int = 1
     stage: int = 0
     # Pages [start, end) of rank-local tensors (PageLayout.local_pages: expert parallelism's experts, other ones on
-    # every rank): this rank's own in every stage, never sharded, gathered or reduced.
+    # every rank): never gathered; with ep < dp sharded over the ranks holding the same experts (module docstring).
     local_pages: tuple[int, int] | None = None
     local_dp: int = 1  # the ranks holding this rank's experts (the expert-dp group: dp / ep)
     local_rank: int = 0  # this rank's place in it

@@ -9,8 +9,9 @@
 The sequence dimension is 1 (inputs are [batch, seq, ...], as every model here and HuggingFace's are). Each call is
 one collective of the tp group on the compute path, timed on the trace's comm lane, blocking except where a region's
 entry is anchored (layers.py: the backward all-reduce or reduce-scatter of the region's input gradient runs while
-the column-parallel weight gradients are computed, Megatron's overlap); a dead or hung peer raises CollectiveError within `parallel.timeout_s`. Every tp rank runs the same
-layers in the same order, so the collective sequences match.
+the column-parallel weight gradients are computed, Megatron's overlap); a dead or hung peer raises CollectiveError
+within `parallel.timeout_s`. Every tp rank runs the same layers in the same order, so the collective sequences
+match.
 """
 
 from __future__ import annotations
