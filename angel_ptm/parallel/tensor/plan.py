@@ -249,10 +249,10 @@ def _anchor_entry(module: nn.Module, comm: TPComm) -> None:
     def enter(mod, args, kwargs):
         if not weights:
             weights.extend(m.weight for m in mod.modules() if isinstance(m, ColumnParallelLinear))
+        comm.stashes.append(None)  # (first: the forward hook pops one whatever happens next)
 
         def anchored(x):
-            x, stash = anchored_entry(x, comm, weights)
-            comm.stashes.append(stash)
+            x, comm.stashes[-1] = anchored_entry(x, comm, weights)
             return x
         return _first_input(anchored)(mod, args, kwargs)
 
