@@ -8,6 +8,7 @@ import hashlib
 import os
 import time
 
+import pytest
 import torch
 
 import angel_ptm
@@ -49,6 +50,17 @@ def hf_llama_tp():
     return hf_llama()
 
 
+def hf_qwen2_tp():
+    """A HuggingFace Qwen2 laid out like Llama (the built-in Llama plan), with biases on q, k and v."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, attn_implementation="sdpa",
+        bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config)
+
+
 def llama_loss(model, input_ids, labels):
     return model(input_ids, labels=labels).loss
 
@@ -78,6 +90,7 @@ def gpt_moe_batches():
 
 # a copy: other modules parametrize over theirs
 CASES = {**CASES, "branchy": (Branchy, branchy_batches, mlp_loss), "llama": (hf_llama_tp, llama_batches, llama_loss),
+         "qwen2": (hf_qwen2_tp, llama_batches, llama_loss),
          "gpt-moe": (gpt_moe, gpt_moe_batches, CASES["gpt"][2])}
 
 STEPS = 4

@@ -218,7 +218,7 @@ def run_all(rank: int, world: int, specs: list, tmp: str) -> dict:
 
 
 LAYER_JOBS = [dict(name=f"layers-{m}-{'sp' if sp else 'tp'}", kind="layers", model=m, sp=sp)
-              for m in ("gpt", "llama") for sp in (False, True)]
+              for m in ("gpt", "llama", "qwen2") for sp in (False, True)]  # (qwen2: q, k, v with biases)
 ACTIVATION_JOBS = [dict(name=f"activations-{'sp' if sp else 'tp'}", kind="activations", sp=sp) for sp in (False, True)]
 STATE_DICT_JOB = job("state-dicts", kind="state_dicts", tp=2, placement="device+host")
 DROPOUT_JOBS = [dict(name=f"dropout-{'sp' if sp else 'tp'}", kind="dropout", sp=sp) for sp in (False, True)]
