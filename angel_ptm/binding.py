@@ -24,6 +24,7 @@ from contextlib import contextmanager
 from typing import Callable
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 from torch import nn
 
 from angel_ptm import guard
@@ -110,6 +111,8 @@ class ParamBinder:
         self._gathered: dict[int, TensorSlot] = {}  # storage address of a gathered copy -> its tensor's slot
         self._open_units: list[PagingUnit] = []  # units whose forward is running (their pages pinned)
         self._hooks_on = False  # inside engine(...): saved tensors in pages are packed by reference
+        self._recomputing = 0  # units being recomputed now (activations.checkpoint), nested ones counted
+        self._copied_units: list[PagingUnit] = []  # units nested in a recomputed one, bound to copies
         self._node_pins: list[Page] = []
         self._current_node = None
         self._handles = []
@@ -200,6 +203,10 @@ class ParamBinder:
         return hook
 
     def bind_unit(self, unit: PagingUnit) -> None:
+        if self._recomputing and not self._hooks_on:  # a unit inside one being recomputed (an MoE block's experts)
+            self.bind_copies(unit)
+            self._copied_units.append(unit)
+            return
         if torch.is_grad_enabled() and not self._hooks_on:
             raise ParameterAccessError(
                 f"unit '{unit.name}' ran with gradients enabled outside engine(...): autograd would keep views of "
@@ -222,6 +229,10 @@ class ParamBinder:
             self._bound[id(param)] = count + 1
 
     def unbind_unit(self, unit: PagingUnit) -> None:
+        if unit in self._copied_units:
+            self._copied_units.remove(unit)
+            self.unbind_copies(unit)
+            return
         if unit not in self._open_units:
             return  # its pre-hook raised before anything was bound (the post-hook runs anyway)
         self._open_units.remove(unit)
@@ -278,13 +289,16 @@ class ParamBinder:
         saved tensors then view no page: the pages may move before backward reads them)."""
         pages = self.unit_pages[id(unit)]
         self.param_access.acquire(pages, Tier.DEVICE, label=f"recompute:{unit.name}")
-        try:
-            for param in unit.params:
-                guard.bind(param, self._param_view(self.slots[id(param)]).clone())
+        try:  # (unseen by a selective recomputation's op log, which holds the forward's own ops only)
+            with _disable_current_modes():
+                for param in unit.params:
+                    guard.bind(param, self._param_view(self.slots[id(param)]).clone())
         finally:
             self.param_access.release(pages)
+        self._recomputing += 1  # the units nested in it bind copies too (bind_unit)
 
     def unbind_copies(self, unit: PagingUnit) -> None:
+        self._recomputing -= 1
         for param in unit.params:
             guard.unbind(param, self._placeholders[id(param)])
 

@@ -69,6 +69,11 @@ def build_step(config, estimate, *, model, layout: PageLayout, pages, scheduler,
     data_parallel = SingleRank() if collectives is None else DataParallel(
         collectives, ownership, manager, scheduler, layout, pages, update_tier, estimate.gather_groups,
         estimate.largest_unit_groups, config.parallel.osdp)
+    if ownership.sharded_local("param"):  # ep < dp at stage 3: the experts' pages gathered over their holders
+        from angel_ptm.parallel.zero import ExpertGatherer
+
+        data_parallel.experts = ExpertGatherer(manager, pages["param"], data_parallel.replicas, ownership, layout,
+                                               model)
     data_parallel = split.wrap_step(data_parallel, layout)  # tp: the norm and the overflow agreed over tp too
     if data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
         binder.param_access = data_parallel.gatherer

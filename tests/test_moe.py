@@ -254,6 +254,28 @@ def test_gpt_moe_in_the_engine_trains_like_torch_adamw(tmp_path, gate, placement
     assert_same_losses(expected, losses)
 
 
+@pytest.mark.parametrize("acts", [{"checkpoint": "full"}, {"checkpoint": "selective", "offload": "host"}])
+def test_gpt_moe_recomputes_its_blocks_with_their_experts_inside(tmp_path, acts):
+    """activations.checkpoint on a GPT-MoE: each block is recomputed in backward with its experts (paging units of
+    their own, nested in it) bound to copies as the block's parameters are, gshard's sampling replayed: the losses
+    of keeping every activation, bitwise."""
+    import angel_ptm
+    from test_engine_equivalence import engine_config, run_steps
+
+    batches = skewed_batches()
+    runs = []
+    for activations in ({}, dict(acts, offload_min_bytes="1KiB")):
+        model = gpt_moe(gate="gshard")
+        config = engine_config({"page_bytes": 4096, "disk_dir": str(tmp_path / str(len(runs)))})
+        engine = angel_ptm.initialize(model, dict(config, activations=activations))
+        try:
+            torch.manual_seed(11)
+            runs.append(run_steps(engine, batches, lambda m, x, y: m(x, y)))
+        finally:
+            engine.close()
+    assert runs[0] == runs[1]
+
+
 def test_configs_moe_trains_through_the_cli_with_loss_falling_and_logs_the_routing(tmp_path):
     """`angel-ptm train configs/moe.yaml` (shrunk to seconds): the loss falls, and every step's metrics name each
     MoE layer's tokens per expert, drop rate and aux loss; the DTS gate's schedule step is set by the trainer."""

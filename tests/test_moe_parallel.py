@@ -76,6 +76,7 @@ def dp4_jobs(tmp: str) -> list:
             job("ep2-dp4-zero1-bf16", zero=1, dtype="bfloat16", state_dicts=True, **roomier),
             job("ep2-dp4-zero3-clip", zero=3, clip=0.5, save_at=2, save_to=os.path.join(tmp, "dp4"), **base),
             job("ep2-dp4-zero3", zero=3, **base),
+            job("ep2-dp4-zero3-recompute", zero=3, activations="full", **base),
             job("ep2-dp4-zero3-moved", zero=3, rebalance=2, rebalance_threshold=1.0, rebalance_pays=True, **base)]
 
 
@@ -94,11 +95,12 @@ def test_ep4_as_two_nodes_of_two_flat_and_hierarchical_give_the_unsplit_layer(fo
 
 
 @pytest.mark.parametrize("name", ["ep2-dp4-zero0", "ep2-dp4-zero1", "ep2-dp4-zero2-stale", "ep2-dp4-zero3",
-                                  "ep2-dp4-zero3-clip"])
+                                  "ep2-dp4-zero3-clip", "ep2-dp4-zero3-recompute"])
 def test_ep2_on_4_data_parallel_ranks_gives_the_losses_of_one_rank_with_grad_accum_4(four_ranks, name, tmp_path):
     """ep < dp: experts replicated over the expert-parallel groups, their gradients reduced over the ranks that
     hold the same ones (ZeRO >= 1: onto the owner of each page, which alone updates it and sends the others the new
-    weights; clipping counts each expert once); the losses are one rank's within 1e-5."""
+    weights, or at ZeRO 3 has them gather it while a layer computes, recomputation too; clipping counts each
+    expert once); the losses are one rank's within 1e-5."""
     spec = next(j for j in dp4_jobs(str(tmp_path)) if j["name"] == name)
     results = [r["engine"][name] for r in four_ranks]
     for got in results:
@@ -112,14 +114,17 @@ def test_ep2_on_4_data_parallel_ranks_gives_the_losses_of_one_rank_with_grad_acc
 @pytest.mark.parametrize("name", ["ep2-dp4-zero0", "ep2-dp4-zero1", "ep2-dp4-zero2-stale", "ep2-dp4-zero3"])
 def test_expert_optimizer_states_are_sharded_over_the_ranks_holding_the_same_experts(four_ranks, name):
     """ZeRO >= 1 with ep 2 on 4 ranks: each rank keeps 1/4 of the shared pages' AdamW moments and 1/2 of its
-    experts' (the two ranks holding the same experts split them); ZeRO 0 keeps them all."""
+    experts' (the two ranks holding the same experts split them), and at ZeRO 3 the weights alike (the others are
+    gathered while a layer computes); ZeRO 0 keeps them all."""
     for got in (r["engine"][name] for r in four_ranks):
         assert "error" not in got, got.get("error")
         start, end = got["local_pages"]
         zero = int(name.split("zero")[1][0])
-        expected = start + end - start if zero == 0 else start // 4 + (end - start) // 2
-        assert got["pages"]["exp_avg"] == got["pages"]["exp_avg_sq"] == expected, (got["pages"], start, end)
-        assert got["pages"]["param"] >= end - start  # the experts' weights whole on every rank holding them
+        sharded = start // 4 + (end - start) // 2
+        assert got["pages"]["exp_avg"] == got["pages"]["exp_avg_sq"] == (end if zero == 0 else sharded), \
+            (got["pages"], start, end)
+        assert got["pages"]["param"] == (sharded if zero == 3 else end)
+        assert got["pages"]["grad"] == end  # gradients whole until the step reduces them
 
 
 def test_sharded_expert_states_under_bf16_give_the_replicated_run_bitwise(four_ranks):
@@ -381,7 +386,7 @@ def test_ep2_on_a_meta_built_model_starts_from_the_1_rank_weights(two_ranks):
 
 def test_the_estimate_of_an_ep_job_counts_one_ranks_experts_and_their_sharded_states():
     """`angel-ptm estimate --world-size 4` at ep 2: one rank holds half of every MoE layer's experts, their weights
-    whole and their AdamW moments split with the other rank holding them (ZeRO >= 1), the shared pages 1/4."""
+    and AdamW moments split with the other rank holding them (ZeRO 3), the shared pages 1/4."""
     from angel_ptm.config import load_config
     from angel_ptm.estimate import estimate_job
     from angel_ptm.memory import build_layout
@@ -397,6 +402,6 @@ def test_the_estimate_of_an_ep_job_counts_one_ranks_experts_and_their_sharded_st
     start, end = layout.local_pages
     got = estimate_job(cfg, ownership=Ownership(0, 4, 3)).kind_bytes
     assert got["exp_avg"] == (start // 4 + (end - start) // 2) * 4096
-    assert got["param"] == (start // 4 + (end - start)) * 4096
+    assert got["param"] == got["exp_avg"]  # ZeRO 3: the experts' weights sharded alike
     whole = estimate_job(dict(cfg, parallel={"dp": 4, "ep": 1, "zero": 3}), ownership=Ownership(0, 4, 3)).kind_bytes
     assert got["param"] < whole["param"] * 4 and end - start < layout.n_pages

@@ -87,7 +87,8 @@ def test_every_page_of_every_kind_has_exactly_one_owner_at_8_ranks():
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_each_expert_page_has_one_owner_among_the_ranks_holding_the_same_experts_at_8_ranks(stage):
     """ep 2 on 8 ranks: 4 ranks hold each set of experts. Their optimizer states (stage >= 1) live on one of the 4
-    each, which alone updates the page; their weights and gradients stay on all 4 and are never gathered."""
+    each, which alone updates the page, and at stage 3 their weights too (REMOTE on the other 3, gathered by the
+    MoE layer: zero.ExpertGatherer); their gradients stay on all 4."""
     local, holders = (8, 24), 4  # the rank-local pages (whole page groups of the 8 ranks)
     owns = [Ownership(r, WORLD, stage, local, local_dp=holders, local_rank=r // 2) for r in range(WORLD)]
     for i in range(*local):
@@ -96,7 +97,10 @@ def test_each_expert_page_has_one_owner_among_the_ranks_holding_the_same_experts
             keep = [o.local_rank for o in group if o.local(kind, i)]
             assert keep == ([(i - 8) % holders] if stage else [0, 1, 2, 3]), (kind, i, keep)
         assert [o.local_rank for o in group if o.updated(i)] == keep
-        assert all(o.local("param", i) and o.local("grad", i) and not o.remote("param", i) for o in group)
+        assert all(o.local("grad", i) for o in group)
+        params = [o.local_rank for o in group if o.local("param", i)]
+        assert params == (keep if stage == 3 else [0, 1, 2, 3])
+        assert [o.local_rank for o in group if o.remote("param", i)] == [r for r in range(4) if r not in params]
     assert owns[0].local_count("exp_avg", 24) == (8 // WORLD if stage else 8) + (16 // holders if stage else 16)
 
 

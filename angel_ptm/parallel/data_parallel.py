@@ -122,6 +122,7 @@ class DataParallel:
         self.begin_backward, self.page_final = self.sync.begin_backward, self.sync.page_final
         self.take_landed, self.end_backward = self.sync.take_landed, self.sync.end_backward
         self.gatherer = None
+        self.experts = None  # ep < dp at stage 3: zero.ExpertGatherer (set by step.build_step, which has the model)
         if ownership.gathers:  # the same capacity everywhere (auto GPU budgets differ by free memory): the least
             agreed = torch.tensor([float(gather_capacity)])
             collectives.all_reduce(agreed, "ZeRO-3 gather capacity", op=MIN)
@@ -162,6 +163,8 @@ class DataParallel:
         self.sync.publish_params()
         if self.gatherer is not None:
             self.gatherer.clear()
+        if self.experts is not None:  # (copies a backward left held: the owners' pages changed)
+            self.experts.drop_all()
 
     def mean(self, value: float, what: str) -> float:
         return self.sync.mean_over_ranks(value, what)
@@ -179,6 +182,8 @@ class DataParallel:
         if self.gatherer is not None:
             with contextlib.suppress(CollectiveError):
                 self.gatherer.drop_all()
+        if self.experts is not None:
+            self.experts.close()
         self.collectives.close()
         if self.replicas is not None:
             self.replicas.close()

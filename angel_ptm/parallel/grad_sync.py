@@ -395,7 +395,7 @@ class GradSync:
         """Stages 1 and 2: the owners' updated parameter pages, all-gathered group by group into every rank's; and
         with ep < dp (stage >= 1) the experts' pages over the ranks holding the same experts."""
         params = self.pages["param"]
-        if self.own.sharded_local("master"):
+        if self.own.sharded_local("master") and not self.own.sharded_local("param"):  # (stage 3: gathered in use)
             k, (start, end) = self.own.local_dp, self.layout.local_pages
             for first in range(start, end, k):
                 pages = params[first : first + k]

@@ -16,9 +16,10 @@ reduction makes the owner's page the mean over ranks (stages 1-3 then drop the o
 
 Rank-local pages (expert parallelism's experts, `local_pages`) hold different tensors on the ranks of one
 expert-parallel group; with ep < dp the `local_dp` ranks of an expert-dp group hold the same ones. Those shard the
-experts' optimizer states in every stage >= 1 (ZeRO-1 over the expert-dp group: local page i is owned by expert-dp
-rank (i - start) % local_dp, which alone keeps its master weights and moments and updates it; the others get the
-new parameters from it after the step); the experts' parameters and gradients stay whole on each of them.
+experts' states as ZeRO shards the others: local page i is owned by expert-dp rank (i - start) % local_dp, which
+alone keeps its master weights and moments (stages 1-3) and updates it; at stages 1-2 the others get the new
+parameters from it after the step, at stage 3 they hold the page REMOTE and gather it while a layer computes
+(zero.ExpertGatherer). The experts' gradients are whole on each holder until the step reduces them.
 """
 
 from __future__ import annotations
@@ -46,8 +47,9 @@ class Ownership:
         return self.dp > 1 and kind in SHARDED_KINDS[self.stage]
 
     def sharded_local(self, kind: str) -> bool:
-        """Rank-local pages of `kind` live on their owner in the expert-dp group only (optimizer states, stage >= 1)."""
-        return self.local_dp > 1 and self.stage >= 1 and kind in OPTIMIZER_KINDS
+        """Rank-local pages of `kind` live on their owner in the expert-dp group only (optimizer states at stage >= 1,
+        parameters too at stage 3)."""
+        return self.local_dp > 1 and kind in SHARDED_KINDS[self.stage]
 
     def sharded_at(self, kind: str, index: int) -> bool:
         """Page `index` of `kind` lives on its owner only (its group's: the dp group's, or the expert-dp group's)."""
@@ -71,7 +73,7 @@ class Ownership:
 
     def remote(self, kind: str, index: int) -> bool:
         """Page `index` of `kind` exists here as a REMOTE page (its group is gathered before use)."""
-        return kind == "param" and self.sharded(kind) and not self.rank_local(index) and not self.owns(index)
+        return kind == "param" and self.sharded_at(kind, index) and not self.owns(index)
 
     def local_count(self, kind: str, n_pages: int) -> int:
         """Pages of `kind` this rank creates out of the `n_pages` the layout has."""

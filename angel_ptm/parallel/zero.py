@@ -212,3 +212,92 @@ class ParamGatherer:
         if group not in self.held:  # just chosen: gathered for the first time, and kept
             self._make_room(keep=tuple(self.replicated))
         self._start(group)
+
+
+class ExpertGatherer:
+    """ZeRO-3 over the ranks holding the same experts (ep < dp): an expert page lives on its owner among them only
+    (parallel/ownership.py), a REMOTE page elsewhere, and every MoE layer's expert pages are all-gathered over those
+    ranks while the layer computes: at its forward (dropped when the forward returns) and again at its backward
+    (from the gradient of its output to the gradient of its input).
+
+    The holders route different tokens (they sit in different expert-parallel groups), so a gather tied to an
+    expert's own use would be issued on one holder and not on another. These points are the layer's, the same on
+    every holder whatever the routing: every expert of the layer is gathered, routed or not."""
+
+    def __init__(self, manager: PageManager, param_pages: list[Page], replicas: Communicator,
+                 ownership: Ownership, layout, model, tier: Tier = Tier.DEVICE):
+        from angel_ptm.units import moe_layers
+
+        self.manager, self.param_pages, self.comm, self.own, self.tier = manager, param_pages, replicas, ownership, tier
+        start, k = ownership.local_pages[0], ownership.local_dp
+        slots = {slot.name: slot for slot in layout.slots}
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.groups: dict[int, list[int]] = {}  # id(layer) -> the first pages of its experts' groups
+        for layer in moe_layers(model):
+            pages = {page for expert in layer.experts for p in expert.parameters()
+                     for page in slots[names[id(p)]].pages if ownership.rank_local(page)}
+            self.groups[id(layer)] = sorted({start + (page - start) // k * k for page in pages})
+        self.held: dict[int, list[Page]] = {}  # group's first page -> its remote pages held here
+        self._uses: Counter = Counter()  # group's first page -> the layers holding it now
+        self.gathers = 0
+        self._handles = []
+        for layer in moe_layers(model):
+            self._handles.append(layer.register_forward_pre_hook(self._forward_pre))
+            self._handles.append(layer.register_forward_hook(self._forward_post, always_call=True))
+
+    def _forward_pre(self, layer, args) -> None:
+        self.gather(layer)
+        x = args[0] if args else None
+        if torch.is_grad_enabled() and isinstance(x, torch.Tensor) and x.requires_grad:
+            x.register_hook(lambda grad, layer=layer: self._backward_done(layer, grad))
+
+    def _forward_post(self, layer, args, out) -> None:
+        self.drop(layer)
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(lambda grad, layer=layer: self._backward_start(layer, grad))
+
+    def _backward_start(self, layer, grad):
+        self.gather(layer)
+        return grad
+
+    def _backward_done(self, layer, grad):
+        self.drop(layer)
+        return grad
+
+    def gather(self, layer) -> None:
+        """Every expert group of `layer` filled from its owner (those another layer holds already: as they are)."""
+        k = self.own.local_dp
+        for first in self.groups.get(id(layer), ()):
+            self._uses[first] += 1
+            if self._uses[first] > 1:
+                continue
+            pages = self.param_pages[first : first + k]
+            own = pages[self.own.local_rank]
+            self.manager.acquire([own], self.tier)
+            try:
+                remote = [page for page in pages if page is not own]
+                self.manager.hold_remote(remote, self.tier)
+                self.held[first] = remote
+                self.comm.all_gather([page.buffer for page in pages], own.buffer, what=f"expert param group {first}")
+            finally:
+                self.manager.release([own])
+            self.gathers += 1
+
+    def drop(self, layer) -> None:
+        for first in self.groups.get(id(layer), ()):
+            if self._uses[first] > 0:
+                self._uses[first] -= 1
+            if self._uses[first] == 0 and first in self.held:
+                self.manager.drop_remote(self.held.pop(first))
+
+    def drop_all(self) -> None:
+        """The step is over, or a backward ended without reaching a layer's input: no copy is kept."""
+        for first in list(self.held):
+            self.manager.drop_remote(self.held.pop(first))
+        self._uses.clear()
+
+    def close(self) -> None:
+        self.drop_all()
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
