@@ -102,7 +102,9 @@ def experts_as_units(dp: int, zero: int, ep: int) -> bool:
     Not where ZeRO-3 shards the experts over data-parallel ranks that route differently (dp > 1 with ep 1): an
     expert's pages are all-gathered before it computes (and again for its backward), and a rank that routed it no
     token would not join the gather its peers wait in. There the experts stay in their block's unit, gathered with
-    it on every rank. (Under expert parallelism each rank's experts are its own pages: never gathered.)"""
+    it on every rank. (Under expert parallelism each rank's experts are its own pages; with ep < dp at ZeRO 3 the
+    ranks holding the same experts gather them a whole MoE layer at a time, at points every one of them reaches:
+    parallel/zero.ExpertGatherer.)"""
     return not (dp > 1 and zero == 3 and ep == 1)
 
 
