@@ -85,7 +85,8 @@ class Engine(StateAccess):
                                      units=self.units, ownership=own, local_world_size=self.mesh.local_world_size,
                                      example_inputs=example_inputs)  # (another model's activations traced with them)
         self.estimate.check()
-        self._min_device_pages = max(self.estimate.largest_layer_pages, self.estimate.gather_pages)
+        self._min_device_pages = max(self.estimate.largest_layer_pages, self.estimate.gather_pages,
+                                     self.estimate.expert_gather_pages)
         open_paging(self._paging, config, self.layout, self.kinds, own, self.estimate, self.mesh, self.device,
                     self.trace, id(self))
         self.budgets, self.manager, self.pages = self._paging.budgets, self._paging.manager, self._paging.pages

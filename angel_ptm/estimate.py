@@ -107,6 +107,7 @@ class Estimate:
     collective_buffer_bytes: int = 0  # ZeRO 2-3: the reduce-scatters' own buffers, outside the pools
     osdp_groups: int = 0  # parallel.osdp: page groups that may be kept replicated (parallel/ownership.osdp_replicable)
     gather_pages: int = 0  # ZeRO-3: device slots those groups take at most
+    expert_gather_pages: int = 0  # ZeRO-3 with ep < dp: one MoE layer's expert pages, gathered while it computes
     collective_bytes: dict = field(default_factory=dict)  # per step, bytes this rank hands to each collective
     checkpoint_staging_bytes: int = 0  # checkpoint.async_save: host RAM a save beside training copies pages into
 
@@ -158,6 +159,9 @@ class Estimate:
             lines.append(f"  gathered parameter pages up to {self.gather_pages} on the device "
                          f"({format_bytes(self.gather_pages * self.page_bytes)}: "
                          f"{self.gather_groups} page groups of {self.world_size})")
+        if self.expert_gather_pages:
+            lines.append(f"  an MoE layer's experts gathered from the ranks holding them: up to "
+                         f"{self.expert_gather_pages} pages on the device while it computes")
         if self.osdp_groups:
             lines.append(f"  OSDP: up to {self.osdp_groups} of those groups kept replicated: the ones compute waits "
                          f"on longest in the first step after the recorded one (the engine reports which, and why)")
@@ -304,6 +308,17 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if largest * page_bytes > budgets["device"]:
         problems.append(Problem("device", largest * page_bytes, budgets["device"],
                                 f"unit '{largest_name}' ({largest} pages of {format_bytes(page_bytes)})"))
+    expert_pages, expert_layer = 0, ""
+    if own.sharded_local("param"):  # ZeRO-3 with ep < dp: a layer's expert groups all on the device at once
+        from angel_ptm.parallel.zero import expert_groups
+
+        for name, firsts in expert_groups(model, layout, own).items():
+            if len(firsts) * own.local_dp > expert_pages:
+                expert_pages, expert_layer = len(firsts) * own.local_dp, name
+    if expert_pages > slots["device"]:
+        problems.append(Problem("device", expert_pages * page_bytes, budgets["device"],
+                                f"MoE layer '{expert_layer}': its experts' {expert_pages} pages gathered from the "
+                                f"{own.local_dp} ranks holding them while it computes (ZeRO-3, parallel.ep < dp)"))
     if gather_min > slots["device"]:
         problems.append(Problem("device", gather_min * page_bytes, budgets["device"],
                                 f"ZeRO-3's gathered parameter groups ({chain_groups} groups of {own.dp} pages of "
@@ -390,6 +405,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         master_note=STALE_MASTER_NOTE if config.trainer.dtype == "float32" else MIXED_MASTER_NOTE,
         gpu_memory_given=gpu_memory is not None,
         zero=own.stage, largest_unit_groups=chain_groups, gather_groups=gather_groups, gather_pages=gather_pages,
+        expert_gather_pages=expert_pages,
         osdp_groups=osdp_replicable(gather_groups, chain_groups) if own.gathers and config.parallel.osdp else 0,
         collective_bytes=collective_bytes(own, layout, page_bytes), checkpoint_staging_bytes=staged,
     )

@@ -388,6 +388,7 @@ def test_the_estimate_of_an_ep_job_counts_one_ranks_experts_and_their_sharded_st
     """`angel-ptm estimate --world-size 4` at ep 2: one rank holds half of every MoE layer's experts, their weights
     and AdamW moments split with the other rank holding them (ZeRO 3), the shared pages 1/4."""
     from angel_ptm.config import load_config
+    from angel_ptm.errors import BudgetError
     from angel_ptm.estimate import estimate_job
     from angel_ptm.memory import build_layout
     from angel_ptm.models import build_model
@@ -405,3 +406,9 @@ def test_the_estimate_of_an_ep_job_counts_one_ranks_experts_and_their_sharded_st
     assert got["param"] == got["exp_avg"]  # ZeRO 3: the experts' weights sharded alike
     whole = estimate_job(dict(cfg, parallel={"dp": 4, "ep": 1, "zero": 3}), ownership=Ownership(0, 4, 3)).kind_bytes
     assert got["param"] < whole["param"] * 4 and end - start < layout.n_pages
+    # A layer's experts are gathered whole while it computes: the device must hold them (a typed error if not)
+    layer_pages = (end - start) // 2  # 2 MoE layers, each on its own pages here
+    assert estimate_job(cfg, ownership=Ownership(0, 4, 3)).expert_gather_pages == layer_pages
+    small = dict(cfg, memory={"page_bytes": "4KiB", "device_budget": (layer_pages - 1) * 4096})
+    with pytest.raises(BudgetError, match="MoE layer 'layers.[01].feed_forward'"):
+        estimate_job(small, ownership=Ownership(0, 4, 3)).check()

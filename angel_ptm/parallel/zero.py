@@ -214,6 +214,23 @@ class ParamGatherer:
         self._start(group)
 
 
+def expert_groups(model, layout, ownership: Ownership) -> dict[str, list[int]]:
+    """MoE layer name -> the first pages of the expert page groups (local_dp consecutive rank-local pages) its
+    experts' parameters lie on: what ExpertGatherer gathers while that layer computes (the estimate counts it)."""
+    from angel_ptm.units import moe_layers
+
+    start, k = ownership.local_pages[0], ownership.local_dp
+    slots = {slot.name: slot for slot in layout.slots}
+    names = {id(p): n for n, p in model.named_parameters()}
+    layer_names = {id(m): n for n, m in model.named_modules()}
+    out = {}
+    for layer in moe_layers(model):
+        pages = {page for expert in layer.experts for p in expert.parameters()
+                 for page in slots[names[id(p)]].pages if ownership.rank_local(page)}
+        out[layer_names[id(layer)]] = sorted({start + (page - start) // k * k for page in pages})
+    return out
+
+
 class ExpertGatherer:
     """ZeRO-3 over the ranks holding the same experts (ep < dp): an expert page lives on its owner among them only
     (parallel/ownership.py), a REMOTE page elsewhere, and every MoE layer's expert pages are all-gathered over those
@@ -229,14 +246,9 @@ class ExpertGatherer:
         from angel_ptm.units import moe_layers
 
         self.manager, self.param_pages, self.comm, self.own, self.tier = manager, param_pages, replicas, ownership, tier
-        start, k = ownership.local_pages[0], ownership.local_dp
-        slots = {slot.name: slot for slot in layout.slots}
-        names = {id(p): n for n, p in model.named_parameters()}
-        self.groups: dict[int, list[int]] = {}  # id(layer) -> the first pages of its experts' groups
-        for layer in moe_layers(model):
-            pages = {page for expert in layer.experts for p in expert.parameters()
-                     for page in slots[names[id(p)]].pages if ownership.rank_local(page)}
-            self.groups[id(layer)] = sorted({start + (page - start) // k * k for page in pages})
+        by_name = expert_groups(model, layout, ownership)
+        modules = dict(model.named_modules())
+        self.groups = {id(modules[name]): firsts for name, firsts in by_name.items()}  # id(layer) -> group firsts
         self.held: dict[int, list[Page]] = {}  # group's first page -> its remote pages held here
         self._uses: Counter = Counter()  # group's first page -> the layers holding it now
         self.gathers = 0
