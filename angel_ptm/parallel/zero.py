@@ -243,17 +243,15 @@ class ExpertGatherer:
 
     def __init__(self, manager: PageManager, param_pages: list[Page], replicas: Communicator,
                  ownership: Ownership, layout, model, tier: Tier = Tier.DEVICE):
-        from angel_ptm.units import moe_layers
-
         self.manager, self.param_pages, self.comm, self.own, self.tier = manager, param_pages, replicas, ownership, tier
-        by_name = expert_groups(model, layout, ownership)
         modules = dict(model.named_modules())
-        self.groups = {id(modules[name]): firsts for name, firsts in by_name.items()}  # id(layer) -> group firsts
+        self.groups: dict[int, list[int]] = {}  # id(layer) -> the first pages of its experts' groups
         self.held: dict[int, list[Page]] = {}  # group's first page -> its remote pages held here
         self._uses: Counter = Counter()  # group's first page -> the layers holding it now
-        self.gathers = 0
         self._handles = []
-        for layer in moe_layers(model):
+        for name, firsts in expert_groups(model, layout, ownership).items():
+            layer = modules[name]
+            self.groups[id(layer)] = firsts
             self._handles.append(layer.register_forward_pre_hook(self._forward_pre))
             self._handles.append(layer.register_forward_hook(self._forward_post, always_call=True))
 
@@ -280,8 +278,8 @@ class ExpertGatherer:
         """Every expert group of `layer` filled from its owner (those another layer holds already: as they are)."""
         k = self.own.local_dp
         for first in self.groups.get(id(layer), ()):
-            self._uses[first] += 1
-            if self._uses[first] > 1:
+            if self._uses[first]:
+                self._uses[first] += 1
                 continue
             pages = self.param_pages[first : first + k]
             own = pages[self.own.local_rank]
@@ -293,7 +291,7 @@ class ExpertGatherer:
                 self.comm.all_gather([page.buffer for page in pages], own.buffer, what=f"expert param group {first}")
             finally:
                 self.manager.release([own])
-            self.gathers += 1
+            self._uses[first] = 1  # (counted once filled: a failed gather leaves nothing to skip next time)
 
     def drop(self, layer) -> None:
         for first in self.groups.get(id(layer), ()):
