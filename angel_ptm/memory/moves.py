@@ -46,6 +46,8 @@ class Prefetch:
 class Hop(enum.Enum):
     """What `try_hop` did with one page: started a move, had nothing to do, or must wait for room / a move."""
 
+    __hash__ = object.__hash__  # (as Tier's)
+
     STARTED = "started"
     NOTHING = "nothing"
     BLOCKED = "blocked"

@@ -9,6 +9,7 @@ the working copy instead of writing it back.
 from __future__ import annotations
 
 import enum
+import operator
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -18,12 +19,18 @@ from angel_ptm.errors import PageStateError
 
 
 class Tier(enum.Enum):
+    # Members are singletons compared by identity: hashed by identity too, in C (Enum's own __hash__ is a Python
+    # call, and the manager hashes tiers and states tens of thousands of times a step)
+    __hash__ = object.__hash__
+
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
 
 
 class PageState(enum.Enum):
+    __hash__ = object.__hash__  # (as Tier's)
+
     DEVICE = "device"
     HOST = "host"
     DISK = "disk"
@@ -36,18 +43,16 @@ class PageState(enum.Enum):
     # REMOTE): it is never written to this rank's disk nor read from it.
     REMOTE = "remote"
 
-    @property
-    def in_flight(self) -> bool:
-        return self in _IN_FLIGHT
-
-    @property
-    def tier(self) -> Tier | None:
-        """The tier holding the working copy, None while it moves."""
-        return _RESTING.get(self)
+    # Each member's `in_flight` (a copy of it is moving) and `tier` (the tier holding the working copy, None while
+    # it moves or is remote) are plain attributes, set below: read on every access, eviction and pump.
+    in_flight: bool
+    tier: "Tier | None"
 
 
 _RESTING = {PageState.DEVICE: Tier.DEVICE, PageState.HOST: Tier.HOST, PageState.DISK: Tier.DISK}
 _IN_FLIGHT = {PageState.TO_DEVICE, PageState.TO_HOST, PageState.TO_DISK, PageState.FROM_DISK}
+for _state in PageState:
+    _state.in_flight, _state.tier = _state in _IN_FLIGHT, _RESTING.get(_state)
 
 # Legal moves. A failed or cancelled move returns to where it started; DEVICE/HOST -> DISK without a write is
 # the drop of a working copy whose clean copy is already on disk.
@@ -129,16 +134,13 @@ def _watched(name: str) -> property:
     """A Page attribute kept in `_<name>` whose every change is told to the page's watcher."""
     slot = f"_{name}"
 
-    def get(page: Page):
-        return page.__dict__[slot]
-
     def set_(page: Page, value) -> None:
         page.__dict__[slot] = value
         watcher = page.__dict__.get("watcher")
         if watcher is not None:
             watcher(page)
 
-    return property(get, set_)
+    return property(operator.attrgetter(slot), set_)  # (a getter in C: read far more often than set)
 
 
 Page.state = _watched("state")  # (after @dataclass: its __init__ sets them through the properties)
