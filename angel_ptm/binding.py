@@ -445,6 +445,10 @@ class ParamBinder:
         self.without_grad = {slot.name for slot in self.layout.slots if slot.name not in self._has_grad}
         self._settled = True
 
+    def got_grad(self, name: str) -> bool:
+        """Whether tensor `name` has a gradient in its pages this step (so far)."""
+        return name in self._has_grad
+
     def take_overflow(self) -> bool:
         """Whether a gradient of this step held an inf or NaN (with `check_finite`); the flag starts over."""
         overflow, self._overflow = self._overflow, None

@@ -340,7 +340,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     # The machine: activations live on the compute device, outside the pools; on a CPU the device pool is RAM too.
     activation = activation_bytes(acts)
     pools = {tier: slots[tier] * page_bytes for tier in ("device", "host")}
-    buffers = reduction_buffer_bytes(own.dp, own.stage, page_bytes)  # on the device with NCCL, in RAM on a CPU
+    buffers = reduction_buffer_bytes(own.dp, own.stage, page_bytes, own.local_dp)  # on the device with NCCL, in RAM on a CPU
     # A checkpoint written beside training copies the saved pages resting in memory (both pools) into host RAM at
     # the step's end, held while it writes (checkpoint.async_save; checkpoint/planners.py: Snapshot).
     saved = sum(counts[kind] for kind in kinds if PageKind(kind).checkpointed) * page_bytes

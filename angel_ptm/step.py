@@ -74,6 +74,11 @@ def build_step(config, estimate, *, model, layout: PageLayout, pages, scheduler,
 
         data_parallel.experts = ExpertGatherer(manager, pages["param"], data_parallel.replicas, ownership, layout,
                                                model)
+    sync = getattr(data_parallel, "sync", None)
+    if sync is not None and sync.expert_overlap:  # ep < dp, stage >= 2: experts' gradients reduced in backward
+        from angel_ptm.parallel.expert_grads import ExpertReductions
+
+        sync.expert_reductions = ExpertReductions(sync, model, layout, ownership, binder.got_grad)
     data_parallel = split.wrap_step(data_parallel, layout)  # tp: the norm and the overflow agreed over tp too
     if data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
         binder.param_access = data_parallel.gatherer

@@ -88,10 +88,29 @@ def gpt_moe_batches():
             for _ in range(8)]
 
 
+def gpt_moe_hash():
+    """A GPT-MoE whose hash gate sends token id t to expert t mod 8 (Knuth's multiplier is 1 mod 8), dropless."""
+    from angel_ptm.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=32,
+                         moe={"experts": 8, "gate": "hash", "capacity_factor": 0.0}))
+
+
+def gpt_moe_hash_batches():
+    """Global micro-batch g holds ids of two residues mod 8, {g, g + 1}: on 4 ranks with ep 2, the two ranks that
+    hold the same experts route to different ones (some experts get tokens on one holder only) and three experts
+    get none anywhere in a step."""
+    g = torch.Generator().manual_seed(3)
+    return [((torch.randint(0, 8, (4, 16), generator=g) * 8 + (i + torch.randint(0, 2, (4, 16), generator=g)) % 8),
+             torch.randint(0, 64, (4, 16), generator=g)) for i in range(16)]
+
+
 # a copy: other modules parametrize over theirs
 CASES = {**CASES, "branchy": (Branchy, branchy_batches, mlp_loss), "llama": (hf_llama_tp, llama_batches, llama_loss),
          "qwen2": (hf_qwen2_tp, llama_batches, llama_loss),
-         "gpt-moe": (gpt_moe, gpt_moe_batches, CASES["gpt"][2])}
+         "gpt-moe": (gpt_moe, gpt_moe_batches, CASES["gpt"][2]),
+         "gpt-moe-hash": (gpt_moe_hash, gpt_moe_hash_batches, CASES["gpt"][2])}
 
 STEPS = 4
 # Per-rank budgets of 4 KiB pages. The GPT's paging unit (a block with the root's pages) takes 21 pages; ZeRO-3
@@ -176,6 +195,7 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
         engine.rebalancer._measured = lambda: (1.0, 1e12)
     losses, skipped, scales, routed = [], [], [], []
     eager = 0  # page groups updated during the last backward of a step (reduced there first with >1 rank)
+    live_expert_grads = 0
     cancelled = deviations = 0  # planned fetches of experts that got no token, cancelled; the plan's deviations
     try:
         pages = {kind: sum(1 for p in ps if p is not None and p.home is None) for kind, ps in engine.pages.items()}
@@ -192,6 +212,10 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
                 engine.backward(loss / accum)
                 total += loss.item()
             eager += engine.optimizer.updated_this_step
+            if engine.layout.local_pages is not None:  # expert gradient pages holding data after the last backward
+                first, end = engine.layout.local_pages
+                live_expert_grads = max(live_expert_grads, sum(not engine.pages["grad"][i].dead
+                                                               for i in range(first, end)))
             if spec.get("drop_at") == step:  # this step's gradients are thrown away: zero_grad, no update
                 engine.zero_grad()
                 losses.append(engine.mean_over_ranks(total / accum))
@@ -234,6 +258,8 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
                 "tp_calls": engine.tp.collectives.calls if engine.tp is not None else 0,
                 "osdp_allowed": engine.estimate.osdp_groups,
                 "overlapped": getattr(getattr(engine.data_parallel, "sync", None), "overlapped", 0),
+                "expert_overlapped": stats.get("expert_reductions_in_backward", 0),
+                "live_expert_grads": live_expert_grads,
                 "rebalances": engine.rebalancer.decisions if engine.rebalancer is not None else [],
                 "expert_names": dict(engine.expert_names), "cancelled": cancelled, "deviations": deviations,
                 "local_pages": engine.layout.local_pages}

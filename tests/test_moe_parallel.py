@@ -72,6 +72,7 @@ def dp4_jobs(tmp: str) -> list:
     roomier = dict(base, memory={"device_budget": "512KiB", "host_budget": "512KiB"})  # ZeRO 1/2: whole gradients
     return [job("ep2-dp4-zero0", zero=0, **base), job("ep2-dp4-zero1", zero=1, **roomier),
             job("ep2-dp4-zero2-stale", zero=2, staleness=1, **roomier),
+            job("ep2-dp4-zero2-hash", zero=2, **dict(roomier, model="gpt-moe-hash")),
             job("ep2-dp4-zero0-bf16", zero=0, dtype="bfloat16", state_dicts=True, **roomier),
             job("ep2-dp4-zero1-bf16", zero=1, dtype="bfloat16", state_dicts=True, **roomier),
             job("ep2-dp4-zero3-clip", zero=3, clip=0.5, save_at=2, save_to=os.path.join(tmp, "dp4"), **base),
@@ -94,8 +95,8 @@ def test_ep4_as_two_nodes_of_two_flat_and_hierarchical_give_the_unsplit_layer(fo
     check_against_the_unsplit_layer([r[a2a] for r in four_ranks], name)
 
 
-@pytest.mark.parametrize("name", ["ep2-dp4-zero0", "ep2-dp4-zero1", "ep2-dp4-zero2-stale", "ep2-dp4-zero3",
-                                  "ep2-dp4-zero3-clip", "ep2-dp4-zero3-recompute"])
+@pytest.mark.parametrize("name", ["ep2-dp4-zero0", "ep2-dp4-zero1", "ep2-dp4-zero2-stale", "ep2-dp4-zero2-hash",
+                                  "ep2-dp4-zero3", "ep2-dp4-zero3-clip", "ep2-dp4-zero3-recompute"])
 def test_ep2_on_4_data_parallel_ranks_gives_the_losses_of_one_rank_with_grad_accum_4(four_ranks, name, tmp_path):
     """ep < dp: experts replicated over the expert-parallel groups, their gradients reduced over the ranks that
     hold the same ones (ZeRO >= 1: onto the owner of each page, which alone updates it and sends the others the new
@@ -109,6 +110,9 @@ def test_ep2_on_4_data_parallel_ranks_gives_the_losses_of_one_rank_with_grad_acc
     one = train(0, 1, dict(spec, ep=1, accum=4, save_at=None), str(tmp_path))
     for step, (a, e) in enumerate(zip(results[0]["losses"], one["losses"])):
         assert a == pytest.approx(e, rel=1e-5), f"step {step}: one rank {e}, ep 2 x dp 4 {a}"
+    # ZeRO >= 2: every expert page group is reduced during the last backward, from its MoE layer's hook
+    groups = (results[0]["local_pages"][1] - results[0]["local_pages"][0]) // 2
+    assert [got["expert_overlapped"] for got in results] == [groups * spec["steps"] if spec["zero"] >= 2 else 0] * 4
 
 
 @pytest.mark.parametrize("name", ["ep2-dp4-zero0", "ep2-dp4-zero1", "ep2-dp4-zero2-stale", "ep2-dp4-zero3"])
@@ -124,7 +128,12 @@ def test_expert_optimizer_states_are_sharded_over_the_ranks_holding_the_same_exp
         assert got["pages"]["exp_avg"] == got["pages"]["exp_avg_sq"] == (end if zero == 0 else sharded), \
             (got["pages"], start, end)
         assert got["pages"]["param"] == (sharded if zero == 3 else end)
-        assert got["pages"]["grad"] == end  # gradients whole until the step reduces them
+        assert got["pages"]["grad"] == end
+        # ZeRO >= 2: the gradient pages of the experts this rank does not own are dead once backward is over (their
+        # groups reduced during it); below, they hold data until the step reduces them
+        assert got["live_expert_grads"] <= ((end - start) // 2 if zero >= 2 else end - start), got["live_expert_grads"]
+        if zero < 2:
+            assert got["live_expert_grads"] > (end - start) // 2
 
 
 def test_sharded_expert_states_under_bf16_give_the_replicated_run_bitwise(four_ranks):

@@ -146,6 +146,8 @@ class DataParallel:
         tensors staged through the GPU for NCCL, and OSDP's replicated page groups with the seconds compute waited on each one's gathers when they were chosen."""
         out = {"reductions_in_backward": self.sync.overlapped,
                "staged_bytes": self.collectives.staged_bytes}  # NCCL: CPU tensors sent through the GPU
+        if self.sync.expert_reductions is not None:  # ep < dp, stage >= 2: expert groups reduced in backward
+            out["expert_reductions_in_backward"] = self.sync.expert_reductions.overlapped
         if self.gatherer is not None:
             out.update(gathers=self.gatherer.gathers,
                        osdp_replicated={g: round(s, 6) for g, s in self.gatherer.replicated.items()})

@@ -35,11 +35,14 @@ from angel_ptm.parallel.ownership import Ownership
 from angel_ptm.schedule.communicator import Communicator
 
 
-def reduction_buffer_bytes(dp: int, stage: int, page_bytes: int) -> int:
+def reduction_buffer_bytes(dp: int, stage: int, page_bytes: int, local_dp: int = 1) -> int:
     """Bytes of the reduce-scatters' own buffers at most (stages 2-3, outside the page pools, on the collectives'
     device): per reduction in flight, the group's dp staged gradients, its result and dp - 1 received pages, fp32
-    copies of at most a page each. The estimate counts them."""
-    return GradSync.IN_FLIGHT * 2 * dp * page_bytes if stage >= 2 and dp > 1 else 0
+    copies of at most a page each; with ep < dp (`local_dp` ranks holding the same experts) as many expert group
+    reductions again, of local_dp pages (parallel/expert_grads.py). The estimate counts them."""
+    if stage < 2 or dp <= 1:
+        return 0
+    return GradSync.IN_FLIGHT * 2 * (dp + (local_dp if local_dp > 1 else 0)) * page_bytes
 
 
 @dataclass
@@ -99,6 +102,11 @@ class GradSync:
         self._zero_page: torch.Tensor | None = None
         self._spare: list[torch.Tensor] = []  # fp32 page buffers for reductions in flight
         self.overlapped = 0  # reductions issued during backward, cumulative (the bench reports it)
+        # ZeRO-2 for the experts (ep < dp, stage >= 2): their groups reduced during backward too, from MoE layer
+        # hooks (parallel/expert_grads.py: made by step.build_step, which has the model)
+        self.expert_overlap = (self.overlap and replicas is not None and ownership.stage >= 2
+                               and ownership.sharded_local("master"))
+        self.expert_reductions = None
 
     # ------------------------------------------------------------------ agreement
     def agree_without_grad(self, local_without: set[str]) -> set[str]:
@@ -129,7 +137,10 @@ class GradSync:
         return without
 
     def _zero_region(self, slot) -> None:
+        experts = self.expert_reductions
         for seg in slot.segments:
+            if experts is not None and self.layout.is_local(seg.page) and experts.covers(seg.page):
+                continue  # reduced during backward (its staged copy had zeros there): the owner holds the mean
             page = self.pages["grad"][seg.page]
             self.manager.acquire([page], self.tier)
             page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].zero_()
@@ -152,6 +163,8 @@ class GradSync:
         if not self.overlap:
             return
         self._open = self.reductions_open = True
+        if self.expert_reductions is not None:
+            self.expert_reductions.begin_backward()
         self._final_at, self._issued, self._landed = {}, 0, []
         self._events, self._patient = 0, True
         self._left = [sum(1 for i in self._group(g) if self._on[i]) for g in range(self.n_groups)]
@@ -177,6 +190,8 @@ class GradSync:
             self._land(block=False)
         if self._open:
             self._pump()
+        if self.expert_reductions is not None:
+            self.expert_reductions.land(block=False)
         landed, self._landed = self._landed, []
         return landed
 
@@ -189,6 +204,8 @@ class GradSync:
 
     def end_backward(self) -> None:
         self._open = False
+        if self.expert_reductions is not None:
+            self.expert_reductions.end_backward()
 
     def _pump(self) -> None:
         """Issue the next groups of the agreed order while they are final here and room allows."""
@@ -251,8 +268,11 @@ class GradSync:
         fp32 whatever the compute dtype; the owner's page takes the mean over all dp ranks, the others are dropped."""
         grads, k = self.pages["grad"], self.own.local_dp
         start, end = self.layout.local_pages
+        experts = self.expert_reductions
         for first in range(start, end, k):
             indices = range(first, first + k)
+            if experts is not None and first in experts.issued:
+                continue  # reduced during backward (landed below)
             if not any(needed[i] for i in indices):
                 continue
             inputs, staged = self._stage(indices, [needed[i] for i in indices])
@@ -264,6 +284,8 @@ class GradSync:
             self._give(out, *staged)
             self.manager.discard([grads[i] for i in indices if i != mine and not grads[i].dead
                                   and not grads[i].pin_count])
+        if experts is not None:
+            experts.finish()
 
     def _group(self, group: int) -> range:
         return range(group * self.dp, (group + 1) * self.dp)
@@ -327,6 +349,8 @@ class GradSync:
         """Land every reduction in flight (closing: nothing may still read or write their buffers)."""
         while self._flight:
             self._flight.popleft().pending.wait()
+        if self.expert_reductions is not None:
+            self.expert_reductions.close()
 
     def _take(self, numel: int) -> torch.Tensor:
         """An fp32 buffer of a page's elements (a page holds at most page_bytes / 4 of them: bf16/fp16 pages use

@@ -19,7 +19,8 @@ expert-parallel group; with ep < dp the `local_dp` ranks of an expert-dp group h
 experts' states as ZeRO shards the others: local page i is owned by expert-dp rank (i - start) % local_dp, which
 alone keeps its master weights and moments (stages 1-3) and updates it; at stages 1-2 the others get the new
 parameters from it after the step, at stage 3 they hold the page REMOTE and gather it while a layer computes
-(zero.ExpertGatherer). The experts' gradients are whole on each holder until the step reduces them.
+(zero.ExpertGatherer). At stages 2-3 the experts' gradients are reduce-scattered onto their owners during the last
+backward, as each MoE layer's backward ends (parallel/expert_grads.py); at stages 0-1 at the step.
 """
 
 from __future__ import annotations
