@@ -33,12 +33,13 @@ from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import StateAccess
 from angel_ptm.step import build_step, cast_master_into_parameters, copy_masters_into_params
 from angel_ptm.trace import TraceRecorder
+from angel_ptm.views import EngineViews
 from angel_ptm.units import UnitsSpec, experts_as_units, find_units, watch_experts
 
 STATE_KINDS = CREATION_ORDER  # the fp32 job's kinds in creation order (placement.creation_order: per job)
 
 
-class Engine(StateAccess):
+class Engine(StateAccess, EngineViews):
     def __init__(self, model: nn.Module, config: Config, trace: TraceRecorder | None = None,
                  units: UnitsSpec = None, example_inputs=None):
         try:
@@ -171,18 +172,6 @@ class Engine(StateAccess):
         self._check_alive()
         self.driver.zero_grad()
 
-    # The model's split (parallel/split.py): the tp and ep communicators, the shards, this rank's expert names.
-    tp = property(lambda self: self.split.tp)
-    ep = property(lambda self: self.split.ep)
-    tp_shards = property(lambda self: self.split.tp_shards)
-    expert_names = property(lambda self: self.split.expert_names)  # this rank's expert names -> the unsplit model's
-
-    # The step's state, for callers that look at it (optim/step.py holds it).
-    delayed = property(lambda self: self.driver.delayed)
-    loss_scaler = property(lambda self: self.driver.loss_scaler)
-    last_step_skipped = property(lambda self: self.driver.last_step_skipped)
-    _eager_now = property(lambda self: self.driver.eager_now)
-
     def train(self, mode: bool = True) -> "Engine":
         """Training mode; evaluation passes (mode False) are not part of the scheduled step."""
         self.model.train(mode)
@@ -191,29 +180,6 @@ class Engine(StateAccess):
 
     def eval(self) -> "Engine":
         return self.train(False)
-
-    # ------------------------------------------------------------------ introspection
-    def memory_stats(self) -> dict:
-        return {"in_use": self.manager.in_use(), "moved": dict(self.manager.bytes_moved),
-                **({"expert_moved": dict(self.manager.watched_moved),
-                    "expert_prefetch_wasted": self.manager.watched_wasted} if self.manager.watched else {}),
-                **({"moe_rebalance": self.rebalancer.stats()} if self.rebalancer is not None else {}),
-                "zero_copy": self.manager.zero_copy,
-                "schedule": self.scheduler.last_stats.as_dict(), **self.data_parallel.stats()}
-
-    def mean_over_ranks(self, value: float) -> float:
-        """`value` averaged over the data-parallel ranks (every rank must call it): the loss to log. `value` itself
-        with one rank."""
-        return self.data_parallel.mean(float(value), "mean over ranks")
-
-    def sum_over_ranks(self, tensor: torch.Tensor) -> None:
-        """`tensor` summed over the data-parallel ranks, in place (every rank must call it; nothing with one)."""
-        self.data_parallel.sum(tensor, "sum over ranks")
-
-    @property
-    def loss_scale(self) -> float | None:
-        """The fp16 loss scale the next backward uses (None: no loss scaling)."""
-        return None if self.loss_scaler is None else self.loss_scaler.scale
 
     def parameters_written(self) -> None:
         """After weights were written into master pages: the compute copies (param pages) take them, on every rank."""
