@@ -196,6 +196,7 @@ def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Mo
             state[name].requires_grad_(p.requires_grad)
         fake_args, fake_kwargs = tree_map(fake, (tuple(args), dict(kwargs)))
         stack.enter_context(_refusing_collectives())
+        stack.enter_context(_routing_at_bound(model))
         stack.enter_context(mode)
         stack.enter_context(producers)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
@@ -214,6 +215,24 @@ def _refusing_collectives():
         yield
     finally:
         FAKE_TRACE.on = False
+
+
+@contextmanager
+def _routing_at_bound(model: nn.Module):
+    """Our MoE layers (models/moe.py) run their experts on a fixed number of rows during the trace (fake tensors
+    have no values to route by: `combine_at_bound`), and count no routing statistics. An expert-parallel layer is
+    left as it is (its all-to-all refuses fake tensors: the trace then fails and says so)."""
+    from angel_ptm.models.moe import MoE, combine_at_bound
+
+    layers = [m for m in model.modules() if isinstance(m, MoE) and type(m).combine is MoE.combine]
+    for layer in layers:
+        layer.combine = lambda flat, routing, experts=layer.experts: combine_at_bound(flat, routing, experts)
+        layer.stats.add = lambda routing: None
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer.combine, layer.stats.add
 
 
 def _ancestors(model: nn.Module, name: str) -> list[nn.Module]:

@@ -161,8 +161,9 @@ MODES = ("none", "full", "selective")
 def checkpoint_modes(units, checkpoint: str, types=(), unit_modes=None) -> list[str]:
     """The activations.checkpoint mode of each of `units` (paging units; the root never recomputes): a type named
     in `unit_modes` (activations.unit_modes) takes its mode there; otherwise `checkpoint` if `types`
-    (activations.units) is empty or names the type, else "none". A name that no unit of the model has is a
-    ConfigValueError listing the model's unit types. The binder, the estimate and the trace all ask here."""
+    (activations.units) is empty or names the type, else "none"; a unit inside a recomputed one is "none" (it is
+    recomputed as part of it, once, as Megatron recomputes a whole MoE layer). A name that no unit of the model has
+    is a ConfigValueError listing the model's unit types. The binder, the estimate and the trace all ask here."""
     unit_modes = unit_modes or {}
     inner = sorted({type(u.module).__name__ for u in units if u.parent is not None})
     for key, names in (("units", list(types)), ("unit_modes", list(unit_modes))):
@@ -170,15 +171,20 @@ def checkpoint_modes(units, checkpoint: str, types=(), unit_modes=None) -> list[
         if unknown:
             raise ConfigValueError(f"activations.{key}: {', '.join(unknown)} names no paging unit of this model "
                                    f"(its unit types: {', '.join(inner) or 'none but the root'})")
-    modes = []
+    modes: list[str] = []
+    mode_of: dict[int, str] = {}  # (the units come parents first)
     for unit in units:
         name = type(unit.module).__name__
         if unit.parent is None:
-            modes.append("none")
+            mode = "none"
+        elif any(mode_of.get(id(outer), "none") != "none" for outer in unit.chain()[1:]):
+            mode = "none"  # inside a recomputed unit (an MoE expert in its block): recomputed with it, once
         elif name in unit_modes:
-            modes.append(unit_modes[name])
+            mode = unit_modes[name]
         else:
-            modes.append(checkpoint if not types or name in types else "none")
+            mode = checkpoint if not types or name in types else "none"
+        mode_of[id(unit)] = mode
+        modes.append(mode)
     return modes
 
 

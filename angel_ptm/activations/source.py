@@ -30,8 +30,8 @@ class ActivationSource:
     def __init__(self, model: nn.Module, config: Config, example_inputs=None, units=None,
                  device: Optional[torch.device] = None):
         self.model, self.config, self.example_inputs, self.units = model, config, example_inputs, units
-        if example_inputs is None and isinstance(model, GPT) and model.cfg.moe is None and not self.formula:
-            # our dense GPT with dropout (or in other units): its batch is known, traced (MoE: routing decides)
+        if example_inputs is None and isinstance(model, GPT) and not self.formula:
+            # our GPT with dropout, MoE layers or other units: its batch is known, traced (MoE at its routing bound)
             tokens = torch.empty(config.data.batch_size, model.cfg.seq_len, dtype=torch.long, device="meta")
             self.example_inputs = (tokens, tokens)
         # The kernels traced are the compute device's where it is here (a GPU job planned without a GPU: the CPU's)

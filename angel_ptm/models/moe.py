@@ -187,6 +187,31 @@ def combine(flat: torch.Tensor, routing: Routing, experts: nn.ModuleList) -> tor
     return out
 
 
+def combine_at_bound(flat: torch.Tensor, routing: Routing, experts: nn.ModuleList) -> torch.Tensor:
+    """`combine` with each expert's rows fixed instead of routed: the kept choices' bound (T * k, or E * capacity
+    where that is less) dealt evenly over the experts, each row a token and choice as a routed one would be. What
+    the activation estimate traces on fake tensors (activations/footprint.py), which hold no values to route by.
+    The tensors an expert saves for backward grow with its rows and every expert's are held until backward, so
+    their sum -- the peak that matters -- is a routed run's at that bound whatever the routing; only the transient
+    inside one expert assumes the balance."""
+    t, k = routing.expert.shape
+    n_experts = len(experts)
+    bound = t * k if routing.capacity <= 0 else min(t * k, n_experts * routing.capacity)
+    out = flat.new_zeros(flat.shape)
+    weight = (routing.weight * routing.kept).to(flat.dtype)
+    for e, expert in enumerate(experts):
+        rows = bound // n_experts + (1 if e < bound % n_experts else 0)
+        if rows == 0:
+            continue
+        index = torch.arange(rows, device=flat.device)
+        tokens, choice = index % t, (index // t) % k
+        y = expert(flat.index_select(0, tokens))
+        out = out.index_add(0, tokens, y * weight[tokens, choice].unsqueeze(-1))
+    if routing.passthrough is not None:
+        out = out + routing.passthrough.unsqueeze(-1).to(flat.dtype) * flat
+    return out
+
+
 class MoEStats:
     """Tokens routed per expert and dropped choices since the last `take()` (the trainer logs them per step)."""
 
