@@ -73,6 +73,8 @@ def dp4_jobs(tmp: str) -> list:
     return [job("ep2-dp4-zero0", zero=0, **base), job("ep2-dp4-zero1", zero=1, **roomier),
             job("ep2-dp4-zero2-stale", zero=2, staleness=1, **roomier),
             job("ep2-dp4-zero2-hash", zero=2, **dict(roomier, model="gpt-moe-hash")),
+            job("ep2-dp4-zero2-accum2", zero=2, accum=2, **roomier),
+            job("ep2-dp4-zero2-grouped", zero=2, pairwise=False, **roomier),  # NCCL's way: gloo's own collectives
             job("ep2-dp4-zero0-bf16", zero=0, dtype="bfloat16", state_dicts=True, **roomier),
             job("ep2-dp4-zero1-bf16", zero=1, dtype="bfloat16", state_dicts=True, **roomier),
             job("ep2-dp4-zero3-clip", zero=3, clip=0.5, save_at=2, save_to=os.path.join(tmp, "dp4"), **base),
@@ -96,18 +98,20 @@ def test_ep4_as_two_nodes_of_two_flat_and_hierarchical_give_the_unsplit_layer(fo
 
 
 @pytest.mark.parametrize("name", ["ep2-dp4-zero0", "ep2-dp4-zero1", "ep2-dp4-zero2-stale", "ep2-dp4-zero2-hash",
-                                  "ep2-dp4-zero3", "ep2-dp4-zero3-clip", "ep2-dp4-zero3-recompute"])
+                                  "ep2-dp4-zero2-accum2", "ep2-dp4-zero2-grouped", "ep2-dp4-zero3", "ep2-dp4-zero3-clip",
+                                  "ep2-dp4-zero3-recompute"])
 def test_ep2_on_4_data_parallel_ranks_gives_the_losses_of_one_rank_with_grad_accum_4(four_ranks, name, tmp_path):
     """ep < dp: experts replicated over the expert-parallel groups, their gradients reduced over the ranks that
     hold the same ones (ZeRO >= 1: onto the owner of each page, which alone updates it and sends the others the new
     weights, or at ZeRO 3 has them gather it while a layer computes, recomputation too; clipping counts each
-    expert once); the losses are one rank's within 1e-5."""
+    expert once; ZeRO >= 2 during the last backward, micro-batches before it accumulating); the losses are one
+    rank's within 1e-5."""
     spec = next(j for j in dp4_jobs(str(tmp_path)) if j["name"] == name)
     results = [r["engine"][name] for r in four_ranks]
     for got in results:
         assert "error" not in got, got.get("error")
         assert got["losses"] == results[0]["losses"]
-    one = train(0, 1, dict(spec, ep=1, accum=4, save_at=None), str(tmp_path))
+    one = train(0, 1, dict(spec, ep=1, accum=4 * spec["accum"], save_at=None), str(tmp_path))
     for step, (a, e) in enumerate(zip(results[0]["losses"], one["losses"])):
         assert a == pytest.approx(e, rel=1e-5), f"step {step}: one rank {e}, ep 2 x dp 4 {a}"
     # ZeRO >= 2: every expert page group is reduced during the last backward, from its MoE layer's hook

@@ -209,3 +209,26 @@ def test_ranks_that_issued_the_same_collectives_pass_the_check_and_start_a_new_c
         return comm.calls
 
     assert run_threaded(rank_main) == [4] * WORLD
+
+
+@pytest.mark.parametrize("kind", ["ep", "expert-dp"])
+def test_a_second_group_like_an_expert_group_spans_the_same_ranks_at_8_ranks(kind):
+    """new_groups_like (reductions on a process group of their own, NCCL's way; gloo for checkpoint planning) of an
+    expert-parallel or expert-dp group at 8 ranks, ep 2: the same ranks, and a sum over it adds theirs only (it
+    made a world group before, and an expert replica's reduce-scatter failed on a list of its size)."""
+    from angel_ptm.parallel.mesh import _make_groups, mesh_groups, new_groups_like
+
+    def rank_main(rank):
+        mesh = Mesh(rank=rank, world_size=WORLD, local_rank=rank, local_world_size=WORLD, dp=WORLD, ep=2,
+                    backend="threaded")
+        groups = {name: _make_groups(name, mesh_groups(name, WORLD, 1, 2), rank, "threaded", 60)
+                  for name in ("ep", "expert-dp")}
+        group = groups[kind]
+        like = new_groups_like(group, mesh, "threaded")
+        value = torch.tensor([float(rank)])
+        dist.all_reduce(value, group=like.pg)
+        return like.ranks, group.ranks, float(value)
+
+    for rank, (like, ranks, total) in enumerate(run_threaded(rank_main)):
+        assert like == ranks and rank in ranks and total == sum(ranks)
+        assert len(ranks) == (2 if kind == "ep" else WORLD // 2)

@@ -221,8 +221,8 @@ def _make_groups(name: str, enumeration: list[list[int]], rank: int, backend: st
 def new_groups_like(group: Group, mesh: Mesh, backend: str) -> Group:
     """A second process group over the same ranks as `group` (and its siblings: every rank makes all of them, at
     the same point), e.g. for reductions beside the group's other collectives, or gloo for CPU objects."""
-    kind = group.name if group.name in ("dp", "tp") else "world"
-    return _make_groups(group.name, mesh_groups(kind, mesh.dp, mesh.tp), mesh.rank, backend, mesh.timeout_s,
+    kind = group.name if group.name in ("dp", "tp", "ep", "expert-dp") else "world"
+    return _make_groups(group.name, mesh_groups(kind, mesh.dp, mesh.tp, mesh.ep), mesh.rank, backend, mesh.timeout_s,
                         world_is_default=False)
 
 
