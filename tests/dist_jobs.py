@@ -147,6 +147,8 @@ def config_of(spec: dict, world: int, disk_dir: str) -> dict:
                        "moe_a2a": spec.get("moe_a2a", "flat"), "moe_rebalance_every": spec.get("rebalance", 0),
                        "moe_rebalance_threshold": spec.get("rebalance_threshold", 1.25)}
     cfg["optimizer"].update(spec.get("optimizer", {}))
+    if spec.get("batch_size"):  # our GPT's micro-batch, for the estimate's activations (traced at data.batch_size)
+        cfg.setdefault("data", {})["batch_size"] = spec["batch_size"]
     if spec.get("activations"):  # a checkpoint setting or a whole activations section
         act = spec["activations"]
         cfg["activations"] = {"checkpoint": act} if isinstance(act, str) else act
@@ -260,6 +262,8 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
                 "overlapped": getattr(getattr(engine.data_parallel, "sync", None), "overlapped", 0),
                 "expert_overlapped": stats.get("expert_reductions_in_backward", 0),
                 "live_expert_grads": live_expert_grads,
+                "activations": (engine.scheduler.last_trace.activation_peak if engine.scheduler.last_trace else 0,
+                                engine.estimate.activation_bytes),
                 "rebalances": engine.rebalancer.decisions if engine.rebalancer is not None else [],
                 "expert_names": dict(engine.expert_names), "cancelled": cancelled, "deviations": deviations,
                 "local_pages": engine.layout.local_pages}

@@ -220,13 +220,14 @@ def _refusing_collectives():
 @contextmanager
 def _routing_at_bound(model: nn.Module):
     """Our MoE layers (models/moe.py) run their experts on a fixed number of rows during the trace (fake tensors
-    have no values to route by: `combine_at_bound`), and count no routing statistics. An expert-parallel layer is
-    left as it is (its all-to-all refuses fake tensors: the trace then fails and says so)."""
+    have no values to route by: `combine_at_bound`), and count no routing statistics; an expert-parallel one
+    (parallel/moe) its own experts, with no all-to-all (the ranks' loads taken as balanced)."""
     from angel_ptm.models.moe import MoE, combine_at_bound
 
-    layers = [m for m in model.modules() if isinstance(m, MoE) and type(m).combine is MoE.combine]
+    layers = [m for m in model.modules() if isinstance(m, MoE)]
     for layer in layers:
-        layer.combine = lambda flat, routing, experts=layer.experts: combine_at_bound(flat, routing, experts)
+        layer.combine = lambda flat, routing, layer=layer: combine_at_bound(flat, routing, layer.experts,
+                                                                            layer.spec.experts)
         layer.stats.add = lambda routing: None
     try:
         yield

@@ -187,20 +187,23 @@ def combine(flat: torch.Tensor, routing: Routing, experts: nn.ModuleList) -> tor
     return out
 
 
-def combine_at_bound(flat: torch.Tensor, routing: Routing, experts: nn.ModuleList) -> torch.Tensor:
+def combine_at_bound(flat: torch.Tensor, routing: Routing, experts: nn.ModuleList,
+                     n_experts: int | None = None) -> torch.Tensor:
     """`combine` with each expert's rows fixed instead of routed: the kept choices' bound (T * k, or E * capacity
-    where that is less) dealt evenly over the experts, each row a token and choice as a routed one would be. What
-    the activation estimate traces on fake tensors (activations/footprint.py), which hold no values to route by.
-    The tensors an expert saves for backward grow with its rows and every expert's are held until backward, so
-    their sum -- the peak that matters -- is a routed run's at that bound whatever the routing; only the transient
-    inside one expert assumes the balance."""
+    where that is less; `n_experts` E, by default these experts) dealt evenly over `experts`, each row a token and
+    choice as a routed one would be. What the activation estimate traces on fake tensors (activations/footprint.py),
+    which hold no values to route by. The tensors an expert saves for backward grow with its rows and every
+    expert's are held until backward, so their sum -- the peak that matters -- is a routed run's at that bound
+    whatever the routing; only the transient inside one expert assumes the balance. Under expert parallelism
+    (`experts` this rank's E / ep) it assumes the ranks' loads balanced too: this rank's experts get as many rows
+    as its tokens make, and the same number comes back (a routing skewed towards them can make more)."""
     t, k = routing.expert.shape
-    n_experts = len(experts)
+    n_experts = len(experts) if n_experts is None else n_experts
     bound = t * k if routing.capacity <= 0 else min(t * k, n_experts * routing.capacity)
     out = flat.new_zeros(flat.shape)
     weight = (routing.weight * routing.kept).to(flat.dtype)
     for e, expert in enumerate(experts):
-        rows = bound // n_experts + (1 if e < bound % n_experts else 0)
+        rows = bound // len(experts) + (1 if e < bound % len(experts) else 0)
         if rows == 0:
             continue
         index = torch.arange(rows, device=flat.device)
