@@ -136,7 +136,8 @@ class ExpertReductions:
         self.issued = set()
 
     def close(self) -> None:
-        self.land(block=True)
+        """The hooks off the model, then the reductions in flight landed (a failed collective raises here, after)."""
         for handle in self._handles:
             handle.remove()
         self._handles = []
+        self.land(block=True)
