@@ -160,6 +160,12 @@ def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Mo
         with mode:
             return torch.empty(tuple(t.shape), dtype=dtype, device=device)
 
+    def scalar(t):
+        """A 0-dim buffer with its value (a fake constant: a forward may read it, as DTS-Gate reads its step)."""
+        value = t.item()  # (outside the mode, which refuses to read a value)
+        with mode:
+            return torch.tensor(value, dtype=t.dtype, device=device)
+
     def pack(tensor):
         key = _storage_key(tensor)
         if key not in params and key not in seen:
@@ -190,7 +196,9 @@ def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Mo
         for module, unit in zip(tops, units):
             stack.callback(module.register_forward_pre_hook(enter(unit), with_kwargs=True).remove)
             stack.callback(module.register_forward_hook(leave, with_kwargs=True, always_call=True).remove)
-        state = {name: fake(t) for name, t in list(model.named_parameters()) + list(model.named_buffers())}
+        state = {name: fake(t) for name, t in model.named_parameters()}
+        state.update((name, scalar(t) if t.dim() == 0 and not t.is_meta else fake(t))
+                     for name, t in model.named_buffers())
         for name, p in model.named_parameters():
             params.add(_storage_key(state[name]))
             state[name].requires_grad_(p.requires_grad)
