@@ -395,13 +395,13 @@ def test_selective_keeps_the_matrix_products_and_recomputes_the_rest(tmp_path):
     assert kept_only_inputs[1] == 15 * 2
 
 
-@pytest.mark.parametrize("gate,cf", [("gshard", 0.0), ("hash", 0.0), ("dts", 0.0), ("switch", 1.0)])
+@pytest.mark.parametrize("gate,cf", [("gshard", 0.0), ("hash", 0.0), ("dts", 0.0), ("base", 0.0), ("switch", 1.0)])
 def test_the_estimate_traces_a_gpt_moe_at_its_routing_bound(tmp_path, gate, cf):
     """A GPT-MoE traced on fake tensors, its experts run on the kept choices' bound (T * k, or E * capacity), dealt
     evenly (models.moe.combine_at_bound): every expert's saved tensors are held until backward, so their sum is the
     routed run's whatever the routing. Dropless, the measured peak within 2% in every setting (DTS-Gate's dense
-    phase too: its step, a 0-dim buffer, is traced with its value); with a capacity (drops), an upper bound within
-    15%. Experts are units nested in their blocks, recomputed with them."""
+    phase too: its step, a 0-dim buffer, is traced with its value; BASE, whose auction deals the tokens in order
+    during the trace); with a capacity (drops), an upper bound within 15%. Experts are units nested in their blocks, recomputed with them."""
     from angel_ptm.models import GPT, GPTConfig
 
     g = torch.Generator().manual_seed(1)

@@ -229,7 +229,10 @@ def _refusing_collectives():
 def _routing_at_bound(model: nn.Module):
     """Our MoE layers (models/moe.py) run their experts on a fixed number of rows during the trace (fake tensors
     have no values to route by: `combine_at_bound`), and count no routing statistics; an expert-parallel one
-    (parallel/moe) its own experts, with no all-to-all (the ranks' loads taken as balanced)."""
+    (parallel/moe) its own experts, with no all-to-all (the ranks' loads taken as balanced). BASE's gate, whose
+    auction bids with the scores' values, deals the tokens to the experts in order (exactly balanced, as the
+    auction is)."""
+    from angel_ptm.models.gates import BaseGate
     from angel_ptm.models.moe import MoE, combine_at_bound
 
     layers = [m for m in model.modules() if isinstance(m, MoE)]
@@ -237,11 +240,16 @@ def _routing_at_bound(model: nn.Module):
         layer.combine = lambda flat, routing, layer=layer: combine_at_bound(flat, routing, layer.experts,
                                                                             layer.spec.experts)
         layer.stats.add = lambda routing: None
+    bases = [m for m in model.modules() if isinstance(m, BaseGate)]  # BASE: exactly balanced, whatever the scores
+    for gate in bases:
+        gate.assign = lambda scores, capacity: torch.arange(scores.shape[0], device=scores.device) // capacity
     try:
         yield
     finally:
         for layer in layers:
             del layer.combine, layer.stats.add
+        for gate in bases:
+            del gate.assign
 
 
 def _ancestors(model: nn.Module, name: str) -> list[nn.Module]:

@@ -148,10 +148,15 @@ class BaseGate(nn.Module):
         if t % experts:
             raise ConfigValueError(f"model.moe.gate base: {t} tokens do not divide over {experts} experts (BASE "
                                    f"gives every expert exactly T/E); choose a batch x sequence that does")
-        expert = balanced_assignment(scores.detach(), t // experts).unsqueeze(-1)
+        expert = self.assign(scores.detach(), t // experts).unsqueeze(-1)
         gate = torch.sigmoid(scores.gather(-1, expert))
         kept = torch.ones_like(expert, dtype=torch.bool)
         return Routing(expert, gate, kept, t // experts, passthrough=1 - gate[:, 0])
+
+    def assign(self, scores: torch.Tensor, capacity: int) -> torch.Tensor:
+        """Each token's expert, every expert taking exactly `capacity` (the activation trace, which has no scores
+        to bid with, sets one that deals them in order: the same shapes)."""
+        return balanced_assignment(scores, capacity)
 
 
 def balanced_assignment(scores: torch.Tensor, capacity: int) -> torch.Tensor:
