@@ -42,7 +42,7 @@ class ExpertReductions:
             for seg in slot.segments:
                 if layout.is_local(seg.page):
                     self._segments.setdefault(seg.page, []).append((seg.offset, seg.numel, slot.name))
-        self.flight: OrderedDict[int, object] = OrderedDict()  # group's first page -> its _Reduction, oldest first
+        self.flight: OrderedDict[int, tuple] = OrderedDict()  # first page -> (pending, out, staged), oldest first
         self.issued: set[int] = set()  # groups issued this step (landed or not)
         self.overlapped = 0  # expert groups reduced during backward, cumulative
         self._left: Counter = Counter()
