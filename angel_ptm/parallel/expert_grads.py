@@ -91,11 +91,11 @@ class ExpertReductions:
             segments = self._segments.get(i, [])
             got = [self.has_grad(name) for _, _, name in segments]
             if not any(got):  # nothing here: zeros (the page may never have been made this step)
-                inputs.append(sync._zeros(numel))
+                inputs.append(sync.zero_buffer(numel))
                 continue
             sync.manager.acquire([grads[i]], sync.tier)
             try:
-                buffer = sync._take(numel).copy_(grads[i].view(self.layout.page_dtypes[i])[:numel])
+                buffer = sync.take_buffer(numel).copy_(grads[i].view(self.layout.page_dtypes[i])[:numel])
             finally:
                 sync.manager.release([grads[i]])
             for (offset, count, _), has in zip(segments, got):
@@ -106,7 +106,7 @@ class ExpertReductions:
             taken.append(grads[i])
         sync.manager.discard([p for p in taken if not p.dead and not p.pin_count])
         mine = first + self.own.local_rank
-        out = sync._take(self.layout.page_numel(mine))
+        out = sync.take_buffer(self.layout.page_numel(mine))
         start = self.layout.local_pages[0]
         pending = sync.replicas.reduce_scatter(out, inputs, what=f"expert grad group {(first - start) // k}",
                                                async_op=True)
@@ -122,8 +122,8 @@ class ExpertReductions:
     def _land(self, first: int, entry) -> None:
         pending, out, staged = entry
         pending.wait()
-        self.sync._write_mean(first + self.own.local_rank, out)
-        self.sync._give(out, *staged)
+        self.sync.write_mean(first + self.own.local_rank, out)
+        self.sync.give_buffers(out, *staged)
 
     def covers(self, page: int) -> bool:
         """Whether local page `page`'s group was reduced this step already (its owner holds the mean)."""

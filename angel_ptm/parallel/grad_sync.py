@@ -277,11 +277,11 @@ class GradSync:
                 continue
             inputs, staged = self._stage(indices, [needed[i] for i in indices])
             mine = first + self.own.local_rank
-            out = self._take(self.layout.page_numel(mine))
+            out = self.take_buffer(self.layout.page_numel(mine))
             self.replicas.reduce_scatter(out, inputs, what=f"expert grad group {(first - start) // k}")
             if needed[mine]:
-                self._write_mean(mine, out)
-            self._give(out, *staged)
+                self.write_mean(mine, out)
+            self.give_buffers(out, *staged)
             self.manager.discard([grads[i] for i in indices if i != mine and not grads[i].dead
                                   and not grads[i].pin_count])
         if experts is not None:
@@ -298,7 +298,7 @@ class GradSync:
         inputs, staged = self._stage(self._group(group), needed)
         self.manager.discard([grads[i] for i, need in zip(self._group(group), needed) if need])
         mine = group * self.dp + self.own.rank
-        out = self._take(self.layout.page_numel(mine))
+        out = self.take_buffer(self.layout.page_numel(mine))
         pending = self.comm.reduce_scatter(out, inputs, what=f"grad group {group}", async_op=True)
         self._flight.append(_Reduction(group, pending, out, staged, needed[self.own.rank], self._events))
 
@@ -310,17 +310,17 @@ class GradSync:
         for i, need in zip(indices, needed):
             numel = self.layout.page_numel(i)
             if not need:
-                inputs.append(self._zeros(numel))
+                inputs.append(self.zero_buffer(numel))
                 continue
             self.manager.acquire([grads[i]], self.tier)
             try:
-                staged.append(self._take(numel).copy_(grads[i].view(self.layout.page_dtypes[i])[:numel]))
+                staged.append(self.take_buffer(numel).copy_(grads[i].view(self.layout.page_dtypes[i])[:numel]))
             finally:
                 self.manager.release([grads[i]])
             inputs.append(staged[-1])
         return inputs, staged
 
-    def _write_mean(self, index: int, summed: torch.Tensor) -> None:
+    def write_mean(self, index: int, summed: torch.Tensor) -> None:
         """Gradient page `index` takes the mean over the dp ranks of a reduction's sum (`summed`, scaled in place)."""
         page = self.pages["grad"][index]
         self.manager.acquire([page], self.tier)
@@ -341,8 +341,8 @@ class GradSync:
             took = time.perf_counter() - red.pending.issued
             self._typical_s = took if not self._typical_s else 0.8 * self._typical_s + 0.2 * took
         if red.write:
-            self._write_mean(red.group * self.dp + self.own.rank, red.out)
-        self._give(red.out, *red.staged)
+            self.write_mean(red.group * self.dp + self.own.rank, red.out)
+        self.give_buffers(red.out, *red.staged)
         self._landed.append(red.group)
 
     def drain(self) -> None:
@@ -352,18 +352,18 @@ class GradSync:
         if self.expert_reductions is not None:
             self.expert_reductions.close()
 
-    def _take(self, numel: int) -> torch.Tensor:
+    def take_buffer(self, numel: int) -> torch.Tensor:
         """An fp32 buffer of a page's elements (a page holds at most page_bytes / 4 of them: bf16/fp16 pages use
         their first half), from those given back to `_spare` when one is there."""
         buffer = self._spare.pop() if self._spare else torch.empty(
             self.layout.page_bytes // 4, dtype=torch.float32, device=self.manager.pools[self.tier].device)
         return buffer[:numel]
 
-    def _give(self, *buffers: torch.Tensor) -> None:
-        """Buffers from `_take` back for reuse (whole: a later page may hold more elements)."""
+    def give_buffers(self, *buffers: torch.Tensor) -> None:
+        """Buffers from `take_buffer` back for reuse (whole: a later page may hold more elements)."""
         self._spare.extend(b if b._base is None else b._base for b in buffers)
 
-    def _zeros(self, numel: int) -> torch.Tensor:
+    def zero_buffer(self, numel: int) -> torch.Tensor:
         """Zeros for a page no rank gave a gradient (read only, shared by every reduction)."""
         if self._zero_page is None:
             self._zero_page = torch.zeros(self.layout.page_bytes // 4, dtype=torch.float32,
@@ -387,10 +387,10 @@ class GradSync:
                 comm.all_reduce(view, f"grad page {index}")
                 view.mul_(1.0 / self.dp)
             else:
-                wide = self._take(view.numel()).copy_(view)
+                wide = self.take_buffer(view.numel()).copy_(view)
                 comm.all_reduce(wide, f"grad page {index}")
                 view.copy_(wide.mul_(1.0 / self.dp))
-                self._give(wide)
+                self.give_buffers(wide)
         finally:
             self.manager.release([page], dirty=True)
 
