@@ -84,27 +84,16 @@ class ExpertReductions:
         sync, k = self.sync, self.own.local_dp
         while len(self.flight) >= sync.IN_FLIGHT:
             self._land(*self.flight.popitem(last=False))
-        grads = sync.pages["grad"]
-        inputs, staged, taken = [], [], []
-        for i in range(first, first + k):
-            numel = self.layout.page_numel(i)
-            segments = self._segments.get(i, [])
-            got = [self.has_grad(name) for _, _, name in segments]
-            if not any(got):  # nothing here: zeros (the page may never have been made this step)
-                inputs.append(sync.zero_buffer(numel))
-                continue
-            sync.manager.acquire([grads[i]], sync.tier)
-            try:
-                buffer = sync.take_buffer(numel).copy_(grads[i].view(self.layout.page_dtypes[i])[:numel])
-            finally:
-                sync.manager.release([grads[i]])
-            for (offset, count, _), has in zip(segments, got):
-                if not has:  # a tensor no token reached here: it adds nothing (its page region is stale)
+        grads, indices = sync.pages["grad"], range(first, first + k)
+        got = {i: [self.has_grad(name) for _, _, name in self._segments.get(i, [])] for i in indices}
+        needed = [any(got[i]) for i in indices]  # (nothing here: zeros; the page may never have been made)
+        inputs, staged = sync.stage(indices, needed)
+        for i, need, buffer in zip(indices, needed, inputs):
+            for (offset, count, _), has in zip(self._segments.get(i, []), got[i]):
+                if need and not has:  # a tensor no token reached here adds nothing (its page region is stale)
                     buffer[offset: offset + count].zero_()
-            inputs.append(buffer)
-            staged.append(buffer)
-            taken.append(grads[i])
-        sync.manager.discard([p for p in taken if not p.dead and not p.pin_count])
+        sync.manager.discard([grads[i] for i, need in zip(indices, needed)
+                              if need and not grads[i].dead and not grads[i].pin_count])
         mine = first + self.own.local_rank
         out = sync.take_buffer(self.layout.page_numel(mine))
         start = self.layout.local_pages[0]

@@ -275,7 +275,7 @@ class GradSync:
                 continue  # reduced during backward (landed below)
             if not any(needed[i] for i in indices):
                 continue
-            inputs, staged = self._stage(indices, [needed[i] for i in indices])
+            inputs, staged = self.stage(indices, [needed[i] for i in indices])
             mine = first + self.own.local_rank
             out = self.take_buffer(self.layout.page_numel(mine))
             self.replicas.reduce_scatter(out, inputs, what=f"expert grad group {(first - start) // k}")
@@ -295,14 +295,14 @@ class GradSync:
         as FSDP2 copies into its reduce-scatter input, and the pages are dead from then on: nothing stays pinned
         while the collective is in flight, and the mean lands in a cleared slot of this rank's page."""
         grads = self.pages["grad"]
-        inputs, staged = self._stage(self._group(group), needed)
+        inputs, staged = self.stage(self._group(group), needed)
         self.manager.discard([grads[i] for i, need in zip(self._group(group), needed) if need])
         mine = group * self.dp + self.own.rank
         out = self.take_buffer(self.layout.page_numel(mine))
         pending = self.comm.reduce_scatter(out, inputs, what=f"grad group {group}", async_op=True)
         self._flight.append(_Reduction(group, pending, out, staged, needed[self.own.rank], self._events))
 
-    def _stage(self, indices: range, needed: list[bool]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def stage(self, indices: range, needed: list[bool]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """A reduce-scatter's inputs for the pages `indices`: each needed page's gradient copied (fp32) into a buffer
         of the collective's own, zeros for the others; and those buffers (to give back once it has landed)."""
         grads = self.pages["grad"]
