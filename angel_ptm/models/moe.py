@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -168,20 +168,43 @@ class MoE(nn.Module):
 
     def combine(self, flat: torch.Tensor, routing: Routing) -> torch.Tensor:
         """The experts' outputs for the routed tokens (expert parallelism overrides it: parallel/moe)."""
-        return combine(flat, routing, self.experts)
+        return combine(flat, routing, self.experts, self.expert_order)
+
+    # Set from outside (the paging runtime: units.watch_routing), else None: given the experts that have tokens in
+    # this forward (ascending), the order to run them in -- those whose weights are in place first. The output and
+    # every gradient are the same bitwise in any order (run_experts).
+    expert_order: Optional[Callable[[list[int]], list[int]]] = None
 
 
-def combine(flat: torch.Tensor, routing: Routing, experts: nn.ModuleList) -> torch.Tensor:
-    """sum over kept choices of weight * expert(x) (+ passthrough * x): each expert runs once on its tokens."""
+def combine(flat: torch.Tensor, routing: Routing, experts: nn.ModuleList,
+            order: Optional[Callable[[list[int]], list[int]]] = None) -> torch.Tensor:
+    """sum over kept choices of weight * expert(x) (+ passthrough * x): each expert runs once on its tokens, in
+    `order(experts with tokens)` where given, else by index."""
+    hit = routing.kept & (routing.expert >= 0)
+    tokens, choice = hit.nonzero(as_tuple=True)
+    expert = routing.expert[tokens, choice]
+    by_expert = torch.argsort(expert, stable=True)  # each expert's rows in token (then choice) order
+    tokens, choice = tokens[by_expert], choice[by_expert]
+    rows = torch.bincount(expert, minlength=len(experts)).tolist()  # (one host read per forward)
+    return run_experts(flat, routing, experts, tokens, choice, rows, order)
+
+
+def run_experts(flat: torch.Tensor, routing: Routing, experts: nn.ModuleList, tokens: torch.Tensor,
+                choice: torch.Tensor, rows: list[int], order=None) -> torch.Tensor:
+    """The experts on their rows: (tokens[i], choice[i]) for the rows grouped by expert, `rows[e]` of expert e's,
+    in expert order. The rows are read in one index_select and split, the outputs joined in expert order and summed
+    into their tokens in one index_add: so each token's choices are summed in expert order, in the forward and in
+    the backward (the gradient of `flat`), whatever order the experts ran in (`order`, say residency's)."""
     out = flat.new_zeros(flat.shape)
-    weight = (routing.weight * routing.kept).to(flat.dtype)
-    for e, expert in enumerate(experts):
-        hit = (routing.expert == e) & routing.kept
-        tokens, choice = hit.nonzero(as_tuple=True)
-        if tokens.numel() == 0:
-            continue
-        y = expert(flat.index_select(0, tokens))
-        out = out.index_add(0, tokens, y * weight[tokens, choice].unsqueeze(-1))
+    if tokens.numel():
+        weight = (routing.weight * routing.kept).to(flat.dtype)[tokens, choice].unsqueeze(-1)
+        inputs = flat.index_select(0, tokens).split(rows)
+        running = [e for e, n in enumerate(rows) if n]
+        outputs: dict[int, torch.Tensor] = {}
+        for e in (order(running) if order is not None else running):
+            outputs[e] = experts[e](inputs[e])
+        y = torch.cat([outputs[e] for e in running]) if len(running) > 1 else outputs[running[0]]
+        out = out.index_add(0, tokens, y * weight)
     if routing.passthrough is not None:
         out = out + routing.passthrough.unsqueeze(-1).to(flat.dtype) * flat
     return out
@@ -200,19 +223,9 @@ def combine_at_bound(flat: torch.Tensor, routing: Routing, experts: nn.ModuleLis
     t, k = routing.expert.shape
     n_experts = len(experts) if n_experts is None else n_experts
     bound = t * k if routing.capacity <= 0 else min(t * k, n_experts * routing.capacity)
-    out = flat.new_zeros(flat.shape)
-    weight = (routing.weight * routing.kept).to(flat.dtype)
-    for e, expert in enumerate(experts):
-        rows = bound // len(experts) + (1 if e < bound % len(experts) else 0)
-        if rows == 0:
-            continue
-        index = torch.arange(rows, device=flat.device)
-        tokens, choice = index % t, (index // t) % k
-        y = expert(flat.index_select(0, tokens))
-        out = out.index_add(0, tokens, y * weight[tokens, choice].unsqueeze(-1))
-    if routing.passthrough is not None:
-        out = out + routing.passthrough.unsqueeze(-1).to(flat.dtype) * flat
-    return out
+    rows = [bound // len(experts) + (1 if e < bound % len(experts) else 0) for e in range(len(experts))]
+    index = torch.arange(sum(rows), device=flat.device)
+    return run_experts(flat, routing, experts, index % t, (index // t) % k, rows)
 
 
 class MoEStats:
