@@ -455,10 +455,12 @@ def schedule_metrics(schedule: dict | None) -> dict[str, Any]:
         return {}
     out = {"stall_s": schedule["stall_s"], "deviations": schedule["deviations"],
            "planned_moves": schedule["issued"], "replanned": schedule["replanned"]}
-    if schedule.get("optional_skipped") or schedule.get("optional_unplanned") or schedule.get("optional_cancelled"):
+    if schedule.get("optional_skipped") or schedule.get("optional_unplanned") or schedule.get("optional_cancelled") \
+            or schedule.get("optional_reordered"):
         out.update(expert_accesses_skipped=schedule["optional_skipped"],  # MoE: experts routed or not
                    expert_accesses_unplanned=schedule["optional_unplanned"],
-                   expert_fetches_cancelled=schedule.get("optional_cancelled", 0))
+                   expert_fetches_cancelled=schedule.get("optional_cancelled", 0),
+                   expert_accesses_reordered=schedule.get("optional_reordered", 0))
     return out
 
 

@@ -23,7 +23,10 @@ from typing import Callable, Iterable, Optional, Sequence, Union
 import torch
 from torch import nn
 
+from angel_ptm.activations.recompute import same_in_recompute
 from angel_ptm.errors import ConfigValueError
+from angel_ptm.memory.page import PageState
+from angel_ptm.memory.store import PageKind
 
 UnitsSpec = Union[None, Sequence[type], Callable[[nn.Module], bool]]
 
@@ -185,17 +188,44 @@ def device_pages_at_once(units: Sequence[PagingUnit],
     return best_name, best
 
 
+# How soon an expert can run, by the state of its weights' pages (the slowest of them): resting on the device,
+# on their way to it, on the host, leaving the device, on their way from disk, on disk.
+_READINESS = {"device": 0, "to_device": 1, "host": 2, "to_host": 2, "from_disk": 3, "disk": 4, "to_disk": 4,
+              "remote": 5}
+
+
+def resident_first(weight_pages: list[list]) -> Callable[[list[int]], list[int]]:
+    """An MoE layer's `expert_order` (models/moe.py): the experts that have tokens, those whose weights' pages
+    (`weight_pages[e]`: the pages its forward acquires) rest on the device first, then those on their way there,
+    then the host's, then the disk's; by index among equals. Compute starts on what is in place while the rest
+    arrive; the scheduler matches the experts' accesses in any order (schedule/runs.py)."""
+    readiness = {state: _READINESS[state.value] for state in PageState}
+
+    def decide(experts: list[int]) -> list[int]:
+        return sorted(experts, key=lambda e: max((readiness[p.state] for p in weight_pages[e]), default=0))
+
+    def order(experts: list[int]) -> list[int]:  # (a recomputation in backward runs them as its forward did)
+        return same_in_recompute(lambda: decide(experts))
+    return order
+
+
 def watch_routing(model: nn.Module, layout, pages: dict, route) -> list:
     """Once each MoE layer knows which of its experts compute in this forward, `route(unrouted, routed)` gets the
     page ids (every kind) of the experts that got no token and of those that did (Scheduler.route cancels the
     former's planned fetches): after the gate (a forward hook on it), or under expert parallelism after the
     exchange of per-expert counts (a layer that holds only some experts calls `on_local_routing` with its slots
-    that receive rows from some rank). The handles, to remove them."""
+    that receive rows from some rank). Each layer runs its experts resident first (`resident_first`). The handles,
+    to remove them."""
     handles = []
     for layer in moe_layers(model):
+        indexes_of = expert_page_indexes(layer, model, layout)
         per_expert = [{p.id for kind_pages in pages.values() for i in indexes
                        if i < len(kind_pages) and (p := kind_pages[i]) is not None}
-                      for indexes in expert_page_indexes(layer, model, layout)]
+                      for indexes in indexes_of]
+        weights = pages.get(PageKind.PARAM, ())
+        layer.expert_order = resident_first([[weights[i] for i in sorted(indexes) if i < len(weights)
+                                              and weights[i] is not None] for indexes in indexes_of])
+        handles.append(_Unset(layer, "expert_order"))
 
         def report(hit, per_expert=per_expert):
             route({i for e, ids in enumerate(per_expert) if e not in hit for i in ids},

@@ -416,3 +416,81 @@ def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_p
     assert uncancelled == losses and deviations_uncancelled == [0] * len(batches) and kept["cancelled"] == 0
     assert experts["host->device"] < kept["host->device"]
     assert experts["wasted"] < kept["wasted"] <= kept["host->device"] + kept.get("disk->host", 0)
+
+
+@pytest.mark.parametrize("gate", ["gshard", "dts", "hash"])
+def test_experts_run_in_any_order_give_the_same_output_and_gradients_bitwise(gate):
+    """MoE.expert_order (set by the paging runtime to run the experts whose weights are in place first): any order
+    of the experts gives the same output and gradients, bit for bit -- also where a token's choices are more than
+    two (DTS's dense phase: every expert a choice), where the order of a sum matters."""
+    x = torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(1), requires_grad=True)
+
+    def run(order):
+        moe = build(gate, dtype=torch.float32, capacity_factor=0.0, dts_threshold=0.0)
+        calls = []
+        if order is not None:
+            moe.expert_order = lambda experts: calls.append(list(experts)) or order(experts)
+        torch.manual_seed(5)  # (gshard's and DTS's sampling)
+        out = moe(x)
+        grads = torch.autograd.grad(out.square().sum(), [x] + list(moe.parameters()), allow_unused=True)
+        return out, grads, calls
+
+    out, grads, _ = run(None)
+    for order in (lambda e: e[::-1], lambda e: e[1::2] + e[0::2]):
+        got, got_grads, calls = run(order)
+        assert calls and len(calls[0]) > 2
+        assert torch.equal(got, out)
+        for a, b in zip(got_grads, grads):
+            assert (a is None and b is None) or torch.equal(a, b)
+
+
+@pytest.mark.parametrize("checkpoint", ["none", "full"])
+def test_paged_experts_run_resident_first_without_deviating_or_replanning(tmp_path, monkeypatch, checkpoint):
+    """Each MoE layer runs the experts whose weights are on the device first (units.resident_first), the rest as
+    they arrive: with a device budget far below the experts, steps run experts out of the plan's order
+    (optional_reordered > 0), and the scheduler matches them within their layer's run of the plan: no deviation,
+    a re-plan only where routing reaches an expert the plan lacks, as without reordering; the losses equal bit for
+    bit those of the same job with the experts run in index order. With the blocks recomputed in backward, the
+    recomputation runs the experts in its forward's order (recompute.same_in_recompute), whatever is resident
+    then: torch's checkpoint matches the saved tensors by order."""
+    import angel_ptm
+    from angel_ptm import units
+    from angel_ptm.models import GPT, GPTConfig
+    from test_engine_equivalence import engine_config
+
+    def build():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, dim=64,
+                             moe={"experts": 16, "top_k": 1, "gate": "hash", "capacity_factor": 0}))
+
+    g = torch.Generator().manual_seed(2)
+    zipf = torch.tensor([1.0 / (i + 1) ** 1.2 for i in range(256)])
+    batches = [(torch.multinomial(zipf, 4 * 32, True, generator=g).view(4, 32),
+                torch.randint(0, 256, (4, 32), generator=g)) for _ in range(6)]
+
+    def run(name):
+        memory = {"page_bytes": "16KiB", "disk_dir": str(tmp_path / name), "scheduler": "planned",
+                  "device_budget": "3MiB", "host_budget": "32MiB"}
+        config = dict(engine_config(memory), activations={"checkpoint": checkpoint})
+        engine = angel_ptm.initialize(build(), config)
+        losses, steps = [], []
+        try:
+            for x, y in batches:
+                loss = engine(x, y)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                s = engine.scheduler.last_stats
+                steps.append((s.deviations, s.replanned, s.optional_unplanned, s.optional_reordered))
+        finally:
+            engine.close()
+        return losses, steps
+
+    losses, steps = run("resident-first")
+    assert [d for d, *_ in steps] == [0] * len(batches)
+    assert all(replanned == (i == 0 or unplanned > 0) for i, (_, replanned, unplanned, _) in enumerate(steps))
+    assert sum(reordered for *_, reordered in steps[1:]) > 0, steps  # experts ran out of the plan's order
+    monkeypatch.setattr(units, "resident_first", lambda weight_pages: None)
+    in_order, steps_in_order = run("index-order")
+    assert in_order == losses
+    assert sum(reordered for *_, reordered in steps_in_order) == 0

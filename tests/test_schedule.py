@@ -289,3 +289,29 @@ def test_merging_optional_accesses_keeps_every_expert_in_an_order_both_steps_kee
     assert merged.accesses[0] is new.accesses[0]  # the accesses both make: the new step's
     assert merge_optional(learned, trace("a1", "e11", "a4", "a3"), optional) is None
     assert merge_optional(learned, trace("a1", "a2"), optional) is None
+
+
+def test_a_run_of_optional_accesses_is_matched_in_any_order():
+    """schedule/runs.py: the plan's runs of consecutive optional accesses (a layer's experts); an access of the run
+    under way is found wherever it lies in it, each position once; the first position still to come is the lowest
+    one not made nor skipped (an expert routed nothing), else the cursor; the counts of a step."""
+    from angel_ptm.schedule.runs import OptionalRuns
+
+    keys = [((0,), "d"), ((10,), "d"), ((11,), "d"), ((12,), "d"), ((1,), "d"), ((13,), "d"), ((14,), "d")]
+    runs = OptionalRuns(keys, lambda ids: all(i >= 10 for i in ids))
+    assert runs.start_of == [-1, 1, 1, 1, -1, 5, 5] and runs.end_of == {1: 4, 5: 7} and runs.total == 5
+    assert runs.find([2]) is None  # no run under way yet: the scheduler's own search places the first access
+    runs.made(0, 0)
+    runs.made(3, 1)  # the layer runs expert 12 first: the cursor goes to 4
+    assert runs.find([2]) == 2 and runs.find([3]) is None  # 12 is made; 11 still to come
+    assert runs.low(4, skip=lambda p: False) == 1  # 10 has not run: the plan's "now" stays there
+    assert runs.low(4, skip=lambda p: p == 1) == 2  # 10 routed nothing: 11 is the first still to come
+    runs.made(2, 4)
+    assert runs.low(4, skip=lambda p: p == 1) == 4  # every routed expert ran: the cursor
+    runs.made(4, 4)  # the next access, not optional: no run under way
+    assert runs.find([5, 6]) is None and runs.low(5, skip=lambda p: False) == 5
+    runs.made(6, 5)
+    runs.made(5, 7)
+    assert (runs.matched, runs.reordered) == (4, 2)
+    runs.begin_step()
+    assert (runs.matched, runs.reordered, runs.start) == (0, 0, -1)

@@ -21,8 +21,10 @@ storages the unit's ops create and counts those still alive).
 from __future__ import annotations
 
 import functools
+import threading
+from collections import deque
 from contextlib import nullcontext
-from typing import Callable
+from typing import Callable, TypeVar
 
 import torch
 import torch.utils.checkpoint
@@ -87,15 +89,81 @@ class _Outputs(TorchDispatchMode):
         return alive
 
 
-class _Call:
-    """One call of a checkpointed unit: the bytes its forward kept (given back when backward recomputes it), and
-    the recomputation's inputs and output while it runs."""
+T = TypeVar("T")
 
-    __slots__ = ("kept", "inputs", "out")
+
+class _Decisions(threading.local):
+    """The decision logs of the checkpointed forwards and recomputations under way in this thread, innermost
+    last: ("record" or "replay", the call's log)."""
+
+    def __init__(self):
+        self.stack: list[tuple[str, deque]] = []
+
+
+_DECISIONS = _Decisions()
+
+
+def same_in_recompute(decide: Callable[[], T]) -> T:
+    """`decide()`, a choice a forward makes from the run's state rather than its inputs (the order an MoE layer
+    runs its experts in: those in place first), made alike by its recomputation: torch's checkpoint matches the
+    tensors a recomputation saves to the forward's by their order. Inside a checkpointed unit's first forward the
+    value is recorded, in its recomputation the recorded values are given back in the same order; elsewhere it is
+    decided afresh."""
+    if not _DECISIONS.stack:
+        return decide()
+    mode, log = _DECISIONS.stack[-1]
+    if mode == "replay" and log:
+        return log.popleft()
+    value = decide()
+    if mode == "record":
+        log.append(value)
+    return value
+
+
+class _Logging:
+    """Pushes a call's decision log for the forward ("record") or recomputation ("replay") under way."""
+
+    def __init__(self, mode: str, log: deque):
+        self.entry = (mode, log)
+
+    def __enter__(self):
+        _DECISIONS.stack.append(self.entry)
+
+    def __exit__(self, *exc):
+        _DECISIONS.stack.pop()
+
+
+class _Both:
+    """Two contexts as one (entered in order, left in reverse)."""
+
+    def __init__(self, first, second):
+        self.first, self.second = first, second
+
+    def __enter__(self):
+        self.first.__enter__()
+        try:
+            self.second.__enter__()
+        except BaseException:
+            self.first.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            self.second.__exit__(*exc)
+        finally:
+            self.first.__exit__(*exc)
+
+
+class _Call:
+    """One call of a checkpointed unit: the bytes its forward kept (given back when backward recomputes it), the
+    recomputation's inputs and output while it runs, and the forward's decisions (`same_in_recompute`)."""
+
+    __slots__ = ("kept", "inputs", "out", "decisions")
 
     def __init__(self):
         self.kept = 0
         self.inputs = self.out = None
+        self.decisions: deque = deque()
 
 
 class _Forward:
@@ -208,7 +276,9 @@ class Recomputation:
 
             def contexts():
                 first, again = _selective_contexts() if selective else (nullcontext(), nullcontext())
-                return (_Forward(self, call, first) if selective else first, _Recompute(self, call, unit, again))
+                forward_context = _Forward(self, call, first) if selective else first
+                return (_Both(_Logging("record", call.decisions), forward_context),
+                        _Both(_Logging("replay", call.decisions), _Recompute(self, call, unit, again)))
 
             def run(*inner_args, **inner_kwargs):
                 call.inputs = (inner_args, inner_kwargs)

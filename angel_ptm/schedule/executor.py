@@ -31,6 +31,7 @@ from angel_ptm.memory.moves import Hop
 from angel_ptm.memory.page import Page, PageState, Tier
 from angel_ptm.memory.policy import BeladyPolicy, LRUPolicy
 from angel_ptm.schedule.planner import Op, Plan, plan_step
+from angel_ptm.schedule.runs import OptionalRuns
 from angel_ptm.schedule.trace import StepRecorder, StepTrace, merge_optional
 from angel_ptm.trace.recorder import TraceRecorder
 
@@ -58,13 +59,14 @@ class StepStats:
     optional_skipped: int = 0  # planned accesses to optional pages (experts no token was routed to) not made
     optional_unplanned: int = 0  # accesses to optional pages the plan did not have (served on demand, learned)
     optional_cancelled: int = 0  # planned fetches of experts' pages dropped unissued: the gate routed them nothing
+    optional_reordered: int = 0  # optional accesses made after a later one of their run (experts run resident first)
 
     def as_dict(self) -> dict:
         return {"accesses": self.accesses, "stall_s": round(self.stall_s, 6), "stalls": self.stalls,
                 "schedule_s": round(self.schedule_s, 6), "deviations": self.deviations, "issued": self.issued,
                 "skipped": self.skipped, "dropped": self.dropped, "replanned": self.replanned,
                 "optional_skipped": self.optional_skipped, "optional_unplanned": self.optional_unplanned,
-                "optional_cancelled": self.optional_cancelled,
+                "optional_cancelled": self.optional_cancelled, "optional_reordered": self.optional_reordered,
                 "early_reads": self.early_reads}
 
 
@@ -187,7 +189,8 @@ class Scheduler:
         self._offsets: list[int] = []
         self._read_at: list[int] = []  # access index after which each planned disk read is issued (sorted)
         self._read_page: list[int] = []  # its page id
-        self._cursor = 0
+        self._cursor = 0  # one past the furthest plan position matched this step
+        self._runs = OptionalRuns((), self._optional)  # the plan's runs of optional accesses (made in any order)
         self._matched: int | None = None
         self._t_acquire = 0.0
 
@@ -234,9 +237,11 @@ class Scheduler:
                 self._learn = True
             elif self._matched is None:
                 self.stats.deviations += 1
-            elif isinstance(self.manager.policy, BeladyPolicy):
-                self.manager.policy.seek(self._offsets[self._matched])
-        self.executor.pump(self._cursor, self._need_of)
+            else:
+                self._runs.made(self._matched, self._cursor)
+                if isinstance(self.manager.policy, BeladyPolicy):
+                    self.manager.policy.seek(self._offsets[min(self._matched, self._now())])
+        self.executor.pump(self._now(), self._need_of)
         self._t_acquire = time.perf_counter()
         self.stats.schedule_s += self._t_acquire - t0
 
@@ -248,10 +253,10 @@ class Scheduler:
             if self.trace.enabled:
                 end = self.trace.now()
                 self.trace.interval("stall", label, end - (t1 - self._t_acquire), end)
-        if self._matched is not None:
+        if self._matched is not None and self._matched >= self._cursor:  # (one before it: its moves were issued)
             self.executor.submit(self.plan.ops_after[self._matched])
             self._cursor = self._matched + 1
-        self.executor.pump(self._cursor, self._need_of)
+        self.executor.pump(self._now(), self._need_of)
         if self._matched is not None and self.early_reads:
             self._read_early(self._matched)
         self.stats.schedule_s += time.perf_counter() - t1
@@ -270,6 +275,15 @@ class Scheduler:
                 self.manager.try_hop(page, Tier.HOST)
                 self.stats.early_reads += 1
 
+    def _now(self) -> int:
+        """The plan position of the first access still to come: the cursor, or before it an expert of the layer
+        under way that has not run yet (OptionalRuns; one the gate routed nothing to is not to come)."""
+        return self._runs.low(self._cursor, self._unrouted)
+
+    def _unrouted(self, position: int) -> bool:
+        cancelled = self.executor.cancelled
+        return bool(cancelled) and all(i in cancelled for i in self._keys[position][0])
+
     def _need_of(self, serves: int) -> float:
         """The Belady clock's position of plan access `serves` (>= n: in the next step)."""
         n = len(self._keys)
@@ -284,13 +298,17 @@ class Scheduler:
         positions = self._positions.get(key)
         if not positions:
             return None
+        in_run = self._runs.find(positions)  # an expert of the layer under way, in an order of the layer's choosing
+        if in_run is not None:
+            for j in range(cursor, in_run):  # passed over, to come later (or not routed): their moves still serve
+                self.executor.submit(self.plan.ops_after[j])
+            return in_run
         i = bisect.bisect_left(positions, cursor)
         optional_gap = i < len(positions) and all(self._optional(self._keys[j][0])
                                                   for j in range(cursor, positions[i]))
         if i < len(positions) and (positions[i] - cursor <= RESYNC_WINDOW or optional_gap):
             skipped = range(cursor, positions[i])
             if optional_gap:  # experts nothing was routed to (a plan holds every expert routed to lately)
-                self.stats.optional_skipped += len(skipped)
                 for j in skipped:  # their planned moves for later accesses still serve those
                     self.executor.submit(self.plan.ops_after[j])
             else:
@@ -322,10 +340,11 @@ class Scheduler:
         stats = self.stats
         if self.plan is not None and self._cursor != len(self._keys):
             rest = range(self._cursor, len(self._keys))
-            if all(self._optional(self._keys[j][0]) for j in rest):
-                stats.optional_skipped += len(rest)
-            else:
+            if not all(self._optional(self._keys[j][0]) for j in rest):
                 stats.deviations += 1  # the step ended before (or after) the plan did
+        if self.plan is not None:  # planned optional accesses not made: experts no token was routed to
+            stats.optional_skipped = self._runs.total - self._runs.matched
+            stats.optional_reordered = self._runs.reordered
         counts = self.executor.counts
         stats.issued, stats.skipped, stats.dropped = counts["issued"], counts["skipped"], counts["dropped"]
         stats.optional_cancelled = counts["cancelled"]
@@ -342,6 +361,7 @@ class Scheduler:
         self._learn = False
         self.last_trace = trace
         self._cursor = 0
+        self._runs.begin_step()
         self.executor.next_step(len(self._keys))
         if isinstance(self.manager.policy, BeladyPolicy):
             self.manager.policy.seek(0)
@@ -372,6 +392,7 @@ class Scheduler:
         for index, key in enumerate(self._keys):
             self._positions.setdefault(key, []).append(index)
         self._offsets = trace.flat_offsets()
+        self._runs = OptionalRuns(self._keys, self._optional)
         # The plan's disk reads in issue order, for _read_early (where they are planned, and which page).
         reads = [(op.at, op.page) for op in self.plan.ops
                  if op.kind == "fetch" and op.src is Tier.DISK and op.dst is Tier.HOST]

@@ -210,10 +210,10 @@ class ExpertParallelMoE(MoE):
         # (from `inputs`, even when no local expert runs: both exchanges' backward must run on every rank alike)
         outputs = inputs * 0.0
         started = self.clock.start(flat.device) if measured else None
-        for e, module in enumerate(self.experts):
-            rows_of = (owner == e).nonzero(as_tuple=True)[0]
-            if rows_of.numel():
-                outputs = outputs.index_copy(0, rows_of, module(inputs.index_select(0, rows_of)))
+        running = [e for e, n in enumerate(received.sum(0).tolist()) if n]
+        for e in self.expert_order(running) if self.expert_order is not None else running:  # (disjoint rows:
+            rows_of = (owner == e).nonzero(as_tuple=True)[0]  # the same outputs and gradients in any order)
+            outputs = outputs.index_copy(0, rows_of, self.experts[e](inputs.index_select(0, rows_of)))
         if measured:
             self.clock.stop(started, inputs.shape[0])
         back = _AllToAll.apply(outputs, ep, receive, send, "combine")
