@@ -194,14 +194,21 @@ _READINESS = {"device": 0, "to_device": 1, "host": 2, "to_host": 2, "from_disk":
               "remote": 5}
 
 
-def resident_first(weight_pages: list[list]) -> Callable[[list[int]], list[int]]:
-    """An MoE layer's `expert_order` (models/moe.py): the experts that have tokens, those whose weights' pages
-    (`weight_pages[e]`: the pages its forward acquires) rest on the device first, then those on their way there,
-    then the host's, then the disk's; by index among equals. Compute starts on what is in place while the rest
-    arrive; the scheduler matches the experts' accesses in any order (schedule/runs.py)."""
+def resident_first(weight_pages: list[list], planned_order=None) -> Callable[[list[int]], list[int]]:
+    """An MoE layer's `expert_order` (models/moe.py) over the experts that have tokens (`weight_pages[e]`: the
+    pages expert e's forward acquires). Under a plan, the plan's order (`planned_order(experts, pages)`:
+    Scheduler.planned_order), which is the order of the step it was made from; with none (the step that records
+    the trace, or the on-demand scheduler), those whose weights rest on the device first, then those on their way
+    there, then the host's, then the disk's, by index among equals -- so the trace a plan is made from runs the
+    experts in place first, and the plan keeps that order. (Reordering a planned step by where its pages are at
+    that moment would contradict the plan's prefetches and evictions: measured 15% slower on tools.bench.moe.)"""
     readiness = {state: _READINESS[state.value] for state in PageState}
+    first = [pages[0].id if pages else -1 for pages in weight_pages]
 
     def decide(experts: list[int]) -> list[int]:
+        planned = planned_order(experts, first) if planned_order is not None else None
+        if planned is not None:
+            return planned
         return sorted(experts, key=lambda e: max((readiness[p.state] for p in weight_pages[e]), default=0))
 
     def order(experts: list[int]) -> list[int]:  # (a recomputation in backward runs them as its forward did)
@@ -209,13 +216,13 @@ def resident_first(weight_pages: list[list]) -> Callable[[list[int]], list[int]]
     return order
 
 
-def watch_routing(model: nn.Module, layout, pages: dict, route) -> list:
+def watch_routing(model: nn.Module, layout, pages: dict, route, planned_order=None) -> list:
     """Once each MoE layer knows which of its experts compute in this forward, `route(unrouted, routed)` gets the
     page ids (every kind) of the experts that got no token and of those that did (Scheduler.route cancels the
     former's planned fetches): after the gate (a forward hook on it), or under expert parallelism after the
     exchange of per-expert counts (a layer that holds only some experts calls `on_local_routing` with its slots
-    that receive rows from some rank). Each layer runs its experts resident first (`resident_first`). The handles,
-    to remove them."""
+    that receive rows from some rank). Each layer runs its experts resident first (`resident_first`, in the plan's
+    order under `planned_order`). The handles, to remove them."""
     handles = []
     for layer in moe_layers(model):
         indexes_of = expert_page_indexes(layer, model, layout)
@@ -224,7 +231,8 @@ def watch_routing(model: nn.Module, layout, pages: dict, route) -> list:
                       for indexes in indexes_of]
         weights = pages.get(PageKind.PARAM, ())
         layer.expert_order = resident_first([[weights[i] for i in sorted(indexes) if i < len(weights)
-                                              and weights[i] is not None] for indexes in indexes_of])
+                                              and weights[i] is not None] for indexes in indexes_of],
+                                            planned_order)
         handles.append(_Unset(layer, "expert_order"))
 
         def report(hit, per_expert=per_expert):
@@ -250,7 +258,8 @@ def watch_experts(model: nn.Module, layout, pages: dict, scheduler, manager, exp
     optional = optional_page_indexes(model, layout)
     scheduler.optional_pages = manager.watched = frozenset(
         p.id for ps in pages.values() for i, p in enumerate(ps) if p is not None and i in optional)
-    return watch_routing(model, layout, pages, scheduler.route) if optional and experts_apart else []
+    return (watch_routing(model, layout, pages, scheduler.route, scheduler.planned_order)
+            if optional and experts_apart else [])
 
 
 class _Unset:

@@ -445,14 +445,16 @@ def test_experts_run_in_any_order_give_the_same_output_and_gradients_bitwise(gat
 
 
 @pytest.mark.parametrize("checkpoint", ["none", "full"])
-def test_paged_experts_run_resident_first_without_deviating_or_replanning(tmp_path, monkeypatch, checkpoint):
-    """Each MoE layer runs the experts whose weights are on the device first (units.resident_first), the rest as
-    they arrive: with a device budget far below the experts, steps run experts out of the plan's order
-    (optional_reordered > 0), and the scheduler matches them within their layer's run of the plan: no deviation,
-    a re-plan only where routing reaches an expert the plan lacks, as without reordering; the losses equal bit for
-    bit those of the same job with the experts run in index order. With the blocks recomputed in backward, the
-    recomputation runs the experts in its forward's order (recompute.same_in_recompute), whatever is resident
-    then: torch's checkpoint matches the saved tensors by order."""
+def test_paged_experts_run_resident_first_and_in_any_order_without_deviating(tmp_path, monkeypatch, checkpoint):
+    """Each MoE layer orders its routed experts (units.resident_first): in the step that records the trace (no plan
+    yet) those whose weights rest on the device first, then by how far their pages are; in planned steps the
+    plan's order, which is the recorded one (no access out of the plan's order). And the scheduler matches a
+    layer's expert accesses in any order within their run of the plan: with every layer running its experts in
+    a random order, steps make accesses out of the plan's order (optional_reordered > 0) with no deviation, and re-plan
+    only where routing reaches an expert the plan lacks, as in plan order; the losses are the same bit for bit
+    (the layer's output does not depend on the order). With the blocks recomputed in backward, the recomputation
+    runs the experts in its forward's order (recompute.same_in_recompute): torch's checkpoint matches the saved
+    tensors by order."""
     import angel_ptm
     from angel_ptm import units
     from angel_ptm.models import GPT, GPTConfig
@@ -467,6 +469,21 @@ def test_paged_experts_run_resident_first_without_deviating_or_replanning(tmp_pa
     zipf = torch.tensor([1.0 / (i + 1) ** 1.2 for i in range(256)])
     batches = [(torch.multinomial(zipf, 4 * 32, True, generator=g).view(4, 32),
                 torch.randint(0, 256, (4, 32), generator=g)) for _ in range(6)]
+    readiness = {state: units._READINESS[state.value] for state in units.PageState}
+    first_step_orders = []
+    resident_first = units.resident_first
+
+    def logged(weight_pages, planned_order=None):
+        order = resident_first(weight_pages, planned_order)
+
+        def log(experts):
+            ready = [max(readiness[p.state] for p in weight_pages[e]) for e in experts]
+            got = order(experts)
+            no_plan = planned_order(experts, [0] * len(weight_pages)) is None
+            if no_plan and torch._C._current_graph_task_id() == -1:  # (not a recomputation: it replays)
+                first_step_orders.append((got, dict(zip(experts, ready))))
+            return got
+        return log
 
     def run(name):
         memory = {"page_bytes": "16KiB", "disk_dir": str(tmp_path / name), "scheduler": "planned",
@@ -486,11 +503,52 @@ def test_paged_experts_run_resident_first_without_deviating_or_replanning(tmp_pa
             engine.close()
         return losses, steps
 
+    def replans_only_to_learn(steps):
+        return all(replanned == (i == 0 or unplanned > 0) for i, (_, replanned, unplanned, _) in enumerate(steps))
+
+    monkeypatch.setattr(units, "resident_first", logged)
     losses, steps = run("resident-first")
-    assert [d for d, *_ in steps] == [0] * len(batches)
-    assert all(replanned == (i == 0 or unplanned > 0) for i, (_, replanned, unplanned, _) in enumerate(steps))
-    assert sum(reordered for *_, reordered in steps[1:]) > 0, steps  # experts ran out of the plan's order
-    monkeypatch.setattr(units, "resident_first", lambda weight_pages: None)
-    in_order, steps_in_order = run("index-order")
-    assert in_order == losses
-    assert sum(reordered for *_, reordered in steps_in_order) == 0
+    assert [d for d, *_ in steps] == [0] * len(batches) and replans_only_to_learn(steps), steps
+    assert [reordered for *_, reordered in steps[1:]] == [0] * (len(batches) - 1)  # the plan's order
+    assert first_step_orders
+    for order, ready in first_step_orders:  # the recorded step: by readiness, then index
+        assert order == sorted(ready, key=lambda e: (ready[e], e))
+
+    import random
+
+    shuffle = random.Random(0)  # every layer, every forward: another order
+
+    def shuffled(experts):
+        experts = list(experts)
+        shuffle.shuffle(experts)
+        return experts
+    monkeypatch.setattr(units, "resident_first", lambda weight_pages, planned_order=None:
+                        lambda experts: units.same_in_recompute(lambda: shuffled(experts)))
+    shuffled_losses, steps = run("shuffled")
+    assert [d for d, *_ in steps] == [0] * len(batches) and replans_only_to_learn(steps), steps
+    assert sum(reordered for *_, reordered in steps[1:]) > 0, steps
+    assert shuffled_losses == losses
+
+
+def test_resident_first_orders_by_where_the_weights_are_unless_a_plan_says():
+    """units.resident_first: with no plan, the experts whose pages rest on the device first, then on their way
+    there, the host's, those coming from disk, the disk's -- an expert counts by its slowest page -- by index among
+    equals; under a plan, the plan's order."""
+    from types import SimpleNamespace
+
+    from angel_ptm.memory.page import PageState
+    from angel_ptm.units import resident_first
+
+    ids = iter(range(100, 200))
+
+    def pages(*states):
+        return [SimpleNamespace(id=next(ids), state=getattr(PageState, s)) for s in states]
+
+    weight_pages = [pages("DISK"), pages("DEVICE", "HOST"), pages("DEVICE"), pages("FROM_DISK"), pages("TO_DEVICE"),
+                    pages("DEVICE", "DEVICE")]
+    assert resident_first(weight_pages)([0, 1, 2, 3, 4, 5]) == [2, 5, 4, 1, 3, 0]
+    assert resident_first(weight_pages)([0, 1, 3]) == [1, 3, 0]
+    planned = resident_first(weight_pages, lambda experts, first: sorted(experts, key=lambda e: -first[e]))
+    assert planned([0, 2, 5]) == [5, 2, 0]  # (here the "plan" orders by the first page's id, descending)
+    unplanned = resident_first(weight_pages, lambda experts, first: None)
+    assert unplanned([0, 1, 2]) == [2, 1, 0]

@@ -191,6 +191,7 @@ class Scheduler:
         self._read_page: list[int] = []  # its page id
         self._cursor = 0  # one past the furthest plan position matched this step
         self._runs = OptionalRuns((), self._optional)  # the plan's runs of optional accesses (made in any order)
+        self._page_positions: dict[int, list[int]] = {}
         self._matched: int | None = None
         self._t_acquire = 0.0
 
@@ -329,6 +330,20 @@ class Scheduler:
         executor.horizon = len(self._keys)
         executor.cancel()
 
+    def planned_order(self, experts: list[int], first_pages: Sequence[int]) -> list[int] | None:
+        """The order in which the plan runs `experts` (expert e's weights' first page: `first_pages[e]`) from here
+        on: by the plan position of that page's next access; experts the plan lacks last, by index. None without a
+        plan."""
+        if self.plan is None or self.paused:
+            return None
+        cursor, last = self._cursor, len(self._keys)
+
+        def position(e: int) -> tuple[int, int]:
+            found = self._page_positions.get(first_pages[e])
+            i = bisect.bisect_left(found, cursor) if found else 0
+            return (found[i] if found and i < len(found) else last, e)
+        return sorted(experts, key=position)
+
     def _optional(self, ids: Sequence[int]) -> bool:
         return bool(ids) and all(i in self.optional_pages for i in ids)
 
@@ -393,6 +408,11 @@ class Scheduler:
             self._positions.setdefault(key, []).append(index)
         self._offsets = trace.flat_offsets()
         self._runs = OptionalRuns(self._keys, self._optional)
+        self._page_positions = {}  # optional page -> the plan positions of the accesses taking it
+        for index, (ids, _) in enumerate(self._keys):
+            if self._optional(ids):
+                for page_id in ids:
+                    self._page_positions.setdefault(page_id, []).append(index)
         # The plan's disk reads in issue order, for _read_early (where they are planned, and which page).
         reads = [(op.at, op.page) for op in self.plan.ops
                  if op.kind == "fetch" and op.src is Tier.DISK and op.dst is Tier.HOST]

@@ -13,8 +13,9 @@ The gate is a hash of the token id (so the skew of the token ids is the skew of 
 and seed in every run (their losses are compared). Per run: the median step time after `--warmup` steps of each
 repeat, then the median over repeats; the bytes the experts' pages moved per tier pair, over the timed steps. The
 last line is one JSON object with `paged_s`, `stream_all_s`, `on_demand_s`, `resident_s`, `ratio_vs_resident`,
-`expert_bytes_moved`, `stream_all_bytes_moved`, the deviations per step and the wasted-prefetch bytes (experts'
-pages brought up ahead of use that went back down unused) of the paged run, and
+`expert_bytes_moved`, `stream_all_bytes_moved`, the paged run's deviations per step, its expert accesses made out
+of the plan's order per step (resident experts run first) and its wasted-prefetch bytes (experts' pages brought
+up ahead of use that went back down unused), and
 `max_experts_on_ssd`: the most experts per MoE layer this machine's free disk holds at the same device and host
 budgets (each expert a paging unit: the budgets need not grow with them), checked by `angel-ptm estimate`'s rules
 up to 4096 experts.
@@ -66,7 +67,7 @@ def run(args, name: str, budgets: tuple, data) -> dict:
     scheduler = "on_demand" if name == "on_demand" else "planned"
     disk = Path(args.dir) / f"moe-bench-{name}"
     engine = angel_ptm.initialize(build(args), job(args, scheduler, *budgets, str(disk)), units=units)
-    times, losses, deviations = [], [], []
+    times, losses, deviations, reordered = [], [], [], []
     try:
         before = {}
         for step, (x, y) in enumerate(data):
@@ -81,6 +82,7 @@ def run(args, name: str, budgets: tuple, data) -> dict:
             losses.append(loss.item())
             if step >= args.warmup:
                 deviations.append(engine.scheduler.last_stats.deviations)
+                reordered.append(engine.scheduler.last_stats.optional_reordered)
         stats = engine.memory_stats()
         moved = {pair: n - before.get(pair, 0) for pair, n in stats.get("expert_moved", {}).items()}
         wasted = stats.get("expert_prefetch_wasted", 0) - before.get("wasted", 0)
@@ -88,7 +90,7 @@ def run(args, name: str, budgets: tuple, data) -> dict:
         engine.close()
         shutil.rmtree(disk, ignore_errors=True)
     return {"step_s": statistics.median(times[args.warmup:]), "losses": losses, "expert_moved": moved,
-            "wasted": wasted, "deviations": deviations}
+            "wasted": wasted, "deviations": deviations, "reordered": reordered}
 
 
 def max_experts_on_ssd(args, device_budget: int, host_budget: int) -> tuple[int, bool]:
@@ -165,6 +167,8 @@ def main(argv=None) -> dict:
         "stream_all_bytes_moved": sum(results["stream_all"][0]["expert_moved"].values()),
         "on_demand_bytes_moved": sum(results["on_demand"][0]["expert_moved"].values()),
         "paged_deviations_per_step": results["paged"][0]["deviations"],
+        # expert accesses made after a later one of their layer's (resident experts first)
+        "paged_reordered_per_step": results["paged"][0]["reordered"],
         # bytes of experts' pages brought up ahead of use that went back down unused (the routing skipped them)
         "paged_wasted_prefetch_bytes": results["paged"][0]["wasted"],
     }
