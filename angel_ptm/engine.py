@@ -96,7 +96,7 @@ class Engine(StateAccess, EngineViews):
                                    activation_bytes=lambda: self.binder.take_activation_peak(), trace=self.trace)
         # MoE experts: touched only when routed to; once a layer knows which compute, the others' fetches cancelled
         self._routing_hooks = watch_experts(model, self.layout, self.pages, self.scheduler, self.manager,
-                                            experts_apart)
+                                            experts_apart, mem.expert_warm_threshold, mem.expert_history_ema)
         self.tensors = PageTensors(self.manager, self.layout, self.pages, self.ownership, self.collectives)
         # Parameter values into their pages (a meta-device model materialized straight into them: `meta_init`)
         self.meta_init = self.tensors.fill_from(model)

@@ -460,7 +460,9 @@ def schedule_metrics(schedule: dict | None) -> dict[str, Any]:
         out.update(expert_accesses_skipped=schedule["optional_skipped"],  # MoE: experts routed or not
                    expert_accesses_unplanned=schedule["optional_unplanned"],
                    expert_fetches_cancelled=schedule.get("optional_cancelled", 0),
-                   expert_accesses_reordered=schedule.get("optional_reordered", 0))
+                   expert_accesses_reordered=schedule.get("optional_reordered", 0),
+                   expert_fetches_resumed=schedule.get("optional_resumed", 0),
+                   experts_cold_pages=schedule.get("experts_cold", 0))
     return out
 
 

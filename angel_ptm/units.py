@@ -251,15 +251,23 @@ def watch_routing(model: nn.Module, layout, pages: dict, route, planned_order=No
     return handles
 
 
-def watch_experts(model: nn.Module, layout, pages: dict, scheduler, manager, experts_apart: bool) -> list:
+def watch_experts(model: nn.Module, layout, pages: dict, scheduler, manager, experts_apart: bool,
+                  warm_threshold: float = 0.0, history_ema: float = 0.8) -> list:
     """MoE experts' pages are optional (a step touches them only when routed to) and watched (their moves counted
     apart); where experts are units of their own, their planned fetches are cancelled once routing is known
-    (`watch_routing`; in their block's unit they are always fetched). The routing hooks' handles."""
+    (`watch_routing`; in their block's unit they are always fetched), and a routing history (`warm_threshold` > 0:
+    memory.expert_warm_threshold) holds those of the experts it finds cold until their gate routes to them. The
+    routing hooks' handles."""
+    from angel_ptm.schedule.predictor import RoutingHistory
+
     optional = optional_page_indexes(model, layout)
     scheduler.optional_pages = manager.watched = frozenset(
         p.id for ps in pages.values() for i, p in enumerate(ps) if p is not None and i in optional)
-    return (watch_routing(model, layout, pages, scheduler.route, scheduler.planned_order)
-            if optional and experts_apart else [])
+    if not (optional and experts_apart):
+        return []
+    if warm_threshold > 0:
+        scheduler.history = RoutingHistory(history_ema, warm_threshold)
+    return watch_routing(model, layout, pages, scheduler.route, scheduler.planned_order)
 
 
 class _Unset:

@@ -315,3 +315,24 @@ def test_a_run_of_optional_accesses_is_matched_in_any_order():
     assert (runs.matched, runs.reordered) == (4, 2)
     runs.begin_step()
     assert (runs.matched, runs.reordered, runs.start) == (0, 0, -1)
+
+
+def test_the_routing_history_finds_the_experts_its_gates_rarely_route_to():
+    """schedule/predictor.py: per optional page, the moving average over steps of "its expert was routed to"
+    (starting at 1: every expert warm); below the threshold a page is cold, and one routing makes it warm again
+    where the average climbs back over the threshold."""
+    from angel_ptm.schedule.predictor import RoutingHistory
+
+    history = RoutingHistory(ema=0.5, threshold=0.3)
+    pages = [1, 2, 3]
+    history.routed([1, 2])
+    history.end_step(pages)
+    assert history.average == {1: 1.0, 2: 1.0, 3: 0.5} and history.cold == frozenset()
+    history.routed([1])
+    history.end_step(pages)
+    assert history.average == {1: 1.0, 2: 0.5, 3: 0.25} and history.cold == {3}
+    history.routed([3])
+    history.end_step(pages)
+    assert history.average[3] == 0.625 and history.cold == {2}  # (2 went unrouted twice)
+    with pytest.raises(ValueError):
+        RoutingHistory(ema=1.0)

@@ -235,6 +235,12 @@ class MemoryConfig(_Section):
     # Without CUDA the device and host pools are both plain memory: a page changes tier by trading slots between
     # them instead of being copied. false: copy (as a GPU run must), e.g. to study copy traffic on a CPU machine.
     zero_copy: bool = True
+    # MoE experts that are paging units of their own: per expert, the moving average over steps of whether its gate
+    # routed to it (the past's weight: expert_history_ema); an expert below expert_warm_threshold is cold, and the
+    # plan's fetches of its pages wait for its gate to route to it (schedule/predictor.py). 0: every expert the plan
+    # holds is fetched ahead of its gate.
+    expert_warm_threshold: float = 0.5
+    expert_history_ema: float = 0.8
 
     def validate(self) -> None:
         self._require(
@@ -245,6 +251,8 @@ class MemoryConfig(_Section):
         self._require("io_threads", 1 <= self.io_threads <= MAX_IO_THREADS, f"from 1 to {MAX_IO_THREADS}")
         self._require("queue_depth", 1 <= self.queue_depth <= MAX_QUEUE_DEPTH, f"from 1 to {MAX_QUEUE_DEPTH}")
         self._require("lookahead", self.lookahead >= 0, ">= 0")
+        self._require("expert_warm_threshold", 0.0 <= self.expert_warm_threshold <= 1.0, "from 0 to 1")
+        self._require("expert_history_ema", 0.0 <= self.expert_history_ema < 1.0, "from 0 to below 1")
 
 
 @dataclass

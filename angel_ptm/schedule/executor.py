@@ -31,6 +31,7 @@ from angel_ptm.memory.moves import Hop
 from angel_ptm.memory.page import Page, PageState, Tier
 from angel_ptm.memory.policy import BeladyPolicy, LRUPolicy
 from angel_ptm.schedule.planner import Op, Plan, plan_step
+from angel_ptm.schedule.predictor import RoutingHistory
 from angel_ptm.schedule.runs import OptionalRuns
 from angel_ptm.schedule.trace import StepRecorder, StepTrace, merge_optional
 from angel_ptm.trace.recorder import TraceRecorder
@@ -60,6 +61,8 @@ class StepStats:
     optional_unplanned: int = 0  # accesses to optional pages the plan did not have (served on demand, learned)
     optional_cancelled: int = 0  # planned fetches of experts' pages dropped unissued: the gate routed them nothing
     optional_reordered: int = 0  # optional accesses made after a later one of their run (experts run resident first)
+    optional_resumed: int = 0  # held fetches of experts' pages (predicted cold) issued once their gate routed to them
+    experts_cold: int = 0  # optional pages whose fetches wait for their gate (RoutingHistory) in this step
 
     def as_dict(self) -> dict:
         return {"accesses": self.accesses, "stall_s": round(self.stall_s, 6), "stalls": self.stalls,
@@ -67,6 +70,7 @@ class StepStats:
                 "skipped": self.skipped, "dropped": self.dropped, "replanned": self.replanned,
                 "optional_skipped": self.optional_skipped, "optional_unplanned": self.optional_unplanned,
                 "optional_cancelled": self.optional_cancelled, "optional_reordered": self.optional_reordered,
+                "optional_resumed": self.optional_resumed, "experts_cold": self.experts_cold,
                 "early_reads": self.early_reads}
 
 
@@ -87,24 +91,46 @@ class Executor:
         self.manager = manager
         self.moves: list[Op] = []
         self.counts: Counter = Counter()
-        # Pages whose fetches serving this step's accesses (serves < horizon) are not to be issued: experts the
-        # gate routed no token to (Scheduler.route)
+        # Pages whose fetches serving this step's accesses (serves < horizon) are held, not issued: experts the
+        # gate routed no token to, or predicted cold whose gate has not routed yet (Scheduler.route, begin_step).
+        # Their fetches wait in `parked`: issued if the gate routes to them after all (`resume`), else dropped at
+        # the step's end.
         self.cancelled: set[int] = set()
         self.horizon = 0
+        self.parked: list[Op] = []
 
     def submit(self, ops: Sequence[Op]) -> None:
-        self.moves.extend(op for op in ops if op.kind in ("fetch", "evict") and not self._is_cancelled(op))
+        for op in ops:
+            if op.kind == "fetch" and self._is_cancelled(op):
+                self.parked.append(op)
+            elif op.kind in ("fetch", "evict"):
+                self.moves.append(op)
 
     def _is_cancelled(self, op: Op) -> bool:
-        if op.kind == "fetch" and op.page in self.cancelled and 0 <= op.serves < self.horizon:
-            self.counts["cancelled"] += 1
-            return True
-        return False
+        return op.kind == "fetch" and op.page in self.cancelled and 0 <= op.serves < self.horizon
 
     def cancel(self) -> None:
-        """Drop the queued fetches of the cancelled pages (those already under way land, as any move does)."""
+        """Hold the queued fetches of the cancelled pages (those already under way land, as any move does)."""
         if self.cancelled:
-            self.moves = [op for op in self.moves if not self._is_cancelled(op)]
+            kept = []
+            for op in self.moves:
+                (self.parked if self._is_cancelled(op) else kept).append(op)
+            self.moves = kept
+
+    def resume(self, pages: set[int]) -> None:
+        """The held fetches of `pages` (their gate routed to them) go ahead of the queue: their accesses come
+        soonest."""
+        if self.parked and pages:
+            back = [op for op in self.parked if op.page in pages]
+            if back:
+                self.parked = [op for op in self.parked if op.page not in pages]
+                self.counts["resumed"] += len(back)
+                self.moves = back + self.moves
+
+    def drop_parked(self) -> None:
+        """The step is over: the fetches still held were never needed (counted as cancelled)."""
+        self.counts["cancelled"] += len(self.parked)
+        self.parked = []
 
     def pump(self, now: int = 0, need_of: Callable[[int], float] | None = None) -> None:
         """Settle finished moves, then start queued ones. `now`: the plan index of the next access;
@@ -155,6 +181,7 @@ class Executor:
 
     def clear(self) -> None:
         self.moves.clear()
+        self.parked.clear()
 
     def close(self) -> None:
         self.clear()
@@ -182,6 +209,8 @@ class Scheduler:
         # run): a planned access to them that does not come is not a deviation, and one the plan lacks is served on
         # demand and learned (the next plan follows this step's routing), not a deviation either.
         self.optional_pages: frozenset[int] = frozenset()
+        # Where routing is watched (experts are units of their own): which experts' fetches go ahead of their gate
+        self.history: RoutingHistory | None = None
         self._learn = False
         self._learned: StepTrace | None = None  # the trace (in the order recorded) the plan was made from
         self._keys: list[tuple] = []
@@ -322,10 +351,16 @@ class Scheduler:
         accessed for the rest of this step unless a later forward (the next micro-batch) routes to them, so their
         planned fetches not yet issued are cancelled; `routed` pages (cancelled by an earlier micro-batch, say) are
         fetched as planned again. Only speed depends on it: an access that does come is served on demand."""
-        if self.paused or self.plan is None:
+        if self.paused:
+            return
+        routed = set(routed)
+        if self.history is not None:
+            self.history.routed(routed)
+        if self.plan is None:
             return
         executor = self.executor
         executor.cancelled.difference_update(routed)
+        executor.resume(routed)  # (held as predicted cold: their planned fetches go now)
         executor.cancelled.update(unrouted)
         executor.horizon = len(self._keys)
         executor.cancel()
@@ -360,9 +395,10 @@ class Scheduler:
         if self.plan is not None:  # planned optional accesses not made: experts no token was routed to
             stats.optional_skipped = self._runs.total - self._runs.matched
             stats.optional_reordered = self._runs.reordered
+        self.executor.drop_parked()
         counts = self.executor.counts
         stats.issued, stats.skipped, stats.dropped = counts["issued"], counts["skipped"], counts["dropped"]
-        stats.optional_cancelled = counts["cancelled"]
+        stats.optional_cancelled, stats.optional_resumed = counts["cancelled"], counts["resumed"]
         counts.clear()
         if self.planned and len(trace) and (self.plan is None or stats.deviations or self._learn):
             basis = trace
@@ -381,9 +417,22 @@ class Scheduler:
         if isinstance(self.manager.policy, BeladyPolicy):
             self.manager.policy.seek(0)
         self.step += 1
-        stats.schedule_s += time.perf_counter() - t0
         self.last_stats, self.stats = stats, StepStats()
+        self._hold_cold()
+        stats.schedule_s += time.perf_counter() - t0
         return stats
+
+    def _hold_cold(self) -> None:
+        """A step starts: the routing history moves on, and the planned fetches of the experts it finds cold wait
+        for their gate to route to them (route)."""
+        if self.history is None or self.paused:
+            return
+        self.history.end_step(self._page_positions)  # (the optional pages the plan accesses)
+        if self.plan is not None and self.history.cold:
+            self.executor.cancelled.update(self.history.cold)
+            self.executor.horizon = len(self._keys)
+            self.executor.cancel()
+        self.stats.experts_cold = len(self.history.cold)
 
     def _replan(self, trace: StepTrace) -> None:
         t0 = time.perf_counter()
