@@ -346,6 +346,45 @@ def test_a_gpt_moe_built_on_the_meta_device_materializes_the_values_of_a_normal_
         assert torch.equal(got[name].cpu(), value), name  # (the engine's device: a GPU where there is one)
 
 
+def hash_moe_gpt():
+    """A GPT-MoE of 16 experts routed by a hash of the token id (the paged-expert tests' model)."""
+    from angel_ptm.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, dim=64,
+                         moe={"experts": 16, "top_k": 1, "gate": "hash", "capacity_factor": 0}))
+
+
+def zipf_batches(exponent: float, steps: int):
+    """Batches of token ids drawn with Zipf weights (so the hash gate's routing is that skewed)."""
+    g = torch.Generator().manual_seed(2)
+    zipf = torch.tensor([1.0 / (i + 1) ** exponent for i in range(256)])
+    return [(torch.multinomial(zipf, 4 * 32, True, generator=g).view(4, 32),
+             torch.randint(0, 256, (4, 32), generator=g)) for _ in range(steps)]
+
+
+def train_paged(engine, batches):
+    """Train on `batches`: the losses, each step's scheduler stats and the memory stats at the end; the engine
+    closed after."""
+    losses, steps = [], []
+    try:
+        for x, y in batches:
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            steps.append(engine.scheduler.last_stats)
+        return losses, steps, engine.memory_stats()
+    finally:
+        engine.close()
+
+
+def paged_memory(disk_dir, **extra) -> dict:
+    """A device budget far below the experts: most experts come up from the host when routed to."""
+    return {"page_bytes": "16KiB", "disk_dir": str(disk_dir), "scheduler": "planned", "device_budget": "3MiB",
+            "host_budget": "32MiB", **extra}
+
+
 def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_plan(tmp_path, monkeypatch):
     """Each expert is a paging unit of its own (inside its block's) and its pages are optional to the scheduler: with
     a skewed router (Zipf token ids, hash gate) and a device budget far below the experts, a step brings in only the
@@ -353,44 +392,21 @@ def test_paged_experts_bring_in_only_routed_experts_without_deviating_from_the_p
     come, or an unplanned one, is expected of MoE routing), and the losses are torch's. Against the same job with the
     experts inside their blocks' units (every expert brought in whenever its block runs), far fewer bytes move."""
     import angel_ptm
-    from angel_ptm.models import GPT, GPTConfig
     from angel_ptm.models.gpt import Block
     from test_engine_equivalence import engine_config
 
-    def build():
-        torch.manual_seed(0)
-        return GPT(GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, dim=64,
-                             moe={"experts": 16, "top_k": 1, "gate": "hash", "capacity_factor": 0}))
-
-    g = torch.Generator().manual_seed(2)
-    zipf = torch.tensor([1.0 / (i + 1) ** 2 for i in range(256)])
-    batches = [(torch.multinomial(zipf, 4 * 32, True, generator=g).view(4, 32),
-                torch.randint(0, 256, (4, 32), generator=g)) for _ in range(6)]
-    expected, _ = train_torch(build(), batches)
+    batches = zipf_batches(2.0, 6)
+    expected, _ = train_torch(hash_moe_gpt(), batches)
 
     def run(units):
-        memory = {"page_bytes": "16KiB", "disk_dir": str(tmp_path / str(units)), "scheduler": "planned",
-                  "device_budget": "3MiB", "host_budget": "32MiB",
-                  "expert_warm_threshold": 0}  # (cancelling by the gate alone: the history has its own test)
-        engine = angel_ptm.initialize(build(), engine_config(memory), units=units)
-        losses, deviations, skipped, cancelled, replans = [], [], 0, 0, []
-        try:
-            for x, y in batches:
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-                stats = engine.scheduler.last_stats
-                deviations.append(stats.deviations)
-                skipped += stats.optional_skipped
-                cancelled += stats.optional_cancelled
-                replans.append((stats.replanned, stats.optional_unplanned))
-            stats = engine.memory_stats()
-            return losses, deviations, skipped, stats["moved"], dict(stats["expert_moved"], cancelled=cancelled,
-                                                                    wasted=stats["expert_prefetch_wasted"],
-                                                                    replans=replans)
-        finally:
-            engine.close()
+        # (cancelling by the gate alone: the history has its own test)
+        memory = paged_memory(tmp_path / str(units), expert_warm_threshold=0)
+        losses, steps, stats = train_paged(angel_ptm.initialize(hash_moe_gpt(), engine_config(memory), units=units),
+                                           batches)
+        return (losses, [s.deviations for s in steps], sum(s.optional_skipped for s in steps), stats["moved"],
+                dict(stats["expert_moved"], cancelled=sum(s.optional_cancelled for s in steps),
+                     wasted=stats["expert_prefetch_wasted"],
+                     replans=[(s.replanned, s.optional_unplanned) for s in steps]))
 
     losses, deviations, skipped, moved, experts = run(None)
     assert losses == pytest.approx(expected, rel=1e-6)
@@ -458,18 +474,9 @@ def test_paged_experts_run_resident_first_and_in_any_order_without_deviating(tmp
     tensors by order."""
     import angel_ptm
     from angel_ptm import units
-    from angel_ptm.models import GPT, GPTConfig
     from test_engine_equivalence import engine_config
 
-    def build():
-        torch.manual_seed(0)
-        return GPT(GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, dim=64,
-                             moe={"experts": 16, "top_k": 1, "gate": "hash", "capacity_factor": 0}))
-
-    g = torch.Generator().manual_seed(2)
-    zipf = torch.tensor([1.0 / (i + 1) ** 1.2 for i in range(256)])
-    batches = [(torch.multinomial(zipf, 4 * 32, True, generator=g).view(4, 32),
-                torch.randint(0, 256, (4, 32), generator=g)) for _ in range(6)]
+    batches = zipf_batches(1.2, 6)
     readiness = {state: units._READINESS[state.value] for state in units.PageState}
     first_step_orders = []
     resident_first = units.resident_first
@@ -487,22 +494,10 @@ def test_paged_experts_run_resident_first_and_in_any_order_without_deviating(tmp
         return log
 
     def run(name):
-        memory = {"page_bytes": "16KiB", "disk_dir": str(tmp_path / name), "scheduler": "planned",
-                  "device_budget": "3MiB", "host_budget": "32MiB"}
+        memory = paged_memory(tmp_path / name)
         config = dict(engine_config(memory), activations={"checkpoint": checkpoint})
-        engine = angel_ptm.initialize(build(), config)
-        losses, steps = [], []
-        try:
-            for x, y in batches:
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-                s = engine.scheduler.last_stats
-                steps.append((s.deviations, s.replanned, s.optional_unplanned, s.optional_reordered))
-        finally:
-            engine.close()
-        return losses, steps
+        losses, steps, _ = train_paged(angel_ptm.initialize(hash_moe_gpt(), config), batches)
+        return losses, [(s.deviations, s.replanned, s.optional_unplanned, s.optional_reordered) for s in steps]
 
     def replans_only_to_learn(steps):
         return all(replanned == (i == 0 or unplanned > 0) for i, (_, replanned, unplanned, _) in enumerate(steps))
@@ -561,37 +556,15 @@ def test_cold_experts_wait_for_their_gate_and_the_losses_do_not_change(tmp_path)
     (some are: resumed) or dropped. Against the same job fetching every planned expert ahead (threshold 0): fewer
     prefetches come up unused, no deviation, the same losses bit for bit."""
     import angel_ptm
-    from angel_ptm.models import GPT, GPTConfig
     from test_engine_equivalence import engine_config
 
-    def build():
-        torch.manual_seed(0)
-        return GPT(GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, dim=64,
-                             moe={"experts": 16, "top_k": 1, "gate": "hash", "capacity_factor": 0}))
-
-    g = torch.Generator().manual_seed(2)
-    zipf = torch.tensor([1.0 / (i + 1) ** 2 for i in range(256)])
-    batches = [(torch.multinomial(zipf, 4 * 32, True, generator=g).view(4, 32),
-                torch.randint(0, 256, (4, 32), generator=g)) for _ in range(14)]
+    batches = zipf_batches(2.0, 14)
 
     def run(threshold):
-        memory = {"page_bytes": "16KiB", "disk_dir": str(tmp_path / str(threshold)), "scheduler": "planned",
-                  "device_budget": "3MiB", "host_budget": "32MiB", "expert_warm_threshold": threshold}
-        engine = angel_ptm.initialize(build(), engine_config(memory))
-        losses, cold, resumed, deviations = [], [], 0, 0
-        try:
-            for x, y in batches:
-                loss = engine(x, y)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-                stats = engine.scheduler.last_stats
-                cold.append(stats.experts_cold)
-                resumed += stats.optional_resumed
-                deviations += stats.deviations
-            return losses, cold, resumed, deviations, engine.memory_stats()["expert_prefetch_wasted"]
-        finally:
-            engine.close()
+        memory = paged_memory(tmp_path / str(threshold), expert_warm_threshold=threshold)
+        losses, steps, stats = train_paged(angel_ptm.initialize(hash_moe_gpt(), engine_config(memory)), batches)
+        return (losses, [s.experts_cold for s in steps], sum(s.optional_resumed for s in steps),
+                sum(s.deviations for s in steps), stats["expert_prefetch_wasted"])
 
     losses, cold, resumed, deviations, wasted = run(0.5)
     ahead, cold_ahead, resumed_ahead, deviations_ahead, wasted_ahead = run(0.0)
