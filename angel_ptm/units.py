@@ -27,6 +27,7 @@ from angel_ptm.activations.recompute import same_in_recompute
 from angel_ptm.errors import ConfigValueError
 from angel_ptm.memory.page import PageState
 from angel_ptm.memory.store import PageKind
+from angel_ptm.schedule.predictor import RoutingHistory
 
 UnitsSpec = Union[None, Sequence[type], Callable[[nn.Module], bool]]
 
@@ -258,8 +259,6 @@ def watch_experts(model: nn.Module, layout, pages: dict, scheduler, manager, exp
     (`watch_routing`; in their block's unit they are always fetched), and a routing history (`warm_threshold` > 0:
     memory.expert_warm_threshold) holds those of the experts it finds cold until their gate routes to them. The
     routing hooks' handles."""
-    from angel_ptm.schedule.predictor import RoutingHistory
-
     optional = optional_page_indexes(model, layout)
     scheduler.optional_pages = manager.watched = frozenset(
         p.id for ps in pages.values() for i, p in enumerate(ps) if p is not None and i in optional)

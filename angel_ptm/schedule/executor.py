@@ -92,7 +92,7 @@ class Executor:
         self.moves: list[Op] = []
         self.counts: Counter = Counter()
         # Pages whose fetches serving this step's accesses (serves < horizon) are held, not issued: experts the
-        # gate routed no token to, or predicted cold whose gate has not routed yet (Scheduler.route, begin_step).
+        # gate routed no token to, or predicted cold whose gate has not routed yet (Scheduler.route, _hold_cold).
         # Their fetches wait in `parked`: issued if the gate routes to them after all (`resume`), else dropped at
         # the step's end.
         self.cancelled: set[int] = set()
@@ -349,8 +349,9 @@ class Scheduler:
     def route(self, unrouted: Iterable[int], routed: Iterable[int]) -> None:
         """An MoE gate has routed: the optional pages of its experts that got no token (`unrouted`) will not be
         accessed for the rest of this step unless a later forward (the next micro-batch) routes to them, so their
-        planned fetches not yet issued are cancelled; `routed` pages (cancelled by an earlier micro-batch, say) are
-        fetched as planned again. Only speed depends on it: an access that does come is served on demand."""
+        planned fetches not yet issued are held (dropped at the step's end); the held fetches of `routed` pages (held
+        by an earlier micro-batch, or as predicted cold: _hold_cold) go first. The routing history learns which were
+        routed. Only speed depends on it: an access that does come is served on demand."""
         if self.paused:
             return
         routed = set(routed)

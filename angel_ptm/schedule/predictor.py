@@ -5,7 +5,7 @@ until a layer's gate has routed, the plan's fetches bring all of them up ahead o
 picks then comes up for nothing most steps (`expert_prefetch_wasted`). `RoutingHistory` keeps, per expert page, an
 exponential moving average over steps of whether the gate routed to that expert in the step (1) or not (0): a page
 whose average is below `memory.expert_warm_threshold` is cold, and its planned fetches are held at the start of a
-step (Scheduler.begin_step) until its gate routes to it -- then they go as planned, with what lead is left (or the
+step (Scheduler._hold_cold) until its gate routes to it -- then they go as planned, with what lead is left (or the
 access fetches it on demand) -- and dropped if the gate routes nothing to it. Warm experts' fetches go ahead as
 planned, as before.
 

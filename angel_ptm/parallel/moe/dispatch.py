@@ -199,8 +199,9 @@ class ExpertParallelMoE(MoE):
         received = ep.exchange(counts.view(ep.size, local).cpu(), [1] * ep.size, [1] * ep.size, "expert counts")
         send = counts.view(ep.size, local).sum(1).tolist()
         receive = received.sum(1).tolist()
+        running = [e for e, n in enumerate(received.sum(0).tolist()) if n]  # the local slots with rows
         if self.on_local_routing is not None:
-            self.on_local_routing({e for e, n in enumerate(received.sum(0).tolist()) if n})
+            self.on_local_routing(set(running))
         rows = flat.index_select(0, tokens)
         if outgoing is not None:
             rows = rows.index_select(0, outgoing)
@@ -210,7 +211,6 @@ class ExpertParallelMoE(MoE):
         # (from `inputs`, even when no local expert runs: both exchanges' backward must run on every rank alike)
         outputs = inputs * 0.0
         started = self.clock.start(flat.device) if measured else None
-        running = [e for e, n in enumerate(received.sum(0).tolist()) if n]
         for e in self.expert_order(running) if self.expert_order is not None else running:  # (disjoint rows:
             rows_of = (owner == e).nonzero(as_tuple=True)[0]  # the same outputs and gradients in any order)
             outputs = outputs.index_copy(0, rows_of, self.experts[e](inputs.index_select(0, rows_of)))
