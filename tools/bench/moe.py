@@ -2,6 +2,7 @@
 
     python -m tools.bench.moe --dir DIR [--experts 16] [--dim 128] [--layers 4] [--seq 64] [--batch 8]
                               [--zipf 1.5] [--device-frac 0.2] [--steps 6] [--warmup 2] [--repeats 3]
+                              [--warm-threshold 0.5]
 
   paged       each expert a paging unit of its own, the planned scheduler (only routed experts come in; an expert
               the routing skipped is not a deviation)
@@ -58,7 +59,8 @@ def batches(args, n: int):
 def job(args, scheduler: str, device_budget, host_budget, disk_dir: str) -> dict:
     return {"optimizer": {"lr": 1e-3, "weight_decay": 0.1},
             "memory": {"page_bytes": f"{args.page_kib}KiB", "device_budget": device_budget,
-                       "host_budget": host_budget, "disk_dir": disk_dir, "scheduler": scheduler},
+                       "host_budget": host_budget, "disk_dir": disk_dir, "scheduler": scheduler,
+                       "expert_warm_threshold": args.warm_threshold},
             "trainer": {"device": "cpu", "grad_clip": 0}}
 
 
@@ -127,6 +129,8 @@ def main(argv=None) -> dict:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--zipf", type=float, default=1.5, help="exponent of the token ids' (so the routing's) skew")
+    parser.add_argument("--warm-threshold", type=float, default=0.5,
+                        help="memory.expert_warm_threshold (0: every planned expert fetched ahead of its gate)")
     parser.add_argument("--page-kib", type=int, default=64)
     parser.add_argument("--device-frac", type=float, default=0.2, help="share of the states the device holds")
     parser.add_argument("--steps", type=int, default=6)
@@ -158,7 +162,7 @@ def main(argv=None) -> dict:
             say(f"{name}: losses differ from resident's by up to {diff:.2e} (relative)")
         say(f"{name:>10}: {med[name]:.3f} s/step, expert bytes moved {runs[0]['expert_moved']}")
     report = {
-        "experts": args.experts, "zipf": args.zipf, "states_bytes": states, "device_budget": budgets["default"][0],
+        "experts": args.experts, "zipf": args.zipf, "warm_threshold": args.warm_threshold, "states_bytes": states, "device_budget": budgets["default"][0],
         "paged_s": round(med["paged"], 4), "stream_all_s": round(med["stream_all"], 4),
         "on_demand_s": round(med["on_demand"], 4), "resident_s": round(med["resident"], 4),
         "ratio_vs_resident": round(med["paged"] / med["resident"], 3),
