@@ -224,8 +224,12 @@ def watch_routing(model: nn.Module, layout, pages: dict, route, planned_order=No
     exchange of per-expert counts (a layer that holds only some experts calls `on_local_routing` with its slots
     that receive rows from some rank). Each layer runs its experts resident first (`resident_first`, in the plan's
     order under `planned_order`). The handles, to remove them."""
+    from angel_ptm.models.moe import MoE, Routing
+
     handles = []
     for layer in moe_layers(model):
+        if not isinstance(layer, MoE):  # another MoE module (a gate and an experts list): its gate's output is not
+            continue  # our Routing, nor does it take an order; its experts' pages are optional all the same
         indexes_of = expert_page_indexes(layer, model, layout)
         per_expert = [{p.id for kind_pages in pages.values() for i in indexes
                        if i < len(kind_pages) and (p := kind_pages[i]) is not None}
@@ -246,6 +250,8 @@ def watch_routing(model: nn.Module, layout, pages: dict, route, planned_order=No
             continue
 
         def routed(gate, inputs, routing, report=report):
+            if not isinstance(routing, Routing):  # (a gate of another kind put in place)
+                return
             chosen = routing.expert[routing.kept & (routing.expert >= 0)]
             report(set(torch.unique(chosen).tolist()))  # (one small host read per MoE forward)
         handles.append(layer.gate.register_forward_hook(routed))

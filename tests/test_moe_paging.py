@@ -212,3 +212,65 @@ def test_cold_experts_wait_for_their_gate_and_the_losses_do_not_change(tmp_path)
     assert cold[0] == 0 and max(cold) > 0 and cold_ahead == [0] * len(batches)
     assert resumed > 0 and resumed_ahead == 0
     assert wasted < wasted_ahead
+
+
+class _TopOneMoE(torch.nn.Module):
+    """An MoE layer written without angel_ptm: a linear gate, an experts list, top-1 by argmax."""
+
+    def __init__(self, dim: int, experts: int):
+        super().__init__()
+        self.gate = torch.nn.Linear(dim, experts)
+        self.experts = torch.nn.ModuleList(torch.nn.Linear(dim, dim) for _ in range(experts))
+
+    def forward(self, x):
+        choice, out = self.gate(x).argmax(-1), torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            mask = choice == e
+            if mask.any():
+                out = out.index_put((mask,), expert(x[mask]))
+        return out
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = torch.nn.Linear(8, 64)
+        self.layers = torch.nn.ModuleList(_TopOneMoE(64, 4) for _ in range(2))
+        self.out = torch.nn.Linear(64, 1)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = h + layer(h)
+        return ((self.out(h) - y) ** 2).mean()
+
+
+def test_an_moe_layer_written_elsewhere_trains_like_torch_with_its_experts_paged(tmp_path):
+    """A module with a `gate` and an `experts` list that is not ours: its experts are paging units with optional
+    pages (only the ones it runs come in), its gate's output is left alone (not our Routing: no routing hook
+    reads it), the routing history learns from the accesses, and the losses are torch.optim.AdamW's."""
+    import angel_ptm
+    from test_engine_equivalence import assert_same_losses, engine_config, run_steps
+
+    g = torch.Generator().manual_seed(3)
+    batches = [(torch.randn(32, 8, generator=g), torch.randn(32, 1, generator=g)) for _ in range(6)]
+    torch.manual_seed(0)
+    plain = _Net()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    expected = []
+    for x, y in batches:
+        loss = plain(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    torch.manual_seed(0)
+    engine = angel_ptm.initialize(_Net(), engine_config(paged_memory(tmp_path, page_bytes="4KiB",
+                                                                     device_budget="96KiB")))
+    try:
+        assert engine.scheduler.optional_pages and engine.scheduler.history is not None
+        losses = run_steps(engine, batches, lambda m, x, y: m(x, y))
+        assert engine.scheduler.last_stats.deviations == 0
+    finally:
+        engine.close()
+    assert_same_losses(expected, losses)

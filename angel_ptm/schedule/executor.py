@@ -350,15 +350,11 @@ class Scheduler:
         """An MoE gate has routed: the optional pages of its experts that got no token (`unrouted`) will not be
         accessed for the rest of this step unless a later forward (the next micro-batch) routes to them, so their
         planned fetches not yet issued are held (dropped at the step's end); the held fetches of `routed` pages (held
-        by an earlier micro-batch, or as predicted cold: _hold_cold) go first. The routing history learns which were
-        routed. Only speed depends on it: an access that does come is served on demand."""
-        if self.paused:
+        by an earlier micro-batch, or as predicted cold: _hold_cold) go first. Only speed depends on it: an access
+        that does come is served on demand."""
+        if self.paused or self.plan is None:
             return
         routed = set(routed)
-        if self.history is not None:
-            self.history.routed(routed)
-        if self.plan is None:
-            return
         executor = self.executor
         executor.cancelled.difference_update(routed)
         executor.resume(routed)  # (held as predicted cold: their planned fetches go now)
@@ -419,15 +415,18 @@ class Scheduler:
             self.manager.policy.seek(0)
         self.step += 1
         self.last_stats, self.stats = stats, StepStats()
-        self._hold_cold()
+        self._hold_cold(trace)
         stats.schedule_s += time.perf_counter() - t0
         return stats
 
-    def _hold_cold(self) -> None:
-        """A step starts: the routing history moves on, and the planned fetches of the experts it finds cold wait
-        for their gate to route to them (route)."""
+    def _hold_cold(self, trace: StepTrace) -> None:
+        """A step starts: the routing history learns which experts the last one ran (`trace`: any MoE layer's,
+        whatever its gate), and the planned fetches of the experts it finds cold wait for their gate to route to
+        them (route; those of a layer whose gate reports nothing are fetched on demand if it runs them)."""
         if self.history is None or self.paused:
             return
+        optional = self.optional_pages
+        self.history.routed(i for access in trace.accesses for i in access.pages if i in optional)
         self.history.end_step(self._page_positions)  # (the optional pages the plan accesses)
         if self.plan is not None and self.history.cold:
             self.executor.cancelled.update(self.history.cold)

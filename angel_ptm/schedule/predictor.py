@@ -3,14 +3,15 @@
 A plan holds every expert routed to in the steps it learned from (schedule/trace.merge_optional: a superset), and
 until a layer's gate has routed, the plan's fetches bring all of them up ahead of use. An expert the gate rarely
 picks then comes up for nothing most steps (`expert_prefetch_wasted`). `RoutingHistory` keeps, per expert page, an
-exponential moving average over steps of whether the gate routed to that expert in the step (1) or not (0): a page
-whose average is below `memory.expert_warm_threshold` is cold, and its planned fetches are held at the start of a
-step (Scheduler._hold_cold) until its gate routes to it -- then they go as planned, with what lead is left (or the
-access fetches it on demand) -- and dropped if the gate routes nothing to it. Warm experts' fetches go ahead as
-planned, as before.
+exponential moving average over steps of whether the step ran that expert (1) or not (0) -- read from the step's
+accesses, so it holds for any MoE layer, whatever its gate reports. A page whose average is below
+`memory.expert_warm_threshold` is cold: its planned fetches are held at the start of a step (Scheduler._hold_cold)
+until its gate routes to it -- then they go as planned, with what lead is left -- and dropped if the gate routes
+nothing to it (a layer whose gate reports nothing, not ours, fetches a cold expert on demand when it runs it).
+Warm experts' fetches go ahead as planned, as before.
 
-    history = RoutingHistory(ema=0.8, threshold=0.2)
-    history.routed(page_ids)      # a gate routed to these experts' pages (any micro-batch of the step)
+    history = RoutingHistory(ema=0.8, threshold=0.5)
+    history.routed(page_ids)      # the step ran these experts (their pages were accessed)
     history.end_step(optional)    # the step is over: every optional page's average moves
     history.cold                  # the pages whose fetches wait for their gate
 """
