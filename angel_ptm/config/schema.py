@@ -235,8 +235,8 @@ class MemoryConfig(_Section):
     # Without CUDA the device and host pools are both plain memory: a page changes tier by trading slots between
     # them instead of being copied. false: copy (as a GPU run must), e.g. to study copy traffic on a CPU machine.
     zero_copy: bool = True
-    # MoE experts that are paging units of their own: per expert, the moving average over steps of whether its gate
-    # routed to it (the past's weight: expert_history_ema); an expert below expert_warm_threshold is cold, and the
+    # MoE experts that are paging units of their own: per expert, the moving average over steps of whether the step
+    # ran it (the past's weight: expert_history_ema); an expert below expert_warm_threshold is cold, and the
     # plan's fetches of its pages wait for its gate to route to it (schedule/predictor.py). 0: every expert the plan
     # holds is fetched ahead of its gate.
     expert_warm_threshold: float = 0.5
