@@ -191,8 +191,8 @@ def device_pages_at_once(units: Sequence[PagingUnit],
 
 # How soon an expert can run, by the state of its weights' pages (the slowest of them): resting on the device,
 # on their way to it, on the host, leaving the device, on their way from disk, on disk.
-_READINESS = {"device": 0, "to_device": 1, "host": 2, "to_host": 2, "from_disk": 3, "disk": 4, "to_disk": 4,
-              "remote": 5}
+_READINESS = {PageState.DEVICE: 0, PageState.TO_DEVICE: 1, PageState.HOST: 2, PageState.TO_HOST: 2,
+              PageState.FROM_DISK: 3, PageState.DISK: 4, PageState.TO_DISK: 4, PageState.REMOTE: 5}
 
 
 def resident_first(weight_pages: list[list], planned_order=None) -> Callable[[list[int]], list[int]]:
@@ -203,14 +203,13 @@ def resident_first(weight_pages: list[list], planned_order=None) -> Callable[[li
     there, then the host's, then the disk's, by index among equals -- so the trace a plan is made from runs the
     experts in place first, and the plan keeps that order. (Reordering a planned step by where its pages are at
     that moment would contradict the plan's prefetches and evictions: measured 15% slower on tools.bench.moe.)"""
-    readiness = {state: _READINESS[state.value] for state in PageState}
     first = [pages[0].id if pages else -1 for pages in weight_pages]
 
     def decide(experts: list[int]) -> list[int]:
         planned = planned_order(experts, first) if planned_order is not None else None
         if planned is not None:
             return planned
-        return sorted(experts, key=lambda e: max((readiness[p.state] for p in weight_pages[e]), default=0))
+        return sorted(experts, key=lambda e: max((_READINESS[p.state] for p in weight_pages[e]), default=0))
 
     def order(experts: list[int]) -> list[int]:  # (a recomputation in backward runs them as its forward did)
         return same_in_recompute(lambda: decide(experts))

@@ -116,7 +116,7 @@ def test_paged_experts_run_resident_first_and_in_any_order_without_deviating(tmp
     from test_engine_equivalence import engine_config
 
     batches = zipf_batches(1.2, 6)
-    readiness = {state: units._READINESS[state.value] for state in units.PageState}
+    readiness = units._READINESS
     first_step_orders = []
     resident_first = units.resident_first
 

@@ -25,7 +25,7 @@ class RoutingHistory:
     """Per optional page, the moving average of "its expert was routed to in a step" (1.0 before any step: every
     expert starts warm, as without a history). `threshold` 0 keeps every expert warm."""
 
-    def __init__(self, ema: float = 0.8, threshold: float = 0.2):
+    def __init__(self, ema: float = 0.8, threshold: float = 0.5):
         if not 0.0 <= ema < 1.0:
             raise ValueError(f"ema must be in [0, 1), got {ema}")
         self.ema, self.threshold = ema, threshold

@@ -1,7 +1,7 @@
 """Runs of optional accesses in a plan, made in any order.
 
-An MoE layer runs its routed experts in an order of its own choosing (models/moe.py: those whose weights are in
-place first, units.watch_routing), and autograd runs their backwards in the reverse of it. In the plan, each layer's
+An MoE layer runs its routed experts in an order of its own choosing (models/moe.py `expert_order`; the paging
+runtime's is units.resident_first), and autograd runs their backwards in the reverse of it. In the plan, each layer's
 experts are a run of consecutive optional accesses (schedule/trace.py: a superset in a fixed order). `OptionalRuns`
 lets the scheduler match an access anywhere in the run it is in, not only at the plan's position: a step that runs
 a layer's experts in another order makes no deviation and no re-plan, and the moves planned for the accesses it has
