@@ -179,6 +179,7 @@ def main(argv=None) -> dict:
 
     import_bytes = psutil.Process().memory_info().rss - rss0
     med = statistics.median
+    os.makedirs(args.dir, exist_ok=True)  # as every bench: a --dir that does not exist yet is made
     work = Path(tempfile.mkdtemp(prefix="ckpt-bench-", dir=args.dir))
     try:
         probe = GPT(GPTConfig(vocab_size=256, seq_len=args.seq, n_layer=args.layers, n_head=args.heads,
