@@ -454,3 +454,28 @@ def test_the_eviction_candidates_index_matches_a_scan_of_every_page(tmp_path, io
             manager.discard([page])
         manager.flush()
         check()
+
+
+def test_a_guard_sees_each_page_once_before_its_bytes_can_change(tmp_path, io_engine):
+    """PageManager.guard (an asynchronous checkpoint's copy-on-write): told of a guarded page at its first pin, move,
+    eviction or drop, while the slot the page had still holds its bytes; once only; never after `unguard`."""
+    manager = make_manager(tmp_path, io_engine, device_pages=2, host_pages=3)
+    pages = written_pages(manager, 10)
+    in_memory = [p for p in pages if p.buffer is not None]
+    assert {p.state for p in in_memory} == {PageState.DEVICE, PageState.HOST}
+    slots = {p.id: p.buffer for p in in_memory}  # what a snapshot keeps: the slots as they were at the guard
+    seen = []
+
+    def before_change(page):
+        seen.append((page.id, bool(torch.all(slots[page.id].view(torch.float32) == page.index))))
+
+    manager.guard(in_memory[1:], before_change)
+    manager.unguard([in_memory[-1].id])
+    for page in reversed(pages):  # pins every page; those in memory are pushed down (and reused) by the others
+        manager.acquire([page], Tier.DEVICE)
+        page.view().fill_(-1.0)  # a write, after the pin
+        manager.release([page], dirty=True)
+    guarded = {p.id for p in in_memory[1:-1]}
+    assert sorted(i for i, _ in seen) == sorted(guarded)  # each once; the unguarded ones never
+    assert all(intact for _, intact in seen)
+    manager.close()

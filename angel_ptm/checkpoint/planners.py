@@ -37,8 +37,8 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from angel_ptm.checkpoint.boxes import box_start, flat_boxes
-from angel_ptm.checkpoint.buffers import BufferPool, anonymous_buffer
-from angel_ptm.errors import CheckpointError, ChecksumError
+from angel_ptm.checkpoint.buffers import BufferPool
+from angel_ptm.errors import CheckpointError
 from angel_ptm.memory import Page, PageLayout, PageState, Tier
 from angel_ptm.memory.store import PageKind
 from angel_ptm.memory.backing import Extent, Source, zero_outside
@@ -166,67 +166,6 @@ class PageStream:
                 handle.wait()
         self._ready.clear()
         self._current = None
-        self._pool.clear()
-
-
-class Snapshot:
-    """The saved pages' bytes as they are at the save, for a save that runs beside training (`checkpoint.async_save`):
-    taken on the training thread, read by the checkpoint's thread without touching the manager. A page in memory
-    is copied now (host memory: the in-memory share of the saved pages); a page on disk stays in its slot, held
-    there (DiskTier.hold: not rewritten, not reused) until read, so training goes on and a page written meanwhile
-    gets another slot; a dead page is zeros."""
-
-    def __init__(self, manager, order: list[Page], page_bytes: int):
-        self.disk, self.page_bytes = manager.disk, page_bytes
-        self._entries: dict[int, tuple] = {}
-        self.copied_bytes = self.read_bytes = 0
-        self._scratch: torch.Tensor | None = None
-        self._last: int | None = None  # the page whose bytes the scratch buffer holds
-        self._pool = BufferPool(page_bytes)
-        for page in order:
-            manager.flush([page])
-            if page.buffer is not None:
-                staged = anonymous_buffer(page_bytes).copy_(page.buffer.view(torch.uint8).reshape(-1))
-                self._entries[page.id] = ("copy", staged)
-                self.copied_bytes += page_bytes
-            elif page.dead or page.disk_slot is None:
-                self._entries[page.id] = ("zeros",)
-            else:
-                self.disk.hold(page.kind, page.disk_slot)
-                self._entries[page.id] = ("slot", page.kind, page.disk_slot, page.disk_checksum, page.name)
-
-    def get(self, page: Page) -> torch.Tensor:
-        """Page `page`'s bytes at the save (valid until the next page is asked for: a page's items come together)."""
-        if self._last == page.id:
-            return self._scratch
-        entry = self._entries[page.id]
-        if entry[0] == "copy":
-            return entry[1]
-        if entry[0] == "zeros":
-            return torch.zeros(self.page_bytes, dtype=torch.uint8)
-        _, kind, slot, checksum, name = entry
-        if self._scratch is not None:  # the writer may still hold the last one's items: the pool knows
-            self._pool.give_back(self._scratch)
-        self._scratch = self._pool.take()
-        where = self.disk.describe(kind, slot)  # the slot file, or the loaded checkpoint's files it reads
-        try:
-            got = self.disk.read(kind, slot, self._scratch).wait()
-        finally:
-            self.disk.release_hold(kind, slot)
-            self._entries[page.id] = ("read",)
-        self._last = page.id
-        if got != checksum:
-            raise ChecksumError(name, where, checksum or 0, got)
-        self.read_bytes += self.page_bytes
-        return self._scratch
-
-    def close(self) -> None:
-        """Release every slot still held (a failed save)."""
-        for page_id, entry in list(self._entries.items()):
-            if entry[0] == "slot":
-                self.disk.release_hold(entry[1], entry[2])
-            self._entries[page_id] = ("read",)
-        self._scratch = None
         self._pool.clear()
 
 

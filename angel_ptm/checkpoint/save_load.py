@@ -37,7 +37,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from angel_ptm.checkpoint.planners import PageLoadPlanner, PageSavePlanner, PageStream, Snapshot
+from angel_ptm.checkpoint.planners import PageLoadPlanner, PageSavePlanner, PageStream
+from angel_ptm.checkpoint.snapshot import Snapshot
 from angel_ptm.checkpoint.storage import CheckedReader, CheckedWriter, fault, fsync_dir
 from angel_ptm.config.loader import config_to_dict
 from angel_ptm.errors import AngelError, CheckpointCorruptError, CheckpointError, CheckpointWriteError
@@ -50,7 +51,7 @@ ENGINE, EXTRA, RNG = "angel_ptm.engine", "angel_ptm.extra", "angel_ptm.rng."
 def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None, background: bool = False,
                     on_done: Callable[[Path], None] | None = None, kept: list[Path] | None = None):
     """Write the engine's training state to directory `path` (which must not exist), on every rank. Returns the
-    path; with `background`, a PendingSave at once: the pages' bytes are taken now (Snapshot) and written by a
+    path; with `background`, a PendingSave at once: the pages' bytes as they are now (Snapshot) are written by a
     thread while training goes on. `on_done(path)` runs once the checkpoint is complete (rank 0 only). `kept`:
     the checkpoints that outlive this save (`on_done` may delete others): disk pages that still read a loaded
     checkpoint outside them take their bytes into their own slots first."""
@@ -107,7 +108,7 @@ def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None, backgrou
         _write(engine, planner, group, tmp, path, info, on_done, agree=lambda o: _agree(engine, o, "checkpoint"))
         return path
     planner.source = Snapshot(engine.manager, planner.order, engine.layout.page_bytes)
-    pending = PendingSave(path, planner.source.copied_bytes)
+    pending = PendingSave(path, planner.source)
     agree = (lambda o: o) if group is None else (lambda o: _broadcast_on(group, o))
     gbps = engine.config.checkpoint.async_max_gbps
     pending.start(lambda: _write(engine, planner, group, tmp, path, info, on_done, agree,
@@ -170,11 +171,17 @@ class PendingSave:
     """A checkpoint being written beside training. `wait()` returns its path once complete on every rank, or
     raises the save's typed error; `done()` says whether it has finished."""
 
-    def __init__(self, path: Path, staged_bytes: int):
-        self.path, self.staged_bytes = path, staged_bytes
+    def __init__(self, path: Path, snapshot: Snapshot):
+        self.path, self._snapshot = path, snapshot
         self.error: BaseException | None = None
         self.seconds = 0.0
         self._thread: threading.Thread | None = None
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes of saved pages copied aside so far: those pinned at the save, and those training changed before
+        the writer reached them."""
+        return self._snapshot.copied_bytes
 
     def start(self, work: Callable[[], None]) -> None:
         def run():

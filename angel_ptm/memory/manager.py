@@ -53,6 +53,7 @@ class PageManager(RemotePages, NonBlockingMoves):
         self._indexed = 0
         self._moves: dict[int, Move] = {}
         self._pinned: set[int] = set()  # ids of pages with pin_count > 0
+        self._guards: dict[int, Callable[[Page], None]] = {}  # page id -> told of its next change (`guard`)
         # kind -> clear(index, buffer): what a dead page of that kind needs before reuse (default: all zero). Its
         # owner may know that most of the page is overwritten before it is read, and clear only the rest.
         self.clearers: dict[str, Callable[[int, torch.Tensor], None]] = {}
@@ -339,18 +340,34 @@ class PageManager(RemotePages, NonBlockingMoves):
         page.transition(PageState.DISK)
         self._emit("drop", page, src, Tier.DISK)
 
+    def guard(self, pages: Iterable[Page], before_change: Callable[[Page], None]) -> None:
+        """before_change(page), once, at each page's next change of state or pins: before its bytes can change
+        (a write pins it first; a move, drop or eviction changes its state before its slot is reused)."""
+        self._watch_new()
+        self._guards.update((page.id, before_change) for page in pages)
+
+    def unguard(self, page_ids: Iterable[int]) -> None:
+        for page_id in page_ids:
+            self._guards.pop(page_id, None)
+
     def _candidates(self, tier: Tier) -> list[int]:
         """The pages resting on `tier`, unpinned (their ids, in no particular order: every policy's choice among
         them is by key alone)."""
+        self._watch_new()
+        return list(self._resting[tier])
+
+    def _watch_new(self) -> None:
         if self._indexed < len(self.pages):  # pages made since (here, or remote ones): watched from now on
             for page in self.pages[self._indexed:]:
                 page.watcher = self._reindex
                 self._reindex(page)
             self._indexed = len(self.pages)
-        return list(self._resting[tier])
 
     def _reindex(self, page: Page) -> None:
         """`page` changed state or pins: in its tier's candidates exactly while it rests there unpinned."""
+        guard = self._guards.pop(page.id, None) if self._guards else None
+        if guard is not None:
+            guard(page)
         tier = page.state.tier if page.pin_count == 0 else None  # (no tier while it moves, or is remote)
         old = self._rest_of.get(page.id)
         if old is not tier:
