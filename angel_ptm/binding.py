@@ -215,7 +215,7 @@ class ParamBinder:
         if self.before_unit_forward is not None:
             self.before_unit_forward()
         pages = self.unit_pages[id(unit)]
-        self.param_access.acquire(pages, Tier.DEVICE, label=f"fwd:{unit.name}")
+        self.param_access.acquire(pages, Tier.DEVICE, label=f"fwd:{unit.name}", read_only=True)
         self._open_units.append(unit)
         for page in pages:
             count = self._page_binds.get(page.id, 0)
@@ -288,7 +288,7 @@ class ParamBinder:
         """Bind `unit`'s parameters to copies of their values, brought from their pages for a recomputation (its
         saved tensors then view no page: the pages may move before backward reads them)."""
         pages = self.unit_pages[id(unit)]
-        self.param_access.acquire(pages, Tier.DEVICE, label=f"recompute:{unit.name}")
+        self.param_access.acquire(pages, Tier.DEVICE, label=f"recompute:{unit.name}", read_only=True)
         try:  # (unseen by a selective recomputation's op log, which holds the forward's own ops only)
             with _disable_current_modes():
                 for param in unit.params:
@@ -371,7 +371,7 @@ class ParamBinder:
         if isinstance(packed, PackedGathered):
             self._enter_node()
             pages = [self.param_pages[i] for i in packed.slot.pages]
-            self.param_access.acquire(pages, Tier.DEVICE, label=f"bwd:{packed.slot.name}")
+            self.param_access.acquire(pages, Tier.DEVICE, label=f"bwd:{packed.slot.name}", read_only=True)
             try:
                 flat = self._param_view(packed.slot).reshape(-1)  # a fresh copy: the pages may go at once
             finally:
@@ -380,7 +380,7 @@ class ParamBinder:
         if not isinstance(packed, PackedPageTensor):
             return packed
         self._enter_node()
-        self.param_access.acquire([packed.page], Tier.DEVICE, label=f"bwd:{packed.page.name}")
+        self.param_access.acquire([packed.page], Tier.DEVICE, label=f"bwd:{packed.page.name}", read_only=True)
         self._node_pins.append(packed.page)
         view = packed.page.view(packed.dtype)  # as_strided's offset counts from the start of the storage (the slab)
         return view.as_strided(packed.size, packed.stride, view.storage_offset() + packed.offset)

@@ -457,8 +457,9 @@ def test_the_eviction_candidates_index_matches_a_scan_of_every_page(tmp_path, io
 
 
 def test_a_guard_sees_each_page_once_before_its_bytes_can_change(tmp_path, io_engine):
-    """PageManager.guard (an asynchronous checkpoint's copy-on-write): told of a guarded page at its first pin, move,
-    eviction or drop, while the slot the page had still holds its bytes; once only; never after `unguard`."""
+    """PageManager.guard (an asynchronous checkpoint's copy-on-write): told of a guarded page at its first writing
+    pin, move, eviction or drop, while the slot the page had still holds its bytes; once only; never after
+    `unguard`, nor for a read-only pin or an unpin."""
     manager = make_manager(tmp_path, io_engine, device_pages=2, host_pages=3)
     pages = written_pages(manager, 10)
     in_memory = [p for p in pages if p.buffer is not None]
@@ -471,6 +472,10 @@ def test_a_guard_sees_each_page_once_before_its_bytes_can_change(tmp_path, io_en
 
     manager.guard(in_memory[1:], before_change)
     manager.unguard([in_memory[-1].id])
+    for page in in_memory:  # a pin to read, and unpins, change no byte: no one is told
+        manager.acquire([page], page.state.tier, read_only=True)
+        manager.release([page])
+    assert not seen
     for page in reversed(pages):  # pins every page; those in memory are pushed down (and reused) by the others
         manager.acquire([page], Tier.DEVICE)
         page.view().fill_(-1.0)  # a write, after the pin

@@ -8,7 +8,10 @@ import torch
 
 from angel_ptm.checkpoint.buffers import BufferPool, anonymous_buffer
 from angel_ptm.errors import ChecksumError
-from angel_ptm.memory import Page
+from angel_ptm.memory import Page, PageState
+
+# A page in these states, unpinned and unchanged, still holds the saved bytes in its (current) slot
+_MOVED = frozenset({PageState.TO_HOST, PageState.TO_DEVICE, PageState.HOST, PageState.DEVICE})
 
 
 class Snapshot:
@@ -39,7 +42,7 @@ class Snapshot:
             if page.buffer is not None and page.pin_count:  # may be written with no further pin: copied now
                 self._entries[page.id] = ("copy", self._copy(page.buffer))
             elif page.buffer is not None:
-                self._entries[page.id] = ("live", page.buffer)
+                self._entries[page.id] = ("live", page.buffer, page.version)
                 live.append(page)
             elif page.dead or page.disk_slot is None:
                 self._entries[page.id] = ("zeros",)
@@ -53,10 +56,17 @@ class Snapshot:
         return anonymous_buffer(self.page_bytes).copy_(buffer.view(torch.uint8).reshape(-1))
 
     def _before_change(self, page: Page) -> None:
-        """(The training thread, at a guarded page's first change since the save.)"""
+        """(The training thread, at a guarded page's next change.) A page moving between the device and host tiers
+        unpinned, or arrived there, holds the same bytes (a traded slot, or a finished copy): it is watched on in
+        its slot; anything else (a pin, a write-back or drop) copies it aside first."""
         with self._lock:
             entry = self._entries.get(page.id)
-            if entry is not None and entry[0] == "live":
+            if entry is None or entry[0] != "live":
+                return
+            if page.pin_count == 0 and page.version == entry[2] and page.buffer is not None and page.state in _MOVED:
+                self._entries[page.id] = ("live", page.buffer, entry[2])
+                self.manager.guard([page], self._before_change)
+            else:
                 self._entries[page.id] = ("copy", self._copy(entry[1]))
 
     def _take_scratch(self) -> torch.Tensor:

@@ -18,6 +18,7 @@ import torch
 
 from angel_ptm.errors import BudgetError, ChecksumError, PageIOError, PageStateError
 from angel_ptm.memory.device import Copier, CopyHandle
+from angel_ptm.memory.guards import PageGuards
 from angel_ptm.memory.hops import NonBlockingMoves
 from angel_ptm.memory.moves import Move, Prefetch
 from angel_ptm.memory.page import RESTING_STATE, Page, PageState, Tier
@@ -32,7 +33,7 @@ _TRADED = CopyHandle()  # a traded slot: nothing to wait for
 _UP = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}  # a move to a lower number goes up, toward compute
 
 
-class PageManager(RemotePages, NonBlockingMoves):
+class PageManager(RemotePages, NonBlockingMoves, PageGuards):
     def __init__(self, device_pool: BufferPool, host_pool: BufferPool, disk: DiskTier | None = None,
                  policy: Policy | None = None, trace: TraceRecorder | None = None, async_copies: bool = False,
                  zero_copy: bool = False):
@@ -53,7 +54,8 @@ class PageManager(RemotePages, NonBlockingMoves):
         self._indexed = 0
         self._moves: dict[int, Move] = {}
         self._pinned: set[int] = set()  # ids of pages with pin_count > 0
-        self._guards: dict[int, Callable[[Page], None]] = {}  # page id -> told of its next change (`guard`)
+        self._guards: dict[int, Callable[[Page], None]] = {}  # page id -> told of its next change (guards.py)
+        self._quiet: int | None = None  # a page whose pin count changes with no byte changed: its guard not told
         # kind -> clear(index, buffer): what a dead page of that kind needs before reuse (default: all zero). Its
         # owner may know that most of the page is overwritten before it is read, and clear only the rest.
         self.clearers: dict[str, Callable[[int, torch.Tensor], None]] = {}
@@ -93,16 +95,19 @@ class PageManager(RemotePages, NonBlockingMoves):
         return page
 
     # ------------------------------------------------------------------ public moves
-    def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE) -> bool:
+    def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, read_only: bool = False) -> bool:
         """Pin `pages` on `tier` and wait until they are all there. Pair every acquire with a release. Whether it
         had to wait (a page was not there yet). The training step's accesses come through the scheduler
-        (schedule/executor.py: Scheduler.acquire), which records them and issues the moves planned after them."""
+        (schedule/executor.py: Scheduler.acquire), which records them and issues the moves planned after them.
+        `read_only`: the caller only reads the pages (and releases them clean), so no `guard` is told of the pin."""
         self._check_fits(pages, tier)
-        waited = False
+        waited, quiet = False, read_only and bool(self._guards)
         for page in pages:
             if page.pin_count == 0:
                 self._pinned.add(page.id)
+            self._quiet = page.id if quiet else None
             page.pin_count += 1
+            self._quiet = None
             page.untouched = False
             self.policy.on_access(page.id)
             self._fetched_unused.pop(page.id, None)  # (a watched page's prefetch served)
@@ -130,7 +135,9 @@ class PageManager(RemotePages, NonBlockingMoves):
         for page in pages:
             if page.pin_count <= 0:
                 raise ValueError(f"page {page.name} released more often than acquired")
+            self._quiet = page.id  # an unpin changes no byte (a write came after a pin its guard was told of)
             page.pin_count -= 1
+            self._quiet = None
             if page.pin_count == 0:
                 self._pinned.discard(page.id)
             if dirty:
@@ -340,16 +347,6 @@ class PageManager(RemotePages, NonBlockingMoves):
         page.transition(PageState.DISK)
         self._emit("drop", page, src, Tier.DISK)
 
-    def guard(self, pages: Iterable[Page], before_change: Callable[[Page], None]) -> None:
-        """before_change(page), once, at each page's next change of state or pins: before its bytes can change
-        (a write pins it first; a move, drop or eviction changes its state before its slot is reused)."""
-        self._watch_new()
-        self._guards.update((page.id, before_change) for page in pages)
-
-    def unguard(self, page_ids: Iterable[int]) -> None:
-        for page_id in page_ids:
-            self._guards.pop(page_id, None)
-
     def _candidates(self, tier: Tier) -> list[int]:
         """The pages resting on `tier`, unpinned (their ids, in no particular order: every policy's choice among
         them is by key alone)."""
@@ -365,9 +362,8 @@ class PageManager(RemotePages, NonBlockingMoves):
 
     def _reindex(self, page: Page) -> None:
         """`page` changed state or pins: in its tier's candidates exactly while it rests there unpinned."""
-        guard = self._guards.pop(page.id, None) if self._guards else None
-        if guard is not None:
-            guard(page)
+        if self._guards:
+            self._tell_guard(page)
         tier = page.state.tier if page.pin_count == 0 else None  # (no tier while it moves, or is remote)
         old = self._rest_of.get(page.id)
         if old is not tier:

@@ -65,7 +65,8 @@ class ParamGatherer:
         self._measuring = False
         self._decided = replicable == 0
 
-    def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None) -> None:
+    def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None,
+                read_only: bool = False) -> None:
         groups = tuple(dict.fromkeys(page.index // self.dp for page in pages if not self.own.rank_local(page.index)))
         self._advance(groups)
         for group in groups:
@@ -80,7 +81,7 @@ class ParamGatherer:
                 waited = time.perf_counter() - t0
             if self._measuring:
                 self._exposed[group] += waited
-        self.access.acquire(pages, tier, label=label)
+        self.access.acquire(pages, tier, label=label, read_only=read_only)
         for page in pages:
             if not self.own.rank_local(page.index):
                 self._in_use[page.index // self.dp] += 1

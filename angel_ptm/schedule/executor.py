@@ -225,14 +225,16 @@ class Scheduler:
         self._t_acquire = 0.0
 
     # ------------------------------------------------------------------ the front door
-    def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None) -> None:
-        """Pin `pages` on `tier` (PageManager.acquire). A `label` (say "fwd:layers.0") marks an access of the
-        training step: it is recorded, matched against the plan, and the moves planned after it are issued."""
+    def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None,
+                read_only: bool = False) -> None:
+        """Pin `pages` on `tier` (PageManager.acquire, `read_only` too). A `label` (say "fwd:layers.0") marks an
+        access of the training step: it is recorded, matched against the plan, and the moves planned after it are
+        issued."""
         if label is None or self.paused:
-            self.manager.acquire(pages, tier)
+            self.manager.acquire(pages, tier, read_only)
             return
         self._before_acquire(pages, tier, label)
-        waited = self.manager.acquire(pages, tier)
+        waited = self.manager.acquire(pages, tier, read_only)
         self._after_acquire(pages, tier, label, waited)
 
     def release(self, pages: Sequence[Page], dirty: bool = False) -> None:
