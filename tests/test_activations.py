@@ -47,10 +47,10 @@ def train(name, placement, scheduler, tmp_path, mode, build=None, stats=None, tr
     access = binder.param_access
 
     class Counting:
-        def acquire(self, pages, tier, label=""):
+        def acquire(self, pages, tier, label="", read_only=False):
             if label.startswith("recompute:"):
                 recomputed.append(label)
-            return access.acquire(pages, tier, label=label)
+            return access.acquire(pages, tier, label=label, read_only=read_only)
 
         def __getattr__(self, attr):
             return getattr(access, attr)
