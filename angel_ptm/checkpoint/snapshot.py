@@ -17,10 +17,11 @@ _MOVED = frozenset({PageState.TO_HOST, PageState.TO_DEVICE, PageState.HOST, Page
 class Snapshot:
     """The saved pages' bytes as they are at the save, for a save that runs beside training (`checkpoint.async_save`),
     read by the checkpoint's thread. Nothing is copied at the save but the pages pinned then:
-    - a page in memory stays where it is, guarded (PageManager.guard): the first change of its state or pins after
-      the save -- before its bytes can change: a write pins it, a move or eviction changes its state first -- copies
-      it aside, on the training thread; the writer copies the pages training has not touched yet into a reused
-      buffer when it comes to them (under one lock: a page is copied once, by whichever comes first);
+    - a page in memory stays where it is, guarded (memory/guards.py): a pin to write it, or a move that gives its
+      slot up (a write-back, a drop), copies it aside first, on the training thread; read-only pins, unpins and
+      moves between device and host (the same bytes, in a traded slot or a finished copy) leave it watched where
+      it is; the writer copies the pages still there into a reused buffer when it comes to them (under one lock:
+      a page is copied once, by whichever comes first);
     - a page on disk stays in its slot, held there (DiskTier.hold: not rewritten, not reused) until read, so
       training goes on and a page written meanwhile gets another slot;
     - a dead page is zeros.
