@@ -361,10 +361,11 @@ class CheckpointConfig(_Section):
     # SIGTERM or SIGINT: finish the step, save a checkpoint, then exit cleanly (page files removed). false: stop at
     # once, as before (nothing saved).
     on_signal: bool = True
-    # Write the `every`-step checkpoints beside training: the pages in memory are copied at the step's end, those on
-    # disk held in their slots until written (a page written back meanwhile takes another slot, beyond the disk
-    # budget if need be: up to twice the disk-resident states), and the next steps run while a thread writes. The
-    # checkpoint still holds exactly that step's state. (`async` is a Python keyword.)
+    # Write the `every`-step checkpoints beside training: the pages in memory are copied aside only when training is
+    # about to change them before they are written (checkpoint/snapshot.py), those on disk held in their slots until
+    # written (a page written back meanwhile takes another slot, beyond the disk budget if need be: up to twice the
+    # disk-resident states), and the next steps run while a thread writes. The checkpoint still holds exactly that
+    # step's state. (`async` is a Python keyword.)
     async_save: bool = False
     # A save beside training writes at most this many GB/s (1e9 bytes; null: as fast as it can). Where training
     # pages to the same disk, a paced save takes longer but slows each step less.
