@@ -143,7 +143,7 @@ class ParamGatherer:
         first = group * self.dp
         pages = self.param_pages[first : first + self.dp]
         own = pages[self.own.rank]
-        self.manager.acquire([own], self.tier)
+        self.manager.acquire([own], self.tier, read_only=True)  # the gather's input (its own slot: the same bytes)
         if group not in self.held:
             remote = [page for page in pages if page is not own]
             try:
@@ -284,7 +284,7 @@ class ExpertGatherer:
                 continue
             pages = self.param_pages[first : first + k]
             own = pages[self.own.local_rank]
-            self.manager.acquire([own], self.tier)
+            self.manager.acquire([own], self.tier, read_only=True)  # the gather's input, as in _start
             try:
                 remote = [page for page in pages if page is not own]
                 self.manager.hold_remote(remote, self.tier)
