@@ -11,6 +11,10 @@ a ParamBinder that points parameters at pages around each module's forward and b
 
 from __future__ import annotations
 
+import collections
+import statistics
+import time
+
 import torch
 from torch import nn
 
@@ -35,6 +39,8 @@ from angel_ptm.step import build_step, cast_master_into_parameters, copy_masters
 from angel_ptm.trace import TraceRecorder
 from angel_ptm.views import EngineViews
 from angel_ptm.units import UnitsSpec, experts_as_units, find_units, watch_experts
+
+STEP_CLOCK = 8  # steps whose durations `step_seconds` takes the median of
 
 STATE_KINDS = CREATION_ORDER  # the fp32 job's kinds in creation order (placement.creation_order: per job)
 
@@ -109,6 +115,7 @@ class Engine(StateAccess, EngineViews):
         self.binder.read_values = self.tensors.read_weights
         self._closed = False
         self._steps_done = 0
+        self._step_ends: collections.deque = collections.deque(maxlen=STEP_CLOCK + 1)  # when the last steps ended
         self._schedule = ConfigSchedule(config)  # applied on step(); set_lr turns it off
         self.binder.attach_config(config.activations, self.scheduler, mem.page_bytes)  # recompute, offload
         # The optimizer (pinning its pages where the estimate resolved), the data-parallel fixed points, the driver
@@ -167,6 +174,14 @@ class Engine(StateAccess, EngineViews):
                 self.rebalancer.after_step(self._steps_done + 1)
         self._steps_done = self.failure.steps_done = self._steps_done + 1
         self._schedule.apply(self.optimizer, self._steps_done)
+        self._step_ends.append(time.perf_counter())
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The median time between the ends of the last steps (data, forward, backward, step and whatever the loop
+        does between them), None before two steps."""
+        ends = list(self._step_ends)
+        return statistics.median(b - a for a, b in zip(ends, ends[1:])) if len(ends) > 1 else None
 
     def zero_grad(self) -> None:
         self._check_alive()

@@ -18,7 +18,6 @@ import angel_ptm
 from angel_ptm.checkpoint import storage
 from angel_ptm.checkpoint.boxes import box_start, flat_boxes
 from angel_ptm.checkpoint.directory import Checkpoints
-from angel_ptm.checkpoint.planners import SAVED_KINDS
 from angel_ptm.errors import CheckpointCorruptError, CheckpointError, CheckpointWriteError, EngineFailedError
 
 from dist_jobs import PLACEMENTS
@@ -453,27 +452,3 @@ def test_a_background_save_holds_exactly_the_state_of_its_step_while_training_go
                                           tmp_path / "bg")
     assert resumed == losses[AT:]
     assert_bitwise(states, resumed_states)
-
-
-def test_a_background_save_copies_nothing_that_training_does_not_change_before_it_is_written(tmp_path):
-    """The snapshot is copy-on-write: a save awaited before the next step copies no page aside (the writer reads
-    each one from its slot as it comes to it), and holds exactly its step's state."""
-    build, _, loss_fn = CASES["gpt"]
-    data = batches("gpt")
-    losses, states = train_with_checkpoint(tmp_path, "gpt", config(tmp_path, "a"), tmp_path / "sync")
-    engine = angel_ptm.initialize(build(), config(tmp_path, "b"))
-    try:
-        for s in range(STEPS):
-            step(engine, loss_fn, data[s])
-            if s + 1 == AT:
-                pending = engine.save_checkpoint(tmp_path / "bg", extra={"step": AT}, background=True)
-                assert pending.wait() == tmp_path / "bg"
-                assert pending.staged_bytes == 0
-                assert any(p.buffer is not None and p.kind in SAVED_KINDS for p in engine.manager.pages)
-                assert not engine.manager._guards  # every guard dropped with the save
-    finally:
-        engine.close()
-    resumed, resumed_states = resume_from("gpt", config(tmp_path, "c"), tmp_path / "bg")
-    assert resumed == losses[AT:]
-    assert_bitwise(states, resumed_states)
-

@@ -349,8 +349,11 @@ def test_checkpoint_async_is_another_spelling_of_async_save():
         load_config({"checkpoint": {"async": True, "async_save": False}})
 
 
-def test_checkpoint_async_max_gbps_is_positive_or_null():
+def test_checkpoint_async_max_gbps_is_positive_auto_or_null():
     assert load_config({"checkpoint": {"async_max_gbps": 0.5}}).checkpoint.async_max_gbps == 0.5
+    assert load_config(None, ["checkpoint.async_max_gbps=2"]).checkpoint.async_max_gbps == 2.0
+    assert load_config({"checkpoint": {"async_max_gbps": "Auto"}}).checkpoint.async_max_gbps == "auto"
     assert load_config(None).checkpoint.async_max_gbps is None
-    with pytest.raises(ConfigError, match="checkpoint.async_max_gbps"):
-        load_config({"checkpoint": {"async_max_gbps": 0}})
+    for bad in (0, -1, "fast", [1]):
+        with pytest.raises(ConfigError, match="checkpoint.async_max_gbps"):
+            load_config({"checkpoint": {"async_max_gbps": bad}})

@@ -42,6 +42,7 @@ from angel_ptm.checkpoint.snapshot import Snapshot
 from angel_ptm.checkpoint.storage import CheckedReader, CheckedWriter, fault, fsync_dir
 from angel_ptm.config.loader import config_to_dict
 from angel_ptm.errors import AngelError, CheckpointCorruptError, CheckpointError, CheckpointWriteError
+from angel_ptm.io.stream import Pace
 from angel_ptm.state_dict import _persistent_buffers
 from angel_ptm.step import copy_masters_into_params
 
@@ -108,17 +109,32 @@ def save_checkpoint(engine, path: str | os.PathLike, extra: Any = None, backgrou
         _write(engine, planner, group, tmp, path, info, on_done, agree=lambda o: _agree(engine, o, "checkpoint"))
         return path
     planner.source = Snapshot(engine.manager, planner.order, engine.layout.page_bytes)
-    pending = PendingSave(path, planner.source)
+    pace = Pace(async_rate(engine.config.checkpoint, len(planner.order) * engine.layout.page_bytes,
+                           engine.step_seconds))
+    pending = PendingSave(path, planner.source, pace)
     agree = (lambda o: o) if group is None else (lambda o: _broadcast_on(group, o))
-    gbps = engine.config.checkpoint.async_max_gbps
-    pending.start(lambda: _write(engine, planner, group, tmp, path, info, on_done, agree,
-                                 gbps * 1e9 if gbps else None))
+    pending.start(lambda: _write(engine, planner, group, tmp, path, info, on_done, agree, pace))
     engine.pending_checkpoint = pending
     return pending
 
 
+AUTO_SPREAD = 0.5  # checkpoint.async_max_gbps "auto": a save is written in this share of the time to the next one
+
+
+def async_rate(config, nbytes: int, step_seconds: float | None) -> float | None:
+    """`checkpoint.async_max_gbps` in bytes per second for a save of about `nbytes` (None: unpaced). "auto": the
+    rate that writes it in AUTO_SPREAD of the time until the next save (`every` steps of `step_seconds`); unpaced
+    without `every` or before two steps."""
+    gbps = config.async_max_gbps
+    if gbps != "auto":
+        return gbps * 1e9 if gbps else None
+    if not config.every or not step_seconds:
+        return None
+    return max(nbytes, 1) / (AUTO_SPREAD * config.every * step_seconds)
+
+
 def _write(engine, planner, group, tmp: Path, path: Path, info: dict, on_done, agree,
-           max_bytes_per_s: float | None = None) -> None:
+           max_bytes_per_s: Pace | None = None) -> None:
     """The collective DCP save into `tmp`, then rank 0 renames it to `path` (and runs `on_done`); a failure on
     any rank removes `tmp` and raises the same typed error on every rank."""
     rank = engine.mesh.rank
@@ -171,8 +187,8 @@ class PendingSave:
     """A checkpoint being written beside training. `wait()` returns its path once complete on every rank, or
     raises the save's typed error; `done()` says whether it has finished."""
 
-    def __init__(self, path: Path, snapshot: Snapshot):
-        self.path, self._snapshot = path, snapshot
+    def __init__(self, path: Path, snapshot: Snapshot, pace: Pace | None = None):
+        self.path, self._snapshot, self.pace = path, snapshot, pace
         self.error: BaseException | None = None
         self.seconds = 0.0
         self._thread: threading.Thread | None = None
@@ -200,6 +216,9 @@ class PendingSave:
         return self._thread is not None and not self._thread.is_alive()
 
     def wait(self) -> Path:
+        """(A paced save is waited for: its pace is lifted, the rest written as fast as it can.)"""
+        if self.pace is not None:
+            self.pace.lift()
         if self._thread is not None:
             self._thread.join()
         if self.error is not None:

@@ -44,7 +44,7 @@ from angel_ptm.checkpoint.files import CheckpointFile, ReadAhead, record_start
 from angel_ptm.checkpoint.serialize import Containers, CrcWriter
 from angel_ptm.errors import CheckpointCorruptError, CheckpointWriteError, PageIOError
 from angel_ptm.io import checksums
-from angel_ptm.io.stream import SequentialWriter
+from angel_ptm.io.stream import Pace, SequentialWriter
 
 MANIFEST = "angel_ptm.json"
 METADATA = ".metadata"
@@ -89,7 +89,8 @@ class CheckedWriter(FileSystemWriter):
     """FileSystemWriter's layout, written in the planner's order with a checksum per item. `info`: JSON-able facts
     of the save the coordinator puts in the manifest (step, world size, layout)."""
 
-    def __init__(self, path: str | os.PathLike, info: dict | None = None, max_bytes_per_s: float | None = None):
+    def __init__(self, path: str | os.PathLike, info: dict | None = None,
+                 max_bytes_per_s: float | Pace | None = None):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
         self._containers = Containers()
         self.info = info or {}

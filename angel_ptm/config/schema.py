@@ -46,6 +46,23 @@ def parse_loss_scale(value: object, key: str) -> Union[str, float]:
 LossScale = Annotated[Union[str, float], parse_loss_scale]
 
 
+def parse_pace(value: object, key: str) -> Union[str, float, None]:
+    """A save's pace: null (as fast as it can), "auto" (spread over the interval between saves) or GB/s > 0."""
+    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
+        return None if value is None else "auto"
+    try:
+        number = coerce(value, float, key)
+    except ConfigTypeError:
+        raise ConfigTypeError(
+            f'{key}: expected null, "auto" or a number, got {show_value(value)} ({type(value).__name__})') from None
+    if not number > 0:
+        raise ConfigValueError(f'{key}: must be null, "auto" or a number > 0, got {show_value(value)}')
+    return number
+
+
+Pace = Annotated[Union[str, float, None], parse_pace]
+
+
 def parse_moe(value: object, key: str) -> Optional[dict]:
     """`model.moe`: null (a dense model) or a mapping of MoE settings (models/moe.py MoESpec's fields and `every`),
     checked here: unknown keys and impossible values are refused naming `model.moe.<key>`; missing ones take the
@@ -368,14 +385,14 @@ class CheckpointConfig(_Section):
     # step's state. (`async` is a Python keyword.)
     async_save: bool = False
     # A save beside training writes at most this many GB/s (1e9 bytes; null: as fast as it can). Where training
-    # pages to the same disk, a paced save takes longer but slows each step less.
-    async_max_gbps: Optional[float] = None
+    # pages to the same disk, a paced save takes longer but slows each step less. "auto": at the pace that writes
+    # it in half the time until the next one (`every` steps at the median step time so far; unpaced without
+    # `every`). Waiting for a save (the next save, a load, close, a signal) lifts its pace.
+    async_max_gbps: Pace = None
 
     def validate(self) -> None:
         self._require("every", self.every >= 0, ">= 0")
         self._require("keep", self.keep >= 1, ">= 1")
-        if self.async_max_gbps is not None:
-            self._require("async_max_gbps", self.async_max_gbps > 0, "> 0 or null")
 
 
 @dataclass

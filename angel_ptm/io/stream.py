@@ -11,7 +11,8 @@ same with 32 MiB handed to the disk at a time. The last chunk is written padded 
 is truncated to its length. Where O_DIRECT is refused (tmpfs), buffered writes, each `KICK` bytes handed to the
 disk at once (posix_fadvise DONTNEED starts their writeback), so the closing fsync finds little left.
 
-`max_bytes_per_s` paces the writes (a save beside training: `checkpoint.async_max_gbps`).
+`max_bytes_per_s` paces the writes (a save beside training: `checkpoint.async_max_gbps`): a number, or a `Pace`,
+which another thread may `lift` (someone waits for the file: the rest goes as fast as it can).
 
 Memory: `depth` chunks of `chunk` bytes (2 x 2 MiB), whatever the file's size. 2 x 2 MiB wrote 2.9 GB/s here,
 2 x 1 MiB 2.5; a checkpoint save of 310 MB (tools/bench/checkpoint's model) took 12-18% less CPU time with 2 MiB
@@ -22,6 +23,7 @@ RSS growth (3.05 pages of 4 MiB).
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 from angel_ptm.errors import PageIOError
@@ -33,12 +35,28 @@ DEPTH = 2
 KICK = 32 << 20
 
 
+class Pace:
+    """Bytes per second a writer keeps to (None: as fast as it can), which another thread may lift: a writer
+    waiting for its turn then goes on at once."""
+
+    def __init__(self, bytes_per_s: float | None):
+        self.bytes_per_s = bytes_per_s
+        self._lifted = threading.Event()
+
+    def wait(self, seconds: float) -> None:
+        self._lifted.wait(seconds)
+
+    def lift(self) -> None:
+        self.bytes_per_s = None
+        self._lifted.set()
+
+
 class SequentialWriter:
     """Write-only, sequential; `write` raises PageIOError (DiskFullError on ENOSPC) naming the file, from the
     chunk that failed; `finish` makes the file whole (length, fsync); `close` (also on error) only releases."""
 
     def __init__(self, path: str | os.PathLike, chunk: int | None = None, depth: int | None = None,
-                 max_bytes_per_s: float | None = None):
+                 max_bytes_per_s: float | Pace | None = None):
         chunk, depth = CHUNK if chunk is None else chunk, DEPTH if depth is None else depth
         if chunk % ALIGNMENT or depth < 1:
             raise ValueError(f"chunk must be a multiple of {ALIGNMENT} bytes and depth >= 1, got {chunk}, {depth}")
@@ -58,7 +76,8 @@ class SequentialWriter:
         self._written = 0  # where the chunk being filled starts in the file
         self._kicked = 0
         self._closed = False
-        self.max_bytes_per_s = max_bytes_per_s  # pacing: a chunk waits until the rate allows its bytes
+        # pacing: a chunk waits until the rate allows its bytes
+        self.pace = max_bytes_per_s if isinstance(max_bytes_per_s, Pace) else Pace(max_bytes_per_s)
         self._started = time.monotonic()
         os.ftruncate(self.fd, 0)  # a file of that name (a leftover) holds nothing of ours
 
@@ -97,10 +116,11 @@ class SequentialWriter:
         """The chunk being filled goes to the disk (padded to the alignment: only the last is partial); the next
         buffer is waited for."""
         k, fill = self._k, self._fill
-        if self.max_bytes_per_s:
-            delay = self._started + (self._written + fill) / self.max_bytes_per_s - time.monotonic()
+        rate = self.pace.bytes_per_s
+        if rate:
+            delay = self._started + (self._written + fill) / rate - time.monotonic()
             if delay > 0:
-                time.sleep(delay)
+                self.pace.wait(delay)
         padded = -(-fill // ALIGNMENT) * ALIGNMENT
         if padded > fill:
             self._buffers[k][fill:padded].zero_()

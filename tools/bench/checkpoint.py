@@ -1,7 +1,8 @@
 """Checkpoint benchmark: save and load of a GPT whose states live mostly on disk, against the disk's ceiling.
 
     python -m tools.bench.checkpoint --dir DIR [--dim 512] [--layers 8] [--page-mib 4] [--device-frac 0.1]
-                                     [--host-frac 0.1] [--repeats 5] [--async-steps 6] [--async-gbps G]
+                                     [--host-frac 0.1] [--repeats 5] [--async-steps 6] [--async-gbps G|auto]
+                                     [--every 20]
 
 In one run, interleaved round by round so every figure sees the same disk weather:
 - save: `engine.save_checkpoint` (every state kind, streamed page by page from whichever tier holds it, checksummed,
@@ -23,7 +24,8 @@ In one run, interleaved round by round so every figure sees the same disk weathe
 - async: `engine.save_checkpoint(..., background=True)` (`checkpoint.async_save`) while training steps go on:
   `async_step_slowdown` = the steps while it is written, plus the time `save_checkpoint` blocked (the snapshot),
   over as many median steps of the `--async-steps` before and after it (goal <= 1.1), with the steps it spanned,
-  its seconds and the bytes it staged (pages in memory); `--async-gbps` paces it (`checkpoint.async_max_gbps`).
+  its seconds and the bytes it staged (pages in memory); `--async-gbps` paces it (`checkpoint.async_max_gbps`;
+  "auto" with `--every`: the pace that writes it in half of `every` steps' time).
   `--repeats` saves, one after another, each round's figure and their median (`async_step_slowdown_each`).
 GB/s are 1e9 bytes per second; every figure is the median over `--repeats` rounds, the ratios the median of each
 round's ratio. Last line: one JSON object.
@@ -63,7 +65,7 @@ def make_engine(args, disk_dir: str, state_bytes_per_kind: int):
                          "device_budget": max(int(states * args.device_frac), 24 * page),
                          "host_budget": max(int(states * args.host_frac), 24 * page)},
               "trainer": {"device": "cpu", "grad_clip": 0},
-              "checkpoint": {"async_max_gbps": args.async_gbps}}
+              "checkpoint": {"async_max_gbps": args.async_gbps, "every": args.every}}
     return angel_ptm.initialize(model, config)
 
 
@@ -167,8 +169,11 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--async-steps", type=int, default=6,
                         help="steps timed before and after the save beside training")
-    parser.add_argument("--async-gbps", type=float, default=None,
-                        help="checkpoint.async_max_gbps for the save beside training (default: unpaced)")
+    parser.add_argument("--async-gbps", type=lambda v: v if v == "auto" else float(v), default=None,
+                        help='checkpoint.async_max_gbps for the save beside training (default: unpaced; "auto": '
+                             'written in half the time of --every steps)')
+    parser.add_argument("--every", type=int, default=20,
+                        help="checkpoint.every, the interval an \"auto\" pace spreads a save over (default 20)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
 

@@ -1,0 +1,80 @@
+"""A save beside training: what its snapshot copies, and its pace (checkpoint.async_max_gbps)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import angel_ptm
+from angel_ptm.checkpoint.planners import SAVED_KINDS
+from angel_ptm.checkpoint.save_load import async_rate
+from angel_ptm.config import load_config
+
+from test_checkpoint import AT, STEPS, assert_bitwise, batches, config, resume_from, step, train_with_checkpoint
+from test_engine_equivalence import CASES
+
+
+def test_a_background_save_copies_nothing_that_training_does_not_change_before_it_is_written(tmp_path):
+    """The snapshot is copy-on-write: a save awaited before the next step copies no page aside (the writer reads
+    each one from its slot as it comes to it), and holds exactly its step's state."""
+    build, _, loss_fn = CASES["gpt"]
+    data = batches("gpt")
+    losses, states = train_with_checkpoint(tmp_path, "gpt", config(tmp_path, "a"), tmp_path / "sync")
+    engine = angel_ptm.initialize(build(), config(tmp_path, "b"))
+    try:
+        for s in range(STEPS):
+            step(engine, loss_fn, data[s])
+            if s + 1 == AT:
+                pending = engine.save_checkpoint(tmp_path / "bg", extra={"step": AT}, background=True)
+                assert pending.wait() == tmp_path / "bg"
+                assert pending.staged_bytes == 0
+                assert any(p.buffer is not None and p.kind in SAVED_KINDS for p in engine.manager.pages)
+                assert not engine.manager._guards  # every guard dropped with the save
+    finally:
+        engine.close()
+    resumed, resumed_states = resume_from("gpt", config(tmp_path, "c"), tmp_path / "bg")
+    assert resumed == losses[AT:]
+    assert_bitwise(states, resumed_states)
+
+
+def test_an_auto_pace_spreads_a_save_over_half_the_time_to_the_next():
+    auto = load_config({"checkpoint": {"async_max_gbps": "auto", "every": 10}}).checkpoint
+    assert async_rate(auto, 4_000_000, step_seconds=0.2) == pytest.approx(4_000_000 / (0.5 * 10 * 0.2))
+    assert async_rate(auto, 4_000_000, step_seconds=None) is None  # no step time yet: unpaced
+    no_every = load_config({"checkpoint": {"async_max_gbps": "auto"}}).checkpoint
+    assert async_rate(no_every, 4_000_000, step_seconds=0.2) is None  # saves only when asked: unpaced
+    fixed = load_config({"checkpoint": {"async_max_gbps": 0.25}}).checkpoint
+    assert async_rate(fixed, 4_000_000, step_seconds=0.2) == 0.25e9
+    assert async_rate(load_config(None).checkpoint, 4_000_000, step_seconds=0.2) is None
+
+
+def test_waiting_for_a_paced_save_lifts_its_pace(tmp_path):
+    """An "auto" pace over 10000 steps would take hours; waiting for the save (as the next save, a load, close
+    or a signal does) lets the rest go at once, and the checkpoint is whole."""
+    build, _, loss_fn = CASES["gpt"]
+    data = batches("gpt")
+    cfg = config(tmp_path, "a")
+    cfg["checkpoint"] = {"async_max_gbps": "auto", "every": 10000}
+    engine = angel_ptm.initialize(build(), cfg)
+    try:
+        for s in range(3):
+            step(engine, loss_fn, data[s])
+        assert engine.step_seconds is not None and engine.step_seconds > 0
+        pending = engine.save_checkpoint(tmp_path / "bg", extra={"step": 3}, background=True)
+        rate = pending.pace.bytes_per_s
+        expected = async_rate(engine.config.checkpoint, engine.layout.page_bytes * sum(
+            1 for p in engine.manager.pages if p.kind in SAVED_KINDS), engine.step_seconds)
+        assert rate is not None and rate == pytest.approx(expected, rel=0.5)
+        time.sleep(0.2)
+        assert not pending.done()  # paced: a few KB a second
+        t0 = time.monotonic()
+        assert engine.wait_for_checkpoint() == tmp_path / "bg"
+        assert pending.pace.bytes_per_s is None and time.monotonic() - t0 < 60
+    finally:
+        engine.close()
+    other = angel_ptm.initialize(build(), config(tmp_path, "b"))
+    try:
+        assert other.load_checkpoint(tmp_path / "bg") == {"step": 3}
+    finally:
+        other.close()
