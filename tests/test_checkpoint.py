@@ -396,9 +396,9 @@ def test_a_soak_with_ssd_offload_and_frequent_checkpoints_leaks_nothing(tmp_path
                                                     ("float32", 1, "paced")])
 def test_a_background_save_holds_exactly_the_state_of_its_step_while_training_goes_on(tmp_path, dtype, staleness,
                                                                                       slowed, monkeypatch):
-    """The save is slowed (a sleep after each item, or `checkpoint.async_max_gbps` at 1 MB/s in 16 KiB chunks) so
-    that steps 6-8 update (and evict to disk) pages it has not written yet: it must still hold step 5's values
-    (torch's async_save writes values from after the next update: pytorch #144657)."""
+    """The save is slowed (a sleep after each item, or `checkpoint.async_max_gbps` at 1 MB/s in 16 KiB chunks, until
+    it is waited for) so that steps 6-8 update (and evict to disk) pages it has not written yet: it must still hold
+    step 5's values (torch's async_save writes values from after the next update: pytorch #144657)."""
     import time as clock
 
     from angel_ptm.memory.tiers import DiskTier
@@ -436,11 +436,13 @@ def test_a_background_save_holds_exactly_the_state_of_its_step_while_training_go
                 started = clock.monotonic()
                 pending = engine.save_checkpoint(tmp_path / "bg", extra={"step": AT}, background=True)
                 assert not pending.done()
+        if slowed == "paced":  # its file's bytes at no more than 1e6 a second until it is waited for (then lifted)
+            partial = tmp_path / "bg.tmp" / "__0_0.distcp"
+            written = partial.stat().st_size if partial.exists() else 0
+            assert written <= (clock.monotonic() - started) * 1e6 + 2 * (16 << 10)
+            assert not pending.done() and pending.pace.bytes_per_s == 1e6
         assert engine.wait_for_checkpoint() == tmp_path / "bg"
         assert pending.staged_bytes > 0  # pages in memory at the save, changed by training before they were written
-        if slowed == "paced":  # its file's bytes at no more than 1e6 a second
-            written = (tmp_path / "bg" / "__0_0.distcp").stat().st_size
-            assert clock.monotonic() - started >= (written - (16 << 10)) / 1e6
         assert rehomed  # pages written back while the save still held their slots went to other slots
         assert not refused  # ... always at once: training never waited for the checkpoint
         assert not engine.manager.disk._held and not engine.manager.disk._orphans  # every held slot released

@@ -134,12 +134,12 @@ def async_rate(config, nbytes: int, step_seconds: float | None) -> float | None:
 
 
 def _write(engine, planner, group, tmp: Path, path: Path, info: dict, on_done, agree,
-           max_bytes_per_s: Pace | None = None) -> None:
+           pace: Pace | None = None) -> None:
     """The collective DCP save into `tmp`, then rank 0 renames it to `path` (and runs `on_done`); a failure on
     any rank removes `tmp` and raises the same typed error on every rank."""
     rank = engine.mesh.rank
     try:
-        _run(engine, "save", lambda: dcp.save({}, storage_writer=CheckedWriter(tmp, info, max_bytes_per_s),
+        _run(engine, "save", lambda: dcp.save({}, storage_writer=CheckedWriter(tmp, info, pace),
                                               planner=planner,
                                               process_group=group, no_dist=group is None))
     except BaseException:
