@@ -60,9 +60,8 @@ class NonBlockingMoves:
         next_use = getattr(self.policy, "next_use", None)
         if next_use is None:
             return False
-        candidates = self._candidates(tier)  # (a fresh list)
-        if keep is not None and keep.id in self._resting[tier]:
-            candidates.remove(keep.id)
+        candidates = self._candidates(tier)  # (a fresh set)
+        candidates.discard(keep.id if keep is not None else None)
         if not candidates:
             return False
         victim = self.pages[self.policy.victim(candidates, tier)]

@@ -248,7 +248,8 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
     def _host_room_for_read(self, spare: int = 0) -> bool:
         """More than `spare` host slots are free, can be freed by an eviction, or will be once a move in flight
         lands."""
-        room = self.pools[Tier.HOST].free_slots + len(self._candidates(Tier.HOST))
+        self._watch_new()
+        room = self.pools[Tier.HOST].free_slots + len(self._resting[Tier.HOST])
         room += sum(1 for m in self._moves.values()
                     if m.src is Tier.HOST or (m.dst is Tier.HOST and m.page.pin_count == 0))
         return room > spare
@@ -347,11 +348,11 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
         page.transition(PageState.DISK)
         self._emit("drop", page, src, Tier.DISK)
 
-    def _candidates(self, tier: Tier) -> list[int]:
-        """The pages resting on `tier`, unpinned (their ids, in no particular order: every policy's choice among
+    def _candidates(self, tier: Tier) -> set[int]:
+        """The pages resting on `tier`, unpinned (their ids, a set of the caller's own: every policy's choice among
         them is by key alone)."""
         self._watch_new()
-        return list(self._resting[tier])
+        return set(self._resting[tier])
 
     def _watch_new(self) -> None:
         if self._indexed < len(self.pages):  # pages made since (here, or remote ones): watched from now on

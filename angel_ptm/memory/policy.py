@@ -123,7 +123,7 @@ class BeladyPolicy:
             _, stamp, pid = heapq.heappop(expiry)
             if stamps.get(pid, 0) == stamp:
                 self._rekey(pid)
-        wanted = set(candidates)
+        wanted = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
         last_use = self.history._last_use
         for pid in wanted - known:
             nxt = self.next_use(pid)
