@@ -61,7 +61,8 @@ class NonBlockingMoves:
         if next_use is None:
             return False
         candidates = self._candidates(tier)  # (a fresh set)
-        candidates.discard(keep.id if keep is not None else None)
+        if keep is not None:
+            candidates.discard(keep.id)
         if not candidates:
             return False
         victim = self.pages[self.policy.victim(candidates, tier)]

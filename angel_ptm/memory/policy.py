@@ -10,13 +10,13 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections import defaultdict
-from typing import Iterable, Protocol, Sequence
+from typing import Collection, Iterable, Protocol, Sequence
 
 
 class Policy(Protocol):
     def on_access(self, page_id: int) -> None: ...
 
-    def victim(self, candidates: Sequence[int], group=None) -> int: ...
+    def victim(self, candidates: Collection[int], group=None) -> int: ...
 
 
 class LRUPolicy:
@@ -32,7 +32,7 @@ class LRUPolicy:
         self._clock += 1
         self._last_use[page_id] = self._clock
 
-    def victim(self, candidates: Sequence[int], group=None) -> int:
+    def victim(self, candidates: Collection[int], group=None) -> int:
         if not candidates:
             raise ValueError("no eviction candidates")
         return min(candidates, key=self.recency)
@@ -105,7 +105,7 @@ class BeladyPolicy:
         i = bisect.bisect_left(uses, self._now)
         return i < len(uses) and uses[i] == self._now
 
-    def victim(self, candidates: Sequence[int], group=None) -> int:
+    def victim(self, candidates: Collection[int], group=None) -> int:
         """Farthest next use first; among equals the least recently used; then the lowest id (deterministic).
 
         This runs on every eviction and every look for room, over every unpinned page of a tier (`group`: which
