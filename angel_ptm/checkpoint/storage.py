@@ -89,12 +89,11 @@ class CheckedWriter(FileSystemWriter):
     """FileSystemWriter's layout, written in the planner's order with a checksum per item. `info`: JSON-able facts
     of the save the coordinator puts in the manifest (step, world size, layout)."""
 
-    def __init__(self, path: str | os.PathLike, info: dict | None = None,
-                 max_bytes_per_s: float | Pace | None = None):
+    def __init__(self, path: str | os.PathLike, info: dict | None = None, pace: float | Pace | None = None):
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=False)
         self._containers = Containers()
         self.info = info or {}
-        self.max_bytes_per_s = max_bytes_per_s  # a save beside training may be paced
+        self.pace = pace  # a save beside training may be paced (bytes per second, or a Pace)
         self.checksum = checksums.PREFERRED  # the items' checksum, named in the manifest
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
@@ -104,7 +103,7 @@ class CheckedWriter(FileSystemWriter):
         path = Path(self.path) / name
         results: list[WriteResult] = []
         try:
-            with SequentialWriter(path, max_bytes_per_s=self.max_bytes_per_s) as stream:
+            with SequentialWriter(path, max_bytes_per_s=self.pace) as stream:
                 crc = checksums.function(self.checksum)
                 with Pipeline(lambda job: self._write(stream, crc, name, *job)) as pipe:
                     for item in plan.items:

@@ -27,20 +27,25 @@ MAX_IO_THREADS = 64
 MAX_QUEUE_DEPTH = 1024
 
 
-def parse_loss_scale(value: object, key: str) -> Union[str, float]:
-    """An fp16 loss scale: "dynamic" (grown and backed off as gradients allow) or a fixed number > 0."""
-    if isinstance(value, str) and value.strip().lower() == "dynamic":
-        return "dynamic"
+def _word_or_positive(value: object, key: str, word: str, choices: str) -> Union[str, float]:
+    """`word` (in any case) or a finite number > 0; `choices` names what is accepted besides a number."""
+    if isinstance(value, str) and value.strip().lower() == word:
+        return word
     try:
         number = coerce(value, float, key)
     except ConfigTypeError:
         raise ConfigTypeError(
-            f'{key}: expected "dynamic" or a number, got {show_value(value)} ({type(value).__name__})') from None
+            f"{key}: expected {choices} or a number, got {show_value(value)} ({type(value).__name__})") from None
     except ConfigValueError:
         number = float("nan")
     if not number > 0:
-        raise ConfigValueError(f'{key}: must be "dynamic" or a finite number > 0, got {show_value(value)}')
+        raise ConfigValueError(f"{key}: must be {choices} or a finite number > 0, got {show_value(value)}")
     return number
+
+
+def parse_loss_scale(value: object, key: str) -> Union[str, float]:
+    """An fp16 loss scale: "dynamic" (grown and backed off as gradients allow) or a fixed number > 0."""
+    return _word_or_positive(value, key, "dynamic", '"dynamic"')
 
 
 LossScale = Annotated[Union[str, float], parse_loss_scale]
@@ -48,16 +53,7 @@ LossScale = Annotated[Union[str, float], parse_loss_scale]
 
 def parse_pace(value: object, key: str) -> Union[str, float, None]:
     """A save's pace: null (as fast as it can), "auto" (spread over the interval between saves) or GB/s > 0."""
-    if value is None or (isinstance(value, str) and value.strip().lower() == "auto"):
-        return None if value is None else "auto"
-    try:
-        number = coerce(value, float, key)
-    except ConfigTypeError:
-        raise ConfigTypeError(
-            f'{key}: expected null, "auto" or a number, got {show_value(value)} ({type(value).__name__})') from None
-    if not number > 0:
-        raise ConfigValueError(f'{key}: must be null, "auto" or a number > 0, got {show_value(value)}')
-    return number
+    return None if value is None else _word_or_positive(value, key, "auto", 'null, "auto"')
 
 
 Pace = Annotated[Union[str, float, None], parse_pace]

@@ -105,7 +105,8 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
         for page in pages:
             if page.pin_count == 0:
                 self._pinned.add(page.id)
-            self._quiet = page.id if quiet else None
+            if quiet:
+                self._quiet = page.id
             page.pin_count += 1
             self._quiet = None
             page.untouched = False
@@ -132,10 +133,12 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
 
     def release(self, pages: Iterable[Page], dirty: bool = False) -> None:
         """Unpin `pages`; `dirty=True` says their data changed, so a disk copy is stale."""
+        quiet = bool(self._guards)  # an unpin changes no byte (a write came after a pin its guard was told of)
         for page in pages:
             if page.pin_count <= 0:
                 raise ValueError(f"page {page.name} released more often than acquired")
-            self._quiet = page.id  # an unpin changes no byte (a write came after a pin its guard was told of)
+            if quiet:
+                self._quiet = page.id
             page.pin_count -= 1
             self._quiet = None
             if page.pin_count == 0:
