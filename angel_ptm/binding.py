@@ -119,6 +119,7 @@ class ParamBinder:
         self._has_grad: set[str] = set()
         self.without_grad: set[str] = set()  # tensors no gradient reached in the step being settled
         self.on_grad_ready = None  # called with a TensorSlot once its gradient of this backward is in its pages
+        self.held_grads: set[str] = set()  # tensors whose gradients also come from elsewhere: ready at add_grads
         self.before_grad_write = None  # called with a TensorSlot before its gradient is written into its pages
         self.before_unit_forward = None  # called before each unit's forward
         self.read_values: Callable[[TensorSlot], torch.Tensor] | None = None  # a copy of a parameter's values
@@ -412,7 +413,12 @@ class ParamBinder:
     def _accumulate_grad(self, param: nn.Parameter) -> None:
         self._enter_node()
         slot = self.slots[id(param)]
-        grad = param.grad.reshape(-1)
+        self._write_grad(slot, param.grad.reshape(-1))
+        param.grad = None
+        if self.on_grad_ready is not None and slot.name not in self.held_grads:
+            self.on_grad_ready(slot)
+
+    def _write_grad(self, slot: TensorSlot, grad: torch.Tensor) -> None:
         if self.before_grad_write is not None:
             self.before_grad_write(slot)
         pages = [self.grad_pages[s.page] for s in slot.segments]
@@ -427,9 +433,17 @@ class ParamBinder:
                 self._overflow = bad if self._overflow is None else self._overflow.logical_or_(bad)
         self.access.release(pages, dirty=True)
         self._has_grad.add(slot.name)
-        param.grad = None
-        if self.on_grad_ready is not None:
-            self.on_grad_ready(slot)
+
+    def add_grads(self, grads: dict[str, torch.Tensor | None]) -> None:
+        """Gradients computed elsewhere (a hot expert's replicas on other ranks), added into the named tensors'
+        grad pages during backward (None: nothing came); a tensor in `held_grads` is final only after this."""
+        self._enter_node()
+        for name, grad in grads.items():
+            slot = self.layout.slot(name)
+            if grad is not None:
+                self._write_grad(slot, grad.reshape(-1))
+            if self.on_grad_ready is not None and name in self.held_grads and name in self._has_grad:
+                self.on_grad_ready(slot)
 
     def _clear_grad_padding(self, index: int, buffer: torch.Tensor) -> None:
         view = buffer.view(self.layout.page_dtypes[index])

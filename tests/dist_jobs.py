@@ -145,7 +145,8 @@ def config_of(spec: dict, world: int, disk_dir: str) -> dict:
     cfg["parallel"] = {"zero": spec["zero"], "timeout_s": spec.get("timeout_s", 60), "osdp": spec.get("osdp", False),
                        "tp": spec.get("tp", 1), "sequence_parallel": spec.get("sp", False), "ep": spec.get("ep", 1),
                        "moe_a2a": spec.get("moe_a2a", "flat"), "moe_rebalance_every": spec.get("rebalance", 0),
-                       "moe_rebalance_threshold": spec.get("rebalance_threshold", 1.25)}
+                       "moe_rebalance_threshold": spec.get("rebalance_threshold", 1.25),
+                       "moe_replicas": spec.get("replicas", 0)}
     cfg["optimizer"].update(spec.get("optimizer", {}))
     if spec.get("batch_size"):  # our GPT's micro-batch, for the estimate's activations (traced at data.batch_size)
         cfg.setdefault("data", {})["batch_size"] = spec["batch_size"]
@@ -195,6 +196,13 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
         collectives_module.PAIRWISE_ON_GLOO = True
     if spec.get("rebalance_pays"):  # the cost model told that moving pays (timings would make the test flaky)
         engine.rebalancer._measured = lambda: (1.0, 1e12)
+    if spec.get("hot_expert") is not None:  # the router's counts skewed: that expert looks hot (to place replicas)
+        for _, layer in engine.rebalancer.layers:
+            def skewed(take=layer.take_load_counts, hot=spec["hot_expert"]):
+                counts = take()
+                counts[hot] += 10 * counts.sum()
+                return counts
+            layer.take_load_counts = skewed
     losses, skipped, scales, routed = [], [], [], []
     eager = 0  # page groups updated during the last backward of a step (reduced there first with >1 rank)
     live_expert_grads = 0

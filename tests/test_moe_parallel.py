@@ -33,7 +33,8 @@ def tokens(rank: int) -> torch.Tensor:
     return torch.randn(TOKENS, DIM, generator=torch.Generator().manual_seed(10 + rank), requires_grad=True)
 
 
-def split_layers(rank: int, world: int, tmp: str, hierarchical: bool = False, names=tuple(SPECS)) -> dict:
+def split_layers(rank: int, world: int, tmp: str, hierarchical: bool = False, names=tuple(SPECS),
+                 replicas=()) -> dict:
     from angel_ptm.config import load_config
     from angel_ptm.parallel.mesh import init_mesh
     from angel_ptm.parallel.moe import EPComm, apply_expert_parallel, expert_names
@@ -46,6 +47,11 @@ def split_layers(rank: int, world: int, tmp: str, hierarchical: bool = False, na
         holder = torch.nn.Module()
         holder.moe = moe
         apply_expert_parallel(holder, comm)
+        if replicas:  # hot-expert copies (expert, rank), with their owners' weights (the unsplit layer's)
+            moe.set_placement(moe.placement, replicas)
+            every = dict(layer(name).experts.named_parameters())
+            moe.load_replicas({e: {n.partition(".")[2]: p.detach() for n, p in every.items() if n.startswith(f"{e}.")}
+                               for e, _ in replicas}, torch.device("cpu"))
         x = tokens(rank)
         y = moe(x)
         (y * y).sum().backward()
@@ -203,6 +209,9 @@ def check_against_the_unsplit_layer(results, name):
         torch.testing.assert_close(torch.tensor(got), expected, rtol=1e-5, atol=1e-6)
 
 
+REPLICAS = [(0, 1), (3, 0)]  # (expert, rank): a copy of rank 0's expert 0 on rank 1 and of rank 1's expert 3 on 0
+
+
 # ------------------------------------------------------------------------------------------------ in the engine
 ROOM = {"device_budget": "512KiB", "host_budget": "256KiB"}  # a block with its 4 experts (2 per rank at ep 2)
 ENGINE_JOBS = [job(f"ep2-zero{z}", zero=z, ep=2, model="gpt-moe", steps=6, memory=ROOM, routing=z == 3,
@@ -258,6 +267,10 @@ def rebalance_jobs(tmp: str) -> list:
                 save_to=os.path.join(tmp, "moved"), **REBALANCE),
             job("not-moved-bf16", **bf16),
             job("moved-bf16", rebalance=2, rebalance_threshold=1.0, rebalance_pays=True, **bf16),
+            job("replicated", rebalance=2, rebalance_threshold=1.0, rebalance_pays=True, replicas=1, hot_expert=1,
+                **REBALANCE),
+            job("replicated-bf16", rebalance=2, rebalance_threshold=1.0, rebalance_pays=True, replicas=1,
+                hot_expert=1, **bf16),
             job("too-costly", rebalance=2, rebalance_threshold=1.0, **dict(REBALANCE, steps=2))]
 
 
@@ -265,6 +278,7 @@ def both(rank: int, world: int, tmp: str) -> dict:
     from angel_ptm.parallel.moe import placement
 
     out = split_layers(rank, world, tmp)
+    out["replicated-layers"] = split_layers(rank, world, tmp, replicas=REPLICAS)
     out.update(run_jobs(rank, world, ENGINE_JOBS + DP_JOBS, tmp))
     out.update(run_jobs(rank, world, rebalance_jobs(tmp)[:-1], tmp))
     measured = placement.Rebalancer._measured
@@ -281,6 +295,14 @@ def both(rank: int, world: int, tmp: str) -> dict:
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ep2")
     return values(spawn(2, both, (str(tmp),), tmp))
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_hot_expert_replicas_give_the_unsplit_layer(two_ranks, name):
+    """Experts 0 (rank 0's) and 3 (rank 1's) copied onto the other rank: each rank deals its rows of them over the
+    owner and the copy; the outputs and input gradients are the unsplit layer's, and each expert's gradient on its
+    owner (its rows' there plus its copy's, sent back in backward) is the sum over every rank's tokens."""
+    check_against_the_unsplit_layer([r["replicated-layers"] for r in two_ranks], name)
 
 
 def test_the_estimate_counts_each_ranks_expert_activations_under_ep(two_ranks):
@@ -376,6 +398,23 @@ def test_experts_moving_ranks_change_no_loss_and_no_final_state(two_ranks, suffi
     assert names != [two_ranks[r]["not-moved" + suffix]["expert_names"] for r in range(2)]
     held = sorted(v for n in names for v in n.values())
     assert held == sorted(v for r in range(2) for v in two_ranks[r]["not-moved" + suffix]["expert_names"].values())
+
+
+@pytest.mark.parametrize("suffix, rel", [("", 1e-6), ("-bf16", 1e-3)])
+def test_hot_expert_replicas_placed_mid_run_change_no_loss(two_ranks, suffix, rel):
+    """parallel.moe_replicas 1 with expert 1's counts skewed (it looks hot): at step 2 every rank places the same
+    copies; from then each replica computes its share of the expert's rows, its gradients go back to the owner in
+    backward (before the owner's eager update, and ZeRO's), and after every step it takes the owner's new weights.
+    The losses are those of the run without replicas within 1e-6 (fp32: a gradient summed in two parts), and in
+    bf16 compute within bf16's rounding of an expert's output (its rows in another batch)."""
+    got, still = two_ranks[0]["replicated" + suffix], two_ranks[0]["not-moved" + suffix]
+    assert "error" not in got, got.get("error")
+    assert got["losses"] == two_ranks[1]["replicated" + suffix]["losses"]
+    assert got["rebalances"] == two_ranks[1]["replicated" + suffix]["rebalances"]  # decided alike
+    placed = [layer["replicas"] for d in got["rebalances"] for layer in d["layers"].values()]
+    assert placed[0] and any(1 in [e for e, _ in r] for r in placed)  # copies of the hot expert from step 2
+    for step, (a, e) in enumerate(zip(got["losses"], still["losses"])):
+        assert a == pytest.approx(e, rel=rel), f"step {step}: without replicas {e}, with {a}"
 
 
 def test_a_checkpoint_after_experts_moved_resumes_on_one_rank(two_ranks, tmp_path):

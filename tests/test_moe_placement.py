@@ -5,12 +5,14 @@ change no loss, are tested over gloo in tests/test_moe_parallel.py."""
 from __future__ import annotations
 
 import pytest
+import torch
+from torch import nn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from angel_ptm.config import load_config
 from angel_ptm.errors import ConfigValueError
-from angel_ptm.parallel.moe.placement import balance_ratio, decide, plan_swaps, rank_loads
+from angel_ptm.parallel.moe.placement import balance_ratio, decide, plan_replicas, plan_swaps, rank_loads
 
 RANKS, LOCAL = 8, 4
 EXPERTS = RANKS * LOCAL
@@ -77,14 +79,52 @@ def test_the_cost_model_moves_only_when_the_time_saved_exceeds_the_time_to_move(
     assert not calm.swaps and not calm.moved and calm.ratio_after == calm.ratio_before
 
 
+def test_a_replica_shares_a_hot_experts_load_which_no_swap_can_split():
+    """One expert hotter than a rank's fair share: the swaps leave its rank the busiest; replicas (at most one per
+    rank here) deal its rows over more ranks, each lowering the busiest rank's load, and never copy an expert onto a
+    rank that holds it."""
+    loads = zipf(EXPERTS, 1.2)
+    slots, _ = plan_swaps(loads, FIRST)
+    replicas = plan_replicas(loads, slots, per_rank=1)
+    assert replicas and replicas == sorted(replicas) == plan_replicas(loads, slots, per_rank=1)  # deterministic
+    owner = {e: r for r, held in enumerate(slots) for e in held}
+    assert all(owner[e] != r for e, r in replicas) and len(set(replicas)) == len(replicas)
+    assert all(sum(1 for _, h in replicas if h == r) <= 1 for r in range(RANKS))
+    assert 0 in {e for e, _ in replicas}  # the hottest expert is copied
+    assert max(rank_loads(loads, slots, replicas)) < max(loads) <= max(rank_loads(loads, slots))
+    assert sum(rank_loads(loads, slots, replicas)) == pytest.approx(sum(loads))  # the rows are dealt, not added
+    # the expert's load splits evenly over its holders
+    ways = 1 + sum(1 for e, _ in replicas if e == 0)
+    assert rank_loads([1.0 if e == 0 else 0.0 for e in range(EXPERTS)], slots, replicas)[owner[0]] == 1.0 / ways
+    assert plan_replicas([5.0] * EXPERTS, FIRST, per_rank=2) == []  # balanced: nothing to copy
+
+
+def test_the_cost_model_counts_each_replicas_traffic_every_step():
+    loads = zipf(EXPERTS, 1.2)
+    common = dict(layer="moe", loads=loads, slots=FIRST, threshold=1.25, seconds_per_row=1e-5, horizon=100,
+                  bytes_per_expert=1 << 20, max_replicas=1, weight_bytes=1 << 18)
+    fast = decide(bandwidth=1e12, **common)
+    assert fast.moved and fast.replicas and fast.ratio_after < decide(bandwidth=1e12, **dict(common,
+                                                                                        max_replicas=0)).ratio_after
+    # the replicas' weights and gradients every step cost more than moving the swapped experts once
+    slow = decide(bandwidth=1e6, **common)
+    swaps_only = decide(bandwidth=1e6, **dict(common, max_replicas=0))
+    assert slow.move_s > swaps_only.move_s
+    assert not slow.moved and slow.replicas == []  # nothing changes: no replica was in place
+    kept = decide(bandwidth=1e6, **dict(common, replicas=fast.replicas))
+    assert kept.replicas == fast.replicas and kept.ratio_before < fast.ratio_before  # in place: they stay
+
+
 @pytest.mark.parametrize("parallel, optimizer, needs", [
     ({"moe_rebalance_every": 10}, {}, "ep > 1"),
     ({"moe_rebalance_every": 10, "ep": 2}, {"staleness": 1}, "staleness 0"),
     ({"moe_rebalance_threshold": 0.5}, {}, ">= 1.0"),
     ({"moe_rebalance_ema": 1.0}, {}, "in [0, 1)"),
+    ({"moe_replicas": 1, "ep": 2}, {}, "moe_rebalance_every > 0"),
+    ({"moe_replicas": -1}, {}, ">= 0"),
 ])
 def test_placement_settings_that_cannot_work_are_refused_with_the_key(parallel, optimizer, needs):
-    with pytest.raises(ConfigValueError, match=r"parallel\.moe_rebalance_\w+:.*" + needs.replace("[", r"\[")
+    with pytest.raises(ConfigValueError, match=r"parallel\.moe_re\w+:.*" + needs.replace("[", r"\[")
                        .replace("(", r"\(").replace(")", r"\)")):
         load_config({"parallel": parallel, "optimizer": optimizer})
 
@@ -101,3 +141,44 @@ def test_ep_groups_and_the_ranks_holding_the_same_experts_at_8_ranks():
     for ep in (2, 4):  # every rank in exactly one group of each kind
         for kind in ("ep", "expert-dp"):
             assert sorted(r for g in mesh_groups(kind, 8, 1, ep) for r in g) == list(range(8))
+
+
+def test_a_held_tensors_gradient_is_final_only_once_the_gradients_from_elsewhere_are_added():
+    """ParamBinder.add_grads, as an owner adds its replicas' gradients in backward: a tensor in `held_grads` is not
+    final at its own accumulation, so the planned scheduler's update during backward (one rank; 4 KiB pages, the tensor on two)
+    applies the sum, as torch.optim.AdamW does with the same gradient added."""
+    import angel_ptm
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 64))
+
+    x = torch.randn(5, 8, generator=torch.Generator().manual_seed(1))
+    extra = torch.randn(64, 16, generator=torch.Generator().manual_seed(2))
+    ref = build()
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for _ in range(3):
+        ref(x).pow(2).mean().backward()
+        ref[2].weight.grad.add_(extra)
+        opt.step()
+        opt.zero_grad()
+    engine = angel_ptm.initialize(build(), {
+        "optimizer": {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1},
+        "memory": {"page_bytes": 4096, "scheduler": "planned"}, "trainer": {"device": "cpu", "grad_clip": 0}})
+    try:
+        engine.binder.held_grads = {"2.weight"}
+
+        def add_in_backward(_module, args):  # once layer 2's gradients are in
+            args[0].register_hook(lambda _grad: engine.binder.add_grads({"2.weight": extra}))
+        engine.model[2].register_forward_pre_hook(add_in_backward)
+        eager = 0
+        for _ in range(3):
+            engine.backward(engine(x).pow(2).mean())
+            eager += engine.optimizer.updated_this_step  # (page groups updated during backward)
+            engine.step()
+        assert eager > 0
+        got = engine.state_dict()
+        for name, want in ref.state_dict().items():
+            torch.testing.assert_close(got[name], want, rtol=1e-6, atol=1e-7)
+    finally:
+        engine.close()

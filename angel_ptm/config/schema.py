@@ -329,6 +329,14 @@ class ParallelConfig(_Section):
     moe_rebalance_every: int = 0
     moe_rebalance_threshold: float = 1.25
     moe_rebalance_ema: float = 0.5
+    # Hot-expert replicas (FlexMoE; with moe_rebalance_every): at each rebalance, after the swaps, an expert whose
+    # share keeps its rank the busiest gets copies of its weights on the least loaded ranks, at most this many per
+    # rank and layer, where the cost model says they pay (each copy's weights out and gradients back every step). A
+    # replica computes its share of the expert's rows (each rank's rows dealt equally over the owner and the
+    # replicas); its gradients go to the owner in backward, which alone holds and updates the expert's states; the
+    # owner's new weights reach the replicas after every step. Replica weights live beside the pages, on the device
+    # (memory_stats: moe_rebalance.replicas). 0: experts only swap ranks.
+    moe_replicas: int = 0
     # Sequence parallelism (tp > 1): norms and the residual stream on sequence shards; all-gather before the
     # column-parallel linears, reduce-scatter after the row-parallel ones.
     sequence_parallel: bool = False
@@ -361,6 +369,10 @@ class ParallelConfig(_Section):
             self._require("moe_rebalance_every", self.ep > 1, "0 unless ep > 1 (experts move between ep ranks)")
         self._require("moe_rebalance_threshold", self.moe_rebalance_threshold >= 1.0, ">= 1.0 (a max/mean ratio)")
         self._require("moe_rebalance_ema", 0.0 <= self.moe_rebalance_ema < 1.0, "in [0, 1)")
+        self._require("moe_replicas", self.moe_replicas >= 0, ">= 0")
+        if self.moe_replicas:
+            self._require("moe_replicas", self.moe_rebalance_every > 0,
+                          "0 unless moe_rebalance_every > 0 (replicas are placed at a rebalance)")
 
 
 @dataclass

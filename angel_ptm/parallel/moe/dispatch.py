@@ -12,9 +12,17 @@ placement, placement.py, may swap experts between ranks), and turns the layer in
 The exchanges are autograd functions (backward: the reverse all_to_all), so gradients reach the gate, the input and
 the experts; an expert's gradient on its rank sums every rank's tokens. The layer's output equals the unsplit
 layer's on the same tokens (tests/test_moe_parallel.py).
+
+Hot-expert replicas (`set_placement(placement, replicas)`, placement.py decides them): a rank runs its own slots,
+then one slot per replica it holds (a copy of the expert's weights, outside the pages, `load_replicas`); each rank
+deals its rows of a replicated expert in equal contiguous shares over the owner and the copies. In backward, once
+the dispatched rows' gradient is in, one more all_to_all sends each copy's parameter gradients to the owner, which
+adds them to its own (`on_replica_grads`: the engine's grad pages; else the parameters' .grad).
 """
 
 from __future__ import annotations
+
+import copy
 
 import torch
 import torch.distributed as dist
@@ -160,16 +168,67 @@ class ExpertParallelMoE(MoE):
     # Called with the local slots that receive rows from some rank, once the counts are exchanged (the engine
     # cancels the planned fetches of the others: units.watch_routing)
     on_local_routing = None
+    # Called on an owner with (local slot, {parameter name: the sum of its replicas' gradients} or None when no
+    # replica got a row) once they are in, in backward; None adds them into the slot's parameters' .grad
+    on_replica_grads = None
 
-    def set_placement(self, placement: list[list[int]]) -> None:
+    def set_placement(self, placement: list[list[int]], replicas=()) -> None:
+        """`placement[r]`: the experts rank r's slots hold; `replicas`: (expert, rank) pairs, a copy of the expert's
+        weights on that rank besides its owner's (placement.py's hot-expert replicas). Every rank sets the same."""
         self.placement = [list(held) for held in placement]
         self.expert_ids = self.placement[self.ep.rank]
-        position = [0] * self.spec.experts
+        experts, local = self.spec.experts, len(self.expert_ids)
+        self.replicas = sorted((int(e), int(h)) for e, h in replicas)
+        self.owner = [0] * experts
         for r, held in enumerate(self.placement):
-            for i, e in enumerate(held):
-                position[e] = r * len(held) + i
-        self._position = torch.tensor(position)  # expert -> its slot over the group (rank * local + slot)
-        self._moved = position != list(range(self.spec.experts))
+            for e in held:
+                self.owner[e] = r
+        on = [[e for e, h in self.replicas if h == r] for r in range(len(self.placement))]
+        for e, h in self.replicas:
+            if h == self.owner[e] or on[h].count(e) > 1:
+                raise ValueError(f"expert {e}: a replica on rank {h} holds it already")
+        # Every rank runs `width` slots: its own experts, then its replicas (the same width on every rank)
+        self._width = local + max((len(held) for held in on), default=0)
+        holders = [[(self.owner[e], self.placement[self.owner[e]].index(e))] for e in range(experts)]
+        for r, held in enumerate(on):
+            for j, e in enumerate(held):
+                holders[e].append((r, local + j))
+        ways = max(len(h) for h in holders)
+        # expert -> its holders' slots over the group (rank * width + slot), the owner's first
+        self._position = torch.tensor([[r * self._width + j for r, j in h] + [-1] * (ways - len(h)) for h in holders])
+        self._ways = torch.tensor([len(h) for h in holders])
+        self._moved = bool(self.replicas) or self._position[:, 0].tolist() != list(range(experts))
+        self._held = on[self.ep.rank]  # the experts whose replicas this rank holds, in its slots' order
+        keep = dict(zip(getattr(self, "_held_before", ()), getattr(self, "replica_modules", ())))
+        self.replica_modules = [keep.get(e) for e in self._held]  # (weights: load_replicas, after every step)
+        self._held_before = list(self._held)
+
+    def load_replicas(self, weights: dict[int, dict[str, torch.Tensor]], device: torch.device) -> None:
+        """This rank's replicas take their owners' current weights (by expert, by parameter name within it)."""
+        template = self.__dict__["_replica_template"]
+        for j, e in enumerate(self._held):
+            module = self.replica_modules[j]
+            if module is None:
+                module = self.replica_modules[j] = copy.deepcopy(template).to_empty(device=device)
+            for name, param in module.named_parameters():
+                value = weights[e][name]
+                param.data = value.to(device=device, dtype=value.dtype).reshape(param.shape).clone()
+                param.grad = None
+
+    def _slot_positions(self, expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each row's slot over the group: its expert's owner's, or with replicas one holder's (each rank's rows of
+        an expert dealt in equal contiguous shares over its holders, the owner's first)."""
+        if self._position.device != expert.device:  # (moved to the compute device once per placement)
+            self._position, self._ways = self._position.to(expert.device), self._ways.to(expert.device)
+        if not self.replicas:
+            return self._position[expert, 0]
+        first = torch.cumsum(counts, 0) - counts  # rows are sorted by expert: where each expert's begin
+        index = torch.arange(expert.numel(), device=expert.device) - first[expert]
+        n, ways = counts[expert], self._ways[expert]
+        base, extra = n // ways, n % ways
+        big = extra * (base + 1)  # the first `extra` shares have one row more
+        share = torch.where(index < big, index // (base + 1), extra + (index - big) // base.clamp(min=1))
+        return self._position[expert, share]
 
     def take_load_counts(self) -> torch.Tensor:
         """This rank's tokens per expert since the last take (float64 on the CPU), reset."""
@@ -189,31 +248,37 @@ class ExpertParallelMoE(MoE):
         if measured:
             self._load_counts = counts if self._load_counts is None else self._load_counts + counts
         # The rows go out by slot over the group (rank, then slot): the expert order while no expert has moved
-        outgoing = None
+        outgoing, width = None, self._width
         if self._moved:
-            if self._position.device != expert.device:  # (moved to the compute device once per placement)
-                self._position = self._position.to(expert.device)
-            position = self._position[expert]
+            position = self._slot_positions(expert, counts)
             outgoing = torch.argsort(position, stable=True)
-            counts = torch.bincount(position, minlength=experts)
-        received = ep.exchange(counts.view(ep.size, local).cpu(), [1] * ep.size, [1] * ep.size, "expert counts")
-        send = counts.view(ep.size, local).sum(1).tolist()
+            counts = torch.bincount(position, minlength=ep.size * width)
+        received = ep.exchange(counts.view(ep.size, width).cpu(), [1] * ep.size, [1] * ep.size, "expert counts")
+        send = counts.view(ep.size, width).sum(1).tolist()
         receive = received.sum(1).tolist()
-        running = [e for e, n in enumerate(received.sum(0).tolist()) if n]  # the local slots with rows
+        running = [e for e, n in enumerate(received.sum(0).tolist()) if n]  # the slots with rows
+        own = [e for e in running if e < local]
         if self.on_local_routing is not None:
-            self.on_local_routing(set(running))
+            self.on_local_routing(set(own))
         rows = flat.index_select(0, tokens)
         if outgoing is not None:
             rows = rows.index_select(0, outgoing)
+        if self.replicas and torch.is_grad_enabled():
+            if not rows.requires_grad:  # (the replicas' gradients go back once this one is in: below)
+                rows = rows.detach().requires_grad_()
+            if torch._C._current_graph_task_id() == -1:  # (not a recomputation in backward: registered once)
+                rows.register_hook(self._return_replica_grads)
         inputs = _AllToAll.apply(rows, ep, send, receive, "dispatch")
-        # rows arrive by source rank, within each by local slot: run each local expert once on all of its rows
-        owner = torch.arange(local).repeat(ep.size).repeat_interleave(received.reshape(-1)).to(flat.device)
+        # rows arrive by source rank, within each by slot: run each slot's expert once on all of its rows
+        owner = torch.arange(width).repeat(ep.size).repeat_interleave(received.reshape(-1)).to(flat.device)
         # (from `inputs`, even when no local expert runs: both exchanges' backward must run on every rank alike)
         outputs = inputs * 0.0
         started = self.clock.start(flat.device) if measured else None
-        for e in self.expert_order(running) if self.expert_order is not None else running:  # (disjoint rows:
-            rows_of = (owner == e).nonzero(as_tuple=True)[0]  # the same outputs and gradients in any order)
-            outputs = outputs.index_copy(0, rows_of, self.experts[e](inputs.index_select(0, rows_of)))
+        order = self.expert_order(own) if self.expert_order is not None else own
+        for e in order + [e for e in running if e >= local]:  # (disjoint rows: the same results in any order)
+            rows_of = (owner == e).nonzero(as_tuple=True)[0]
+            module = self.experts[e] if e < local else self.replica_modules[e - local]
+            outputs = outputs.index_copy(0, rows_of, module(inputs.index_select(0, rows_of)))
         if measured:
             self.clock.stop(started, inputs.shape[0])
         back = _AllToAll.apply(outputs, ep, receive, send, "combine")
@@ -224,6 +289,47 @@ class ExpertParallelMoE(MoE):
         if routing.passthrough is not None:
             out = out + routing.passthrough.unsqueeze(-1).to(flat.dtype) * flat
         return out
+
+    def _return_replica_grads(self, grad: torch.Tensor) -> None:
+        """In backward, once the dispatched rows' gradient is in (every slot's expert, replicas too, has its
+        parameters' gradients by then: autograd accumulates those first): each replica's gradients go to its
+        expert's owner, in one exchange every rank makes alike, and the owner adds them to its own."""
+        me, size = self.ep.rank, self.ep.size
+        shapes = [(name, p.shape, p.numel()) for name, p in self.__dict__["_replica_template"].named_parameters()]
+        width = sum(n for _, _, n in shapes) + 1  # and a flag: whether the replica got any row
+        rows, send = [], [0] * size
+        for owner, _, j in sorted((self.owner[e], e, j) for j, e in enumerate(self._held)):
+            params = list(self.replica_modules[j].parameters())
+            got = any(p.grad is not None for p in params)
+            parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).double() for p in params]
+            rows.append(torch.cat(parts + [torch.full((1,), float(got), dtype=torch.float64, device=grad.device)]))
+            for p in params:
+                p.grad = None
+            send[owner] += 1
+        incoming = sorted((h, e) for e, h in self.replicas if self.owner[e] == me)  # (each source sends by expert)
+        receive = [sum(1 for h, _ in incoming if h == r) for r in range(size)]
+        out = torch.stack(rows) if rows else torch.zeros(0, width, dtype=torch.float64, device=grad.device)
+        got = self.ep.exchange(out, send, receive, "replica gradients")
+        sums: dict[int, torch.Tensor] = {}
+        for row, (_, e) in zip(got, incoming):
+            if row[-1] > 0:
+                sums[e] = row[:-1] if e not in sums else sums[e] + row[:-1]
+        for e in sorted({e for _, e in incoming}):
+            grads = None
+            if e in sums:
+                grads, at = {}, 0
+                for name, shape, n in shapes:
+                    grads[name] = sums[e][at:at + n].view(shape)
+                    at += n
+            self._add_replica_grads(self.expert_ids.index(e), grads)
+
+    def _add_replica_grads(self, local: int, grads: dict[str, torch.Tensor] | None) -> None:
+        if self.on_replica_grads is not None:
+            self.on_replica_grads(local, grads)
+        elif grads is not None:
+            for name, param in self.experts[local].named_parameters():
+                g = grads[name].to(param.dtype).view_as(param)
+                param.grad = g if param.grad is None else param.grad + g
 
 
 def apply_expert_parallel(model: nn.Module, comm: EPComm, initial: Collectives | None = None) -> nn.Module:
@@ -255,6 +361,7 @@ def apply_expert_parallel(model: nn.Module, comm: EPComm, initial: Collectives |
         if meta:  # materialization replays every expert's draws in the 1-rank order (memory/materialize.py)
             layer.unsplit_children = {"experts": every}
         layer.__class__ = ExpertParallelMoE
+        layer.__dict__["_replica_template"] = copy.deepcopy(every[0]).to("meta")  # (a replica's shape; unregistered)
         layer.ep, layer.clock = comm, ExpertClock()
         layer.set_placement([list(range(r * local, (r + 1) * local)) for r in range(comm.size)])
     model._angel_ep = comm
