@@ -119,3 +119,14 @@ def test_moe_bench_runs_the_four_ways_and_reports_every_figure(tmp_path, capsys)
     positive(report, "paged_s", "stream_all_s", "on_demand_s", "resident_s", "ratio_vs_resident",
              "expert_bytes_moved", "stream_all_bytes_moved", "max_experts_on_ssd")
     assert report["paged_deviations_per_step"] == [0, 0]
+
+
+@pytest.mark.slow
+def test_ep_bench_runs_the_three_placements_on_two_ranks_and_reports_every_figure(tmp_path, capsys):
+    from tools.bench import ep
+
+    report = ep.main(["--dir", str(tmp_path), "--experts", "4", "--dim", "32", "--layers", "1", "--seq", "32",
+                      "--batch", "4", "--every", "2", "--steps", "1", "--warmup", "3", "--repeats", "1", "--json"])
+    assert last_json_line(capsys) == report
+    positive(report, "fixed_s", "migrate_s", "replicate_s", "speedup_migrate", "speedup_replicate", "balance_fixed")
+    assert report["max_loss_rel_diff"] < 1e-6

@@ -298,17 +298,18 @@ class ExpertParallelMoE(MoE):
         shapes = [(name, p.shape, p.numel()) for name, p in self.__dict__["_replica_template"].named_parameters()]
         width = sum(n for _, _, n in shapes) + 1  # and a flag: whether the replica got any row
         rows, send = [], [0] * size
+        wide = torch.promote_types(grad.dtype, torch.float32)  # (exact for bf16 and fp16, and gloo carries it)
         for owner, _, j in sorted((self.owner[e], e, j) for j, e in enumerate(self._held)):
             params = list(self.replica_modules[j].parameters())
             got = any(p.grad is not None for p in params)
-            parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).double() for p in params]
-            rows.append(torch.cat(parts + [torch.full((1,), float(got), dtype=torch.float64, device=grad.device)]))
+            parts = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(wide) for p in params]
+            rows.append(torch.cat(parts + [torch.full((1,), float(got), dtype=wide, device=grad.device)]))
             for p in params:
                 p.grad = None
             send[owner] += 1
         incoming = sorted((h, e) for e, h in self.replicas if self.owner[e] == me)  # (each source sends by expert)
         receive = [sum(1 for h, _ in incoming if h == r) for r in range(size)]
-        out = torch.stack(rows) if rows else torch.zeros(0, width, dtype=torch.float64, device=grad.device)
+        out = torch.stack(rows) if rows else torch.zeros(0, width, dtype=wide, device=grad.device)
         got = self.ep.exchange(out, send, receive, "replica gradients")
         sums: dict[int, torch.Tensor] = {}
         for row, (_, e) in zip(got, incoming):

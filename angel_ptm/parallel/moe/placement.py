@@ -26,7 +26,7 @@ The decision, every `every` steps, is the same on every rank (it is made from fi
   - cost model: the swaps and replicas pay when the busiest rank's tokens they remove, times the measured expert
     time per token (forward and backward: 3x the forward measured in the layer), over the next `every` steps,
     exceed the time to move the swapped experts' states, plus each replica's weights out and gradients back every
-    step, at the measured all-to-all bandwidth.
+    step, at the bandwidth of a probe all-to-all timed at the decision (1 MiB per pair of ranks).
 
 A replica holds only weights (the compute copy): the owner keeps the moments and updates; in backward each
 replica's gradients go to the owner (dispatch.py), which adds them before its gradient counts as final
@@ -44,6 +44,7 @@ import torch
 # AdamW's state of an expert that moves with it: its weights (the fp32 master under mixed precision), both moments
 MOVED_KINDS = ("exp_avg", "exp_avg_sq")
 FORWARD_AND_BACKWARD = 3.0  # an expert's backward costs about twice its forward
+PROBE_BYTES = 1 << 20  # per pair of ranks, the all-to-all that measures the link at each decision
 
 
 def rank_loads(loads: list[float], slots: list[list[int]], replicas=()) -> list[float]:
@@ -241,7 +242,6 @@ class Rebalancer:
         self.decisions: list[dict] = []  # one entry per rebalance that looked (step, layers' decisions)
         self.migrations = 0  # experts moved (each swap moves two)
         self.bytes_moved = 0  # this rank's bytes sent moving experts
-        self._sent_before = (0, 0.0)  # the ep collectives' bytes and seconds at the last decision
         for name, layer in self.layers:
             layer.count_loads = True
             if binder is not None:  # an owner adds its replicas' gradients into its expert's grad pages
@@ -280,7 +280,7 @@ class Rebalancer:
         for name, layer in self.layers:
             decision = decide(name, self.loads[name], layer.placement, self.threshold, seconds_per_row, bandwidth,
                               self._expert_row_numel(name) * 8, self.every, layer.replicas, self.max_replicas,
-                              self._expert_weight_numel(name) * 8)
+                              self._expert_weight_numel(name) * self._wide(name).itemsize)
             if decision.moved and decision.swaps:
                 self._migrate(name, layer, decision)
                 moved.append(name)
@@ -302,21 +302,30 @@ class Rebalancer:
         return out
 
     def _measured(self) -> tuple[float, float]:
-        """The experts' seconds per row (forward and backward) and the all-to-all bytes per second since the last
-        decision, summed over the ranks so every rank decides on the same figures."""
+        """The experts' seconds per row (forward and backward) since the last decision, and the all-to-all bytes
+        per second of a probe exchange made now, summed over the ranks so every rank decides on the same figures.
+        (The step's own all-to-alls are no measure of the link: an unbalanced layer's include the wait for the
+        busiest rank, the very thing a move would save. The probe starts right after a summing collective, so
+        the ranks start it together.)"""
         seconds, rows = 0.0, 0
         for _, layer in self.layers:
             s, r = layer.clock.take()
             seconds, rows = seconds + s, rows + r
-        comm = self.ep.collectives
-        sent, spent = comm.bytes_sent, comm.seconds
-        figures = torch.tensor([seconds, rows, sent - self._sent_before[0], spent - self._sent_before[1]],
-                               dtype=torch.float64)
-        self._sent_before = (sent, spent)
+        figures = torch.tensor([seconds, rows], dtype=torch.float64)
         self.sum_over_ranks(figures)
-        seconds, rows, sent, spent = figures.tolist()
+        seconds, rows = figures.tolist()
+        size, n = self.ep.size, PROBE_BYTES // 4
+        probe = torch.zeros(size * n, dtype=torch.float32, device=self.device)
+        got = torch.empty_like(probe)
+        t0 = time.perf_counter()
+        self.ep.collectives.all_to_all(got, probe, [n] * size, [n] * size, "ep bandwidth probe")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        spent = torch.tensor([time.perf_counter() - t0], dtype=torch.float64)
+        self.sum_over_ranks(spent)
         per_row = FORWARD_AND_BACKWARD * seconds / rows if rows else 0.0
-        return per_row, (sent / spent if spent > 0 else 0.0)
+        sent = PROBE_BYTES * (size - 1)  # each rank's bytes to the others
+        return per_row, (sent * size / spent.item() if spent.item() > 0 else 0.0)
 
     # ------------------------------------------------------------------ moving experts
     def _expert_slots(self, name: str, local: int) -> list:
@@ -331,6 +340,12 @@ class Rebalancer:
     def _expert_weight_numel(self, name: str) -> int:
         return sum(s.numel for s in self._expert_slots(name, 0))
 
+    def _wide(self, name: str) -> torch.dtype:
+        """What a replica's weights and gradients travel as: their compute dtype, at least fp32 (exact for bf16 and
+        fp16, and gloo carries it)."""
+        return torch.promote_types(self.tensors.dtype("param", self._expert_slots(name, 0)[0].segments[0].page),
+                                   torch.float32)
+
     # ------------------------------------------------------------------ hot-expert replicas
     def _refresh_replicas(self) -> None:
         """Every rank alike, after each step: the owners send their replicated experts' weights (the compute
@@ -343,13 +358,13 @@ class Rebalancer:
             incoming = sorted((layer.owner[e], e) for e, h in layer.replicas if h == me)
             send = [sum(1 for h, _ in outgoing if h == r) for r in range(self.ep.size)]
             receive = [sum(1 for o, _ in incoming if o == r) for r in range(self.ep.size)]
-            width = self._expert_weight_numel(name)
-            rows = (torch.stack([torch.cat([self.tensors.read("param", s).reshape(-1).double()
+            width, wide = self._expert_weight_numel(name), self._wide(name)
+            rows = (torch.stack([torch.cat([self.tensors.read("param", s).reshape(-1).to(wide)
                                             for s in self._expert_slots(name, layer.expert_ids.index(e))])
-                                 for _, e in outgoing]) if outgoing else torch.zeros(0, width, dtype=torch.float64))
-            got = torch.zeros(sum(receive), width, dtype=torch.float64)
+                                 for _, e in outgoing]) if outgoing else torch.zeros(0, width, dtype=wide))
+            got = torch.zeros(sum(receive), width, dtype=wide)
             self.ep.collectives.all_to_all(got, rows, receive, send, f"ep replicas {name}")
-            self.replica_bytes += rows.numel() * 8
+            self.replica_bytes += rows.numel() * rows.element_size()
             prefix = f"{name}.experts.0."
             parts = [(s.name[len(prefix):], s.numel, self.tensors.dtype("param", s.segments[0].page))
                      for s in self._expert_slots(name, 0)]
