@@ -128,7 +128,9 @@ class Engine {
                 queue_.push_back(Chunk{req, start, std::min(chunk_bytes_, nbytes - start)});
             }
         }
-        if (i > 0) not_empty_.notify_all();
+        // One waiting worker per chunk queued: waking every idle worker for one chunk costs the others a wake-up
+        // each, and on a machine with as many busy threads as cores each wake-up preempts the caller.
+        for (size_t k = 0; k < i && k < workers_.size(); ++k) not_empty_.notify_one();
         if (i == n_chunks) return req;
         py::gil_scoped_release no_gil;  // the rest may block on a full queue
         for (; i < n_chunks; ++i) {
