@@ -353,7 +353,8 @@ def test_checkpoint_async_max_gbps_is_positive_auto_or_null():
     assert load_config({"checkpoint": {"async_max_gbps": 0.5}}).checkpoint.async_max_gbps == 0.5
     assert load_config(None, ["checkpoint.async_max_gbps=2"]).checkpoint.async_max_gbps == 2.0
     assert load_config({"checkpoint": {"async_max_gbps": "Auto"}}).checkpoint.async_max_gbps == "auto"
-    assert load_config(None).checkpoint.async_max_gbps is None
+    assert load_config(None).checkpoint.async_max_gbps == "auto"  # (the default)
+    assert load_config({"checkpoint": {"async_max_gbps": None}}).checkpoint.async_max_gbps is None
     for bad in (0, -1, "fast", [1]):
         with pytest.raises(ConfigError, match="checkpoint.async_max_gbps"):
             load_config({"checkpoint": {"async_max_gbps": bad}})

@@ -393,10 +393,10 @@ class CheckpointConfig(_Section):
     # step's state. (`async` is a Python keyword.)
     async_save: bool = False
     # A save beside training writes at most this many GB/s (1e9 bytes; null: as fast as it can). Where training
-    # pages to the same disk, a paced save takes longer but slows each step less. "auto": at the pace that writes
-    # it in half the time until the next one (`every` steps at the median step time so far; unpaced without
-    # `every`). Waiting for a save (the next save, a load, close, a signal) lifts its pace.
-    async_max_gbps: Pace = None
+    # pages to the same disk, a paced save takes longer but slows each step less. "auto" (the default): at the pace
+    # that writes it in half the time until the next one (`every` steps at the median step time so far; unpaced
+    # without `every`). Waiting for a save (the next save, a load, close, a signal) lifts its pace.
+    async_max_gbps: Pace = "auto"
 
     def validate(self) -> None:
         self._require("every", self.every >= 0, ">= 0")

@@ -1,7 +1,7 @@
 """Checkpoint benchmark: save and load of a GPT whose states live mostly on disk, against the disk's ceiling.
 
     python -m tools.bench.checkpoint --dir DIR [--dim 512] [--layers 8] [--page-mib 4] [--device-frac 0.1]
-                                     [--host-frac 0.1] [--repeats 5] [--async-steps 6] [--async-gbps G|auto]
+                                     [--host-frac 0.1] [--repeats 5] [--async-steps 6] [--async-gbps auto|G|none]
                                      [--every 20]
 
 In one run, interleaved round by round so every figure sees the same disk weather:
@@ -169,9 +169,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--async-steps", type=int, default=6,
                         help="steps timed before and after the save beside training")
-    parser.add_argument("--async-gbps", type=lambda v: v if v == "auto" else float(v), default=None,
-                        help='checkpoint.async_max_gbps for the save beside training (default: unpaced; "auto": '
-                             'written in half the time of --every steps)')
+    parser.add_argument("--async-gbps", type=lambda v: v if v == "auto" else None if v == "none" else float(v),
+                        default="auto", help='checkpoint.async_max_gbps for the save beside training (default '
+                        '"auto", as the config\'s: written in half the time of --every steps; "none": unpaced)')
     parser.add_argument("--every", type=int, default=20,
                         help="checkpoint.every, the interval an \"auto\" pace spreads a save over (default 20)")
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
