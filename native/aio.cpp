@@ -248,6 +248,16 @@ class Engine {
     void run_chunk(const Chunk& chunk) {
         Request& req = *chunk.request;
         const bool checksum_pending = req.checksum;  // this call must settle the checksum part one way or another
+        if (checksum_pending && chunk.length <= kChecksumBlock) {
+            // A small chunk (one checksum block: microseconds of CRC32C) is checksummed here: handing it to a
+            // checksum thread costs a wake-up of that thread, more than the checksum, and on a machine with as many
+            // busy threads as cores each wake-up preempts someone.
+            if (req.op == Op::Write && !req.failed()) fill_block_crcs(req, chunk);
+            transfer(chunk);
+            if (req.op == Op::Read && !req.failed()) fill_block_crcs(req, chunk);
+            req.chunk_done();
+            return;
+        }
         bool checksum_queued = false;
         if (req.op == Op::Write && req.checksum && !req.failed()) {
             checksum_later(chunk);
