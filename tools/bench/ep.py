@@ -21,22 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
-import socket
 import statistics
-import sys
-import tempfile
 import time
 
 import torch
 
+from tools.bench.moe import batches, model_config
+from tools.bench.ranks import finish, spawn
+
 WAYS = ("fixed", "migrate", "replicate")
-
-
-def model_config(args) -> dict:
-    return {"vocab_size": 256, "seq_len": args.seq, "n_layer": args.layers, "n_head": 4, "dim": args.dim,
-            "moe": {"experts": args.experts, "top_k": 1, "gate": "hash", "capacity_factor": 0}}
 
 
 def engine_config(args, way: str, disk_dir: str) -> dict:
@@ -49,13 +43,6 @@ def engine_config(args, way: str, disk_dir: str) -> dict:
             "trainer": {"device": "cpu", "grad_clip": 0}, "parallel": parallel}
 
 
-def batches(args, rank: int, n: int):
-    g = torch.Generator().manual_seed(100 + rank)
-    zipf = torch.tensor([1.0 / (i + 1) ** args.zipf for i in range(256)])
-    return [(torch.multinomial(zipf, args.batch * args.seq, True, generator=g).view(args.batch, args.seq),
-             torch.randint(0, 256, (args.batch, args.seq), generator=g)) for _ in range(n)]
-
-
 def run(rank: int, world: int, port: int, args, out: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -66,7 +53,7 @@ def run(rank: int, world: int, port: int, args, out: str) -> None:
     from angel_ptm.models import GPT, GPTConfig
 
     dist.init_process_group("gloo")
-    data = batches(args, rank, args.warmup + args.steps)
+    data = batches(args, 2 * (args.warmup + args.steps))[rank::2]  # (each rank its own micro-batches)
     results = {way: [] for way in WAYS}
     for repeat in range(args.repeats):
         for way in WAYS:
@@ -90,12 +77,7 @@ def run(rank: int, world: int, port: int, args, out: str) -> None:
                                      "migrations": stats.get("migrations", 0)})
             finally:
                 engine.close()
-    with open(f"{out}.rank{rank}", "w") as f:
-        json.dump(results, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # (as tools/bench/tp.py's ranks: no interpreter teardown with gloo's threads about)
+    finish(out, rank, results)
 
 
 def balance(decisions: list, first: bool = False) -> float | None:
@@ -126,22 +108,7 @@ def main(argv=None) -> dict:
     parser.add_argument("--json", action="store_true", help="print only the JSON line")
     args = parser.parse_args(argv)
     os.makedirs(args.dir, exist_ok=True)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tempfile.mktemp(prefix="ep-bench-", dir=args.dir)
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, 2, port, args, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise SystemExit(f"ep bench: a rank failed (exit codes {[p.exitcode for p in procs]})")
-    with open(f"{out}.rank0") as f:
-        results = json.load(f)
-    for r in range(2):
-        os.unlink(f"{out}.rank{r}")
+    results = spawn(run, 2, args, name="ep")[0]  # (rank 0's)
     step = {way: statistics.median(run["step_s"] for run in results[way]) for way in WAYS}
     fixed_losses = results["fixed"][0]["losses"]
     diff = max(abs(a - b) / abs(b) for way in WAYS for run in results[way]

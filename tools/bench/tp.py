@@ -17,15 +17,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
 import os
-import socket
 import statistics
-import sys
-import tempfile
 import time
 
 import torch
+
+from tools.bench.ranks import finish
+from tools.bench.ranks import spawn as spawn_ranks
 
 
 def make_model(args):
@@ -83,40 +82,11 @@ def run(rank: int, world: int, port: int, args, out: str, overlap: bool = True) 
                   "page_bytes": args.page_kib << 10, "in_use": engine.memory_stats()["in_use"]}
     finally:
         engine.close()
-    with open(f"{out}.rank{rank}", "w") as f:
-        json.dump(result, f)
-    # Leave without interpreter teardown, as tools/bench/zero.py's ranks do: now and then a rank aborted there
-    # ("terminate called without an active exception": a gloo thread still joinable during finalization) after
-    # its result was written, failing a finished benchmark (seen once in CI on this test's 2 ranks).
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        dist.barrier()
-        dist.destroy_process_group()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish(out, rank, result)
 
 
 def spawn(world: int, args, overlap: bool = True) -> list[dict]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tempfile.mktemp(prefix="tp-bench-", dir=args.dir)
-    ctx = multiprocessing.get_context("spawn")
-    procs = [ctx.Process(target=run, args=(r, world, port, args, out, overlap)) for r in range(world)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        raise SystemExit(f"tp bench: a rank failed (exit codes {[p.exitcode for p in procs]})")
-    results = []
-    for r in range(world):
-        with open(f"{out}.rank{r}") as f:
-            results.append(json.load(f))
-        os.unlink(f"{out}.rank{r}")
-    return results
+    return spawn_ranks(run, world, args, overlap, name="tp")
 
 
 def main(argv=None) -> dict:
