@@ -1,5 +1,6 @@
 """Load-driven expert placement's decisions (angel_ptm/parallel/moe/placement.py), without processes: the greedy
-swaps at 8 ranks, the balance ratio, the cost model, and the config's refusals. The moves themselves, and that they
+swaps at 8 ranks, hot-expert replicas, the balance ratio, the cost model, and the config's refusals; a replica
+placement the layer refuses, and the binder's gradients added from elsewhere. The moves themselves, and that they
 change no loss, are tested over gloo in tests/test_moe_parallel.py."""
 
 from __future__ import annotations
@@ -145,8 +146,8 @@ def test_ep_groups_and_the_ranks_holding_the_same_experts_at_8_ranks():
 
 def test_a_held_tensors_gradient_is_final_only_once_the_gradients_from_elsewhere_are_added():
     """ParamBinder.add_grads, as an owner adds its replicas' gradients in backward: a tensor in `held_grads` is not
-    final at its own accumulation, so the planned scheduler's update during backward (one rank; 4 KiB pages, the tensor on two)
-    applies the sum, as torch.optim.AdamW does with the same gradient added."""
+    final at its own accumulation, so the planned scheduler's update during backward (one rank; 4 KiB pages, the
+    tensor on two) applies the sum, as torch.optim.AdamW does with the same gradient added."""
     import angel_ptm
 
     def build():
@@ -182,3 +183,26 @@ def test_a_held_tensors_gradient_is_final_only_once_the_gradients_from_elsewhere
             torch.testing.assert_close(got[name], want, rtol=1e-6, atol=1e-7)
     finally:
         engine.close()
+
+
+def test_a_replica_placement_that_cannot_be_is_refused_and_one_without_weights_cannot_run():
+    from angel_ptm.errors import DistributedError
+    from angel_ptm.models.moe import MoE, MoESpec
+    from angel_ptm.parallel.moe import EPComm, apply_expert_parallel
+
+    holder = nn.Module()
+    holder.moe = MoE(8, 16, MoESpec(experts=4, top_k=1, gate="switch"))
+    apply_expert_parallel(holder, EPComm.planning(2))  # (rank 0 of 2: experts 0 and 1 here)
+    for bad in ([(0, 0)], [(2, 0), (2, 0)], [(4, 1)], [(1, 2)]):  # the owner; twice; no such expert; no such rank
+        with pytest.raises(DistributedError, match="MoE replicas"):
+            holder.moe.set_placement(holder.moe.placement, bad)
+    holder.moe.set_placement(holder.moe.placement, [(2, 0)])
+    assert holder.moe.replica_modules == [None] and holder.moe._width == 3
+    holder.moe.load_replicas({2: {n: torch.ones_like(p) for n, p in holder.moe.experts[0].named_parameters()}},
+                             torch.device("cpu"))
+    copy = holder.moe.replica_modules[0]
+    assert all(p.eq(1).all() for p in copy.parameters()) and not any(p is q for p in copy.parameters()
+                                                                     for q in holder.moe.parameters())
+    assert not any(p is q for p in copy.parameters() for q in holder.parameters())  # (outside the model)
+    holder.moe.set_placement(holder.moe.placement, [(2, 0), (3, 0)])
+    assert holder.moe.replica_modules[0] is copy and holder.moe.replica_modules[1] is None  # kept where still held

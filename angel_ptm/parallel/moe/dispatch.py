@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from angel_ptm.errors import ConfigValueError
+from angel_ptm.errors import ConfigValueError, DistributedError
 from angel_ptm.models.moe import MoE
 from angel_ptm.parallel.collectives import Collectives
 from angel_ptm.parallel.mesh import Group, Mesh
@@ -185,8 +185,10 @@ class ExpertParallelMoE(MoE):
                 self.owner[e] = r
         on = [[e for e, h in self.replicas if h == r] for r in range(len(self.placement))]
         for e, h in self.replicas:
-            if h == self.owner[e] or on[h].count(e) > 1:
-                raise ValueError(f"expert {e}: a replica on rank {h} holds it already")
+            ranks = len(self.placement)
+            if not (0 <= e < experts and 0 <= h < ranks) or h == self.owner[e] or on[h].count(e) > 1:
+                raise DistributedError(f"MoE replicas: ({e}, {h}) is no expert copy rank {h} may hold (experts "
+                                       f"0..{experts - 1}, ranks 0..{ranks - 1}, not the owner, once)")
         # Every rank runs `width` slots: its own experts, then its replicas (the same width on every rank)
         self._width = local + max((len(held) for held in on), default=0)
         holders = [[(self.owner[e], self.placement[self.owner[e]].index(e))] for e in range(experts)]
@@ -212,7 +214,7 @@ class ExpertParallelMoE(MoE):
                 module = self.replica_modules[j] = copy.deepcopy(template).to_empty(device=device)
             for name, param in module.named_parameters():
                 value = weights[e][name]
-                param.data = value.to(device=device, dtype=value.dtype).reshape(param.shape).clone()
+                param.data = value.to(device).reshape(param.shape).clone()
                 param.grad = None
 
     def _slot_positions(self, expert: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
@@ -278,6 +280,9 @@ class ExpertParallelMoE(MoE):
         for e in order + [e for e in running if e >= local]:  # (disjoint rows: the same results in any order)
             rows_of = (owner == e).nonzero(as_tuple=True)[0]
             module = self.experts[e] if e < local else self.replica_modules[e - local]
+            if module is None:
+                raise DistributedError(f"MoE replica of expert {self._held[e - local]} on ep rank {ep.rank} has "
+                                       f"no weights: load_replicas() after set_placement()")
             outputs = outputs.index_copy(0, rows_of, module(inputs.index_select(0, rows_of)))
         if measured:
             self.clock.stop(started, inputs.shape[0])

@@ -249,8 +249,9 @@ class Rebalancer:
                                           binder.add_grads(self._replica_grad_names(name, local, grads)))
 
     def stats(self) -> dict:
-        """Experts moved so far (each swap moves two), this rank's bytes sent moving them, the decisions made, and
-        the last one (step and per layer: ratios, swaps, cost and gain)."""
+        """Experts moved so far (each swap moves two), this rank's bytes sent moving them, the replicas in place
+        (every layer's) and this rank's bytes sent refreshing them, the decisions made, and the last one (step and
+        per layer: ratios, swaps, replicas, cost and gain)."""
         return {"migrations": self.migrations, "bytes_moved": self.bytes_moved, "decisions": len(self.decisions),
                 "replicas": sum(len(layer.replicas) for _, layer in self.layers), "replica_bytes": self.replica_bytes,
                 "last": self.decisions[-1] if self.decisions else None}
