@@ -52,6 +52,7 @@ from angel_ptm.models import build_model
 from angel_ptm.parallel.grad_sync import reduction_buffer_bytes
 from angel_ptm.parallel.ownership import (Ownership, gather_capacity, gather_reserve, min_gather_device_pages,
                                           osdp_replicable, with_experts)
+from angel_ptm.parallel.moe.placement import replica_bytes
 
 MIXED_MASTER_NOTE = "param and grad pages hold bf16/fp16 in half their bytes"
 STALE_MASTER_NOTE = "optimizer.staleness 1: the delayed update writes it while a step computes with the param pages"
@@ -110,6 +111,7 @@ class Estimate:
     expert_gather_pages: int = 0  # ZeRO-3 with ep < dp: one MoE layer's expert pages, gathered while it computes
     collective_bytes: dict = field(default_factory=dict)  # per step, bytes this rank hands to each collective
     checkpoint_staging_bytes: int = 0  # checkpoint.async_save: host RAM a save beside training copies pages into
+    replica_bytes: int = 0  # parallel.moe_replicas: hot-expert copies (weights and gradients), outside the pools
 
     @property
     def fits(self) -> bool:
@@ -171,6 +173,9 @@ class Estimate:
         if self.collective_buffer_bytes:
             lines.append(f"  reduce-scatter buffers {format_bytes(self.collective_buffer_bytes)}, on the "
                          f"{self.compute_device} outside the page pools")
+        if self.replica_bytes:
+            lines.append(f"  hot-expert copies up to {format_bytes(self.replica_bytes)} (parallel.moe_replicas: "
+                         f"weights and their gradients), on the {self.compute_device} outside the page pools")
         lines.append(f"  activation peak {act}, on the {self.compute_device} outside the page pools")
         if self.activation_page_bytes:
             lines.append(f"  activation pages: room for {format_bytes(self.activation_page_bytes)} "
@@ -345,13 +350,16 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     # the step's end, held while it writes (checkpoint.async_save; checkpoint/planners.py: Snapshot).
     saved = sum(counts[kind] for kind in kinds if PageKind(kind).checkpointed) * page_bytes
     staged = min(saved, pools["device"] + pools["host"]) if config.checkpoint.async_save else 0
+    # Hot-expert copies (parallel.moe_replicas) live beside the pools on the compute device, as activations do
+    copies = replica_bytes(model, config.parallel.moe_replicas, compute_dtype(config))
     host_ram = (pools["host"] + staged
-                + (0 if device.type == "cuda" else pools["device"] + (activation or 0) + buffers))
-    device_memory = pools["device"] + (activation or 0) + buffers
+                + (0 if device.type == "cuda" else pools["device"] + (activation or 0) + buffers + copies))
+    device_memory = pools["device"] + (activation or 0) + buffers + copies
     if gpu_free is not None and device_memory > gpu_free:
         problems.append(Problem("device", device_memory, gpu_free,
                                 f"the device pool ({format_bytes(pools['device'])})"
                                 + (f", collective buffers ({format_bytes(buffers)})" if buffers else "")
+                                + (f", hot-expert copies ({format_bytes(copies)})" if copies else "")
                                 + f" and activations ({format_bytes(activation or 0)}) in "
                                 + ("the given GPU memory" if gpu_memory is not None else "free GPU memory")
                                 + (activation_suggestion(acts, gpu_free - pools["device"] - buffers)
@@ -367,6 +375,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if host_ram > ram_available:
         problems.append(Problem("host", host_ram, ram_available,
                                 "the page pools" + ("" if device.type == "cuda" else " and activations")
+                                + (f", hot-expert copies ({format_bytes(copies)})"
+                                   if copies and device.type != "cuda" else "")
                                 + (f", checkpoint.async_save's copy of the saved pages in memory "
                                    f"({format_bytes(staged)})" if staged else "")
                                 + " in available RAM"
@@ -408,6 +418,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         expert_gather_pages=expert_pages,
         osdp_groups=osdp_replicable(gather_groups, chain_groups) if own.gathers and config.parallel.osdp else 0,
         collective_bytes=collective_bytes(own, layout, page_bytes), checkpoint_staging_bytes=staged,
+        replica_bytes=copies,
     )
 
 

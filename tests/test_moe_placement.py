@@ -206,3 +206,27 @@ def test_a_replica_placement_that_cannot_be_is_refused_and_one_without_weights_c
     assert not any(p is q for p in copy.parameters() for q in holder.parameters())  # (outside the model)
     holder.moe.set_placement(holder.moe.placement, [(2, 0), (3, 0)])
     assert holder.moe.replica_modules[0] is copy and holder.moe.replica_modules[1] is None  # kept where still held
+
+
+def test_the_estimate_counts_each_ranks_hot_expert_copies_beside_the_pools():
+    """parallel.moe_replicas K: a rank holds at most K copies per MoE layer (plan_replicas' limit), each an
+    expert's weights and, in backward, their gradients, in the compute dtype, outside the page pools: on a CPU they
+    count in the host RAM needed."""
+    from angel_ptm.estimate import estimate_job
+    from angel_ptm.parallel import Ownership
+
+    base = {"model": {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 2, "dim": 32,
+                      "moe": {"experts": 4, "top_k": 1}},
+            "memory": {"page_bytes": "4KiB"}, "trainer": {"device": "cpu"},
+            "parallel": {"dp": 2, "ep": 2, "zero": 1, "moe_rebalance_every": 4}}
+    without = estimate_job(base, ownership=Ownership(0, 2, 1))
+    for copies, dtype, size in ((1, "float32", 4), (2, "float32", 4), (2, "bfloat16", 2)):
+        cfg = dict(base, parallel=dict(base["parallel"], moe_replicas=copies), trainer={"device": "cpu",
+                                                                                         "dtype": dtype})
+        got = estimate_job(cfg, ownership=Ownership(0, 2, 1))
+        expert = 3 * 32 * 4 * 32  # the SwiGLU expert's w1, w2, w3 (dim 32, hidden 4 x dim) ...
+        assert got.replica_bytes == 2 * copies * 2 * expert * size  # ... x 2 layers, weights and gradients
+        if dtype == "float32":
+            assert got.host_ram_needed == without.host_ram_needed + got.replica_bytes
+        assert "hot-expert copies" in got.format_table()
+    assert without.replica_bytes == 0 and "hot-expert copies" not in without.format_table()

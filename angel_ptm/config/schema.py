@@ -334,8 +334,8 @@ class ParallelConfig(_Section):
     # rank and layer, where the cost model says they pay (each copy's weights out and gradients back every step). A
     # replica computes its share of the expert's rows (each rank's rows dealt equally over the owner and the
     # replicas); its gradients go to the owner in backward, which alone holds and updates the expert's states; the
-    # owner's new weights reach the replicas after every step. Replica weights live beside the pages, on the device
-    # (memory_stats: moe_rebalance.replicas). 0: experts only swap ranks.
+    # owner's new weights reach the replicas after every step. Replica weights live beside the pages, on the device,
+    # counted by the estimate as activations are (memory_stats: moe_rebalance.replicas). 0: experts only swap ranks.
     moe_replicas: int = 0
     # Sequence parallelism (tp > 1): norms and the residual stream on sequence shards; all-gather before the
     # column-parallel linears, reduce-scatter after the row-parallel ones.

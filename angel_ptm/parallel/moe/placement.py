@@ -166,6 +166,20 @@ def decide(layer: str, loads: list[float], slots: list[list[int]], threshold: fl
     return decision
 
 
+def replica_bytes(model, per_rank: int, dtype: torch.dtype | None) -> int:
+    """The most bytes one rank's hot-expert copies take beside the pages (`parallel.moe_replicas` = `per_rank` copies
+    per MoE layer, as plan_replicas places them): each copy's weights and, in backward, their gradients, in the
+    compute dtype (`dtype`; None: the parameters' own)."""
+    from angel_ptm.models.moe import MoE
+
+    total = 0
+    for layer in model.modules():
+        if isinstance(layer, MoE) and len(layer.experts) and per_rank:
+            weights = sum(p.numel() * (dtype or p.dtype).itemsize for p in layer.experts[0].parameters())
+            total += per_rank * 2 * weights
+    return total
+
+
 @dataclass
 class Decision:
     """What one layer's rebalance found: the ratios before and after, the swaps, their cost and gain (seconds)."""
