@@ -280,6 +280,9 @@ class PageLoadPlanner(LoadPlanner):
         # come from several files (another rank count) is held once per file.
         self._items: dict[int, int] = {}
         self._extents: dict[int, list[Extent]] = {}
+        # Pages this load made afresh (discarded, then zero-filled when first held): their bytes outside the items
+        # are zeros already, and nothing but the load writes them while it runs
+        self._zeroed: set[int] = set()
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.metadata = metadata
@@ -359,7 +362,10 @@ class PageLoadPlanner(LoadPlanner):
         self.release_all()
         if not self.started:
             self._clear_targets()
-        self.engine.manager.acquire([page], Tier.HOST)  # a page in memory is written where it is
+        manager = self.engine.manager
+        if page.dead and page.kind not in manager.clearers:  # (acquired, it is zero-filled: PageManager._materialize)
+            self._zeroed.add(page.id)
+        manager.acquire([page], Tier.HOST)  # a page in memory is written where it is
         self._current = page
         self._items.setdefault(page.id, 0)
         self._extents.setdefault(page.id, [])
@@ -405,5 +411,5 @@ class PageLoadPlanner(LoadPlanner):
             return
         extents = tuple(sorted(extents, key=lambda e: e.page_offset))
         buffer = page.buffer
-        if zero_outside(buffer, extents):
+        if page.id in self._zeroed or zero_outside(buffer, extents):
             disk.offer(page, Source(extents, page.version, disk.engine.checksum(buffer)))
