@@ -200,10 +200,9 @@ class ExpertParallelMoE(MoE):
         self._position = torch.tensor([[r * self._width + j for r, j in h] + [-1] * (ways - len(h)) for h in holders])
         self._ways = torch.tensor([len(h) for h in holders])
         self._moved = bool(self.replicas) or self._position[:, 0].tolist() != list(range(experts))
+        keep = dict(zip(getattr(self, "_held", ()), getattr(self, "replica_modules", ())))  # (copies still held)
         self._held = on[self.ep.rank]  # the experts whose replicas this rank holds, in its slots' order
-        keep = dict(zip(getattr(self, "_held_before", ()), getattr(self, "replica_modules", ())))
         self.replica_modules = [keep.get(e) for e in self._held]  # (weights: load_replicas, after every step)
-        self._held_before = list(self._held)
 
     def load_replicas(self, weights: dict[int, dict[str, torch.Tensor]], device: torch.device) -> None:
         """This rank's replicas take their owners' current weights (by expert, by parameter name within it)."""
