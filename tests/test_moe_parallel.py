@@ -268,7 +268,7 @@ def rebalance_jobs(tmp: str) -> list:
             job("not-moved-bf16", **bf16),
             job("moved-bf16", rebalance=2, rebalance_threshold=1.0, rebalance_pays=True, **bf16),
             job("replicated", rebalance=2, rebalance_threshold=1.0, rebalance_pays=True, replicas=1, hot_expert=1,
-                **REBALANCE),
+                save_at=4, save_to=os.path.join(tmp, "replicated"), **REBALANCE),
             job("replicated-bf16", rebalance=2, rebalance_threshold=1.0, rebalance_pays=True, replicas=1,
                 hot_expert=1, **bf16),
             job("too-costly", rebalance=2, rebalance_threshold=1.0, **dict(REBALANCE, steps=2))]
@@ -415,6 +415,18 @@ def test_hot_expert_replicas_placed_mid_run_change_no_loss(two_ranks, suffix, re
     assert placed[0] and any(1 in [e for e, _ in r] for r in placed)  # copies of the hot expert from step 2
     for step, (a, e) in enumerate(zip(got["losses"], still["losses"])):
         assert a == pytest.approx(e, rel=rel), f"step {step}: without replicas {e}, with {a}"
+
+
+def test_a_checkpoint_taken_with_replicas_in_place_resumes_on_one_rank(two_ranks, tmp_path):
+    """Copies are not saved (the owner holds every state): the checkpoint after step 4, with copies in place since
+    step 2, resumes on one rank and continues as the 2-rank run did (within 1e-5)."""
+    saved = two_ranks[0]["replicated"]
+    assert any(layer["replicas"] for d in saved["rebalances"] if d["step"] <= 4 for layer in d["layers"].values())
+    resumed = train(0, 1, dict(job("resume", **dict(REBALANCE, final_states=False)), ep=1, accum=2,
+                               load=os.path.join(two_ranks[0]["tmp"], "replicated")), str(tmp_path))
+    assert len(resumed["losses"]) == 2
+    for a, e in zip(resumed["losses"], saved["losses"][4:]):
+        assert a == pytest.approx(e, rel=1e-5)
 
 
 def test_a_checkpoint_after_experts_moved_resumes_on_one_rank(two_ranks, tmp_path):
