@@ -2,6 +2,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from angel_ptm.memory import BeladyPolicy, LRUPolicy, count_misses
+from angel_ptm.memory.policy import RestingSet
 
 # The reference string of the operating-systems textbooks (Silberschatz et al.), 3 frames.
 TEXTBOOK = [7, 0, 1, 2, 0, 3, 0, 4, 2, 3, 0, 3, 2, 1, 2, 0, 1, 7, 0, 1]
@@ -73,3 +74,53 @@ def test_belady_keeps_next_uses_between_evictions_and_still_picks_what_a_fresh_s
         else:
             pool = sorted(candidates)
             assert policy.victim(pool, group) == _farthest(future, pool, policy._now, policy.history._last_use)
+
+
+@settings(max_examples=120, deadline=None)
+@given(future=st.lists(st.integers(0, 9), max_size=40),
+       ops=st.lists(st.tuples(st.sampled_from(["access", "seek", "join", "leave", "victim", "plain"]),
+                              st.integers(0, 60), st.sampled_from(["device", "host"]), st.booleans()),
+                    max_size=80))
+def test_belady_reading_the_managers_live_resting_sets_picks_what_a_fresh_scan_picks(future, ops):
+    """Given the manager's live candidate sets (RestingSet: the index reads only the pages that joined since its
+    last choice), with pages joining and leaving between choices, accesses, seeks back and forth, an excluded page
+    and now and then a plain collection for the same group, the victim is the one a scan from scratch names."""
+    policy = BeladyPolicy(future)
+    sets = {"device": RestingSet(), "host": RestingSet(range(3))}
+    for op, number, group, flag in ops:
+        live = sets[group]
+        if op == "access":
+            policy.on_access(number % 10)
+        elif op == "seek":
+            policy.seek(number)
+        elif op == "join":
+            live.add(number % 10)
+        elif op == "leave":
+            live.discard(number % 10)
+        elif live:
+            exclude = number % 10 if flag else None
+            choices = sorted(pid for pid in live if pid != exclude)
+            if not choices:
+                continue
+            given_set = sorted(live) if op == "plain" else live
+            expected = _farthest(future, choices, policy._now, policy.history._last_use)
+            assert policy.victim(given_set, group, exclude=exclude) == expected
+
+
+def test_lru_and_belady_never_pick_the_excluded_page():
+    assert LRUPolicy().victim([3, 4], exclude=3) == 4
+    belady = BeladyPolicy([1, 2])
+    assert belady.victim(RestingSet([1, 2]), "device", exclude=2) == 1
+    assert belady.victim(RestingSet([1, 2]), "device") == 2  # (another live set for the group: compared in full)
+
+
+def test_belady_on_a_live_set_rekeys_a_page_accessed_while_it_rested():
+    """A page used (or passed over by the clock) while it stays a candidate gets a fresh key: no join tells the
+    index, its own rekey does."""
+    belady = BeladyPolicy([1, 2, 1, 3, 3, 2])
+    live = RestingSet([1, 2])
+    assert belady.victim(live, "host") == 2  # next uses: 1 at 0, 2 at 1
+    belady.on_access(1)
+    assert belady.victim(live, "host") == 1  # now 1 at 2, 2 at 1
+    belady.seek(4)  # the clock passes 2's use at 1 unused... and 1's at 2
+    assert belady.victim(live, "host") == 1  # 1 never again, 2 at 5

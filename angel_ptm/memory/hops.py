@@ -60,12 +60,11 @@ class NonBlockingMoves:
         next_use = getattr(self.policy, "next_use", None)
         if next_use is None:
             return False
-        candidates = self._candidates(tier)  # (a fresh set)
-        if keep is not None:
-            candidates.discard(keep.id)
-        if not candidates:
+        candidates = self._candidates(tier)
+        exclude = keep.id if keep is not None else None
+        if not candidates or (len(candidates) == 1 and exclude in candidates):
             return False
-        victim = self.pages[self.policy.victim(candidates, tier)]
+        victim = self.pages[self.policy.victim(candidates, tier, exclude=exclude)]
         if next_use(victim.id) <= need:
             return False  # everything here is needed sooner than the page we would make room for
         if tier is Tier.DEVICE and not victim.droppable and self.pools[Tier.HOST].free_slots == 0:

@@ -22,7 +22,7 @@ from angel_ptm.memory.guards import PageGuards
 from angel_ptm.memory.hops import NonBlockingMoves
 from angel_ptm.memory.moves import Move, Prefetch
 from angel_ptm.memory.page import RESTING_STATE, Page, PageState, Tier
-from angel_ptm.memory.policy import LRUPolicy, Policy
+from angel_ptm.memory.policy import LRUPolicy, Policy, RestingSet
 from angel_ptm.memory.remote import RemotePages
 from angel_ptm.memory.tiers import BufferPool, DiskTier
 from angel_ptm.trace.recorder import TraceRecorder
@@ -47,9 +47,8 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
         self.zero_copy = zero_copy and device_pool.can_trade(host_pool)
         self.copier = Copier(device_pool.device, asynchronous=async_copies and not self.zero_copy)
         self.pages: list[Page] = []
-        # The eviction candidates of each tier (pages resting there, unpinned), kept up to date by each page's
-        # watcher: an eviction no longer scans every page. `_indexed`: how many of `pages` are watched.
-        self._resting: dict[Tier, set[int]] = {tier: set() for tier in RESTING_STATE}
+        # Each tier's eviction candidates (resting there, unpinned), kept by the pages' watchers; `_indexed`: watched.
+        self._resting: dict[Tier, RestingSet] = {tier: RestingSet() for tier in RESTING_STATE}
         self._rest_of: dict[int, Tier | None] = {}
         self._indexed = 0
         self._moves: dict[int, Move] = {}
@@ -351,11 +350,11 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
         page.transition(PageState.DISK)
         self._emit("drop", page, src, Tier.DISK)
 
-    def _candidates(self, tier: Tier) -> set[int]:
-        """The pages resting on `tier`, unpinned (their ids, a set of the caller's own: every policy's choice among
-        them is by key alone)."""
+    def _candidates(self, tier: Tier) -> RestingSet:
+        """The pages resting on `tier`, unpinned: the live set (never changed by the caller), so that a policy's
+        victim index reads only what joined it since its last choice."""
         self._watch_new()
-        return set(self._resting[tier])
+        return self._resting[tier]
 
     def _watch_new(self) -> None:
         if self._indexed < len(self.pages):  # pages made since (here, or remote ones): watched from now on

@@ -13,10 +13,32 @@ from collections import defaultdict
 from typing import Collection, Iterable, Protocol, Sequence
 
 
+class RestingSet(set):
+    """A tier's eviction candidates (the page ids resting there, unpinned), as the manager keeps them, with a log of
+    the ids that joined since a policy last read it: a victim index then catches up with the joins instead of
+    comparing every candidate on every eviction. The log holds each id once, so it is never larger than the
+    number of pages."""
+
+    __slots__ = ("_joined",)
+
+    def __init__(self, ids: Iterable[int] = ()):
+        super().__init__(ids)
+        self._joined: set[int] = set(self)
+
+    def add(self, page_id: int) -> None:
+        super().add(page_id)
+        self._joined.add(page_id)
+
+    def take_joined(self) -> set[int]:
+        """The ids added since the last call (some may have left again), and a fresh log."""
+        joined, self._joined = self._joined, set()
+        return joined
+
+
 class Policy(Protocol):
     def on_access(self, page_id: int) -> None: ...
 
-    def victim(self, candidates: Collection[int], group=None) -> int: ...
+    def victim(self, candidates: Collection[int], group=None, exclude: int | None = None) -> int: ...
 
 
 class LRUPolicy:
@@ -32,10 +54,11 @@ class LRUPolicy:
         self._clock += 1
         self._last_use[page_id] = self._clock
 
-    def victim(self, candidates: Collection[int], group=None) -> int:
-        if not candidates:
+    def victim(self, candidates: Collection[int], group=None, exclude: int | None = None) -> int:
+        choices = [pid for pid in candidates if pid != exclude]
+        if not choices:
             raise ValueError("no eviction candidates")
-        return min(candidates, key=self.recency)
+        return min(choices, key=self.recency)
 
     def recency(self, page_id: int) -> tuple[int, int]:
         """(when the page was last accessed, its id): smaller is older (never accessed: the oldest)."""
@@ -58,8 +81,9 @@ class BeladyPolicy:
 
     def set_future(self, future: Iterable[int], start: int = 0) -> None:
         """Replace the known sequence; position `start` is the next access."""
+        self._sequence = list(future)
         self._uses: dict[int, list[int]] = defaultdict(list)
-        for position, page_id in enumerate(future):
+        for position, page_id in enumerate(self._sequence):
             self._uses[page_id].append(position)
         self._now = start
         self.deviations = 0
@@ -72,11 +96,14 @@ class BeladyPolicy:
         self._heaps: dict = {}  # group -> heap of (negated key, stamp, page): the farthest next use on top
         self._expiry: dict = {}  # group -> heap of (next use, stamp, page): keys the clock will pass
         self._known: dict = {}  # group -> pages with a current entry in its heap
+        self._rekeyed: dict = {}  # group -> pages rekeyed since its last victim (a fresh entry may be due)
+        self._logs: dict = {}  # group -> the RestingSet whose joins it has read (its later joins are all it reads)
 
     def seek(self, position: int) -> None:
         """The next access is `position` of the known sequence (a scheduler keeps the clock in step with it)."""
-        if position < self._now:
-            self._reset_index()  # next uses move back: every key may change
+        if position < self._now:  # the pages used in between have their next uses moved back: only their keys
+            for page_id in set(self._sequence[max(0, position):self._now]):
+                self._rekey(page_id)
         self._now = position
 
     def next_use(self, page_id: int) -> float:
@@ -99,39 +126,57 @@ class BeladyPolicy:
         self._stamp[page_id] = self._stamp.get(page_id, 0) + 1
         for known in self._known.values():
             known.discard(page_id)
+        for rekeyed in self._rekeyed.values():
+            rekeyed.add(page_id)
 
     def _is_expected(self, page_id: int) -> bool:
         uses = self._uses[page_id]
         i = bisect.bisect_left(uses, self._now)
         return i < len(uses) and uses[i] == self._now
 
-    def victim(self, candidates: Collection[int], group=None) -> int:
-        """Farthest next use first; among equals the least recently used; then the lowest id (deterministic).
+    def victim(self, candidates: Collection[int], group=None, exclude: int | None = None) -> int:
+        """Farthest next use first; among equals the least recently used; then the lowest id (deterministic);
+        never `exclude`.
 
         This runs on every eviction and every look for room, over every unpinned page of a tier (`group`: which
         tier's, so each keeps its own index): a heap per group holds the candidates by key, each entry valid until
         the page is used (its next use moves on, its last use is now) or the clock passes its next use unused (a
         skipped access): then a fresh entry is pushed. A call costs a few heap operations, not a ranking of
-        thousands of pages."""
-        if not candidates:
+        thousands of pages: given a `RestingSet` (the manager's own, live), only the pages that joined it or were
+        rekeyed since the group's last call are looked at; given any other collection, every candidate is."""
+        if not candidates or (exclude is not None and len(candidates) == 1 and exclude in candidates):
             raise ValueError("no eviction candidates")
         heap = self._heaps.setdefault(group, [])
         expiry = self._expiry.setdefault(group, [])
         known = self._known.setdefault(group, set())
+        rekeyed = self._rekeyed.setdefault(group, set())
         stamps, now = self._stamp, self._now
         while expiry and expiry[0][0] < now:  # the clock passed these pages' next uses without them
             _, stamp, pid = heapq.heappop(expiry)
             if stamps.get(pid, 0) == stamp:
                 self._rekey(pid)
-        wanted = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
+        if isinstance(candidates, RestingSet) and self._logs.get(group) is candidates:
+            wanted = candidates
+            joined = candidates.take_joined()
+            fresh = [pid for pid in (joined | rekeyed if rekeyed else joined) if pid in wanted and pid not in known]
+        else:  # a collection of the caller's, or a resting set seen for the first time here: compare them all
+            for other in [g for g, log in self._logs.items() if log is candidates or g == group]:
+                del self._logs[other]  # (a log has one reader: another group reading it would miss joins)
+            if isinstance(candidates, RestingSet):
+                candidates.take_joined()
+                self._logs[group] = candidates
+            wanted = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
+            fresh = wanted - known
+        rekeyed.clear()
         last_use = self.history._last_use
-        for pid in wanted - known:
+        for pid in fresh:
             nxt = self.next_use(pid)
             stamp = stamps.get(pid, 0)
             heapq.heappush(heap, ((-nxt, last_use.get(pid, 0), pid), stamp, pid))
             if nxt != float("inf"):
                 heapq.heappush(expiry, (nxt, stamp, pid))
             known.add(pid)
+        passed, found = [], None  # `exclude`'s entries, put back once the choice is made
         while heap:
             _, stamp, pid = heap[0]
             if stamp != stamps.get(pid, 0):
@@ -139,9 +184,16 @@ class BeladyPolicy:
             elif pid not in wanted:
                 heapq.heappop(heap)  # no longer a candidate here (moved, pinned): pushed again if it comes back
                 known.discard(pid)
+            elif pid == exclude:
+                passed.append(heapq.heappop(heap))  # kept out of this choice only
             else:
-                return pid
-        raise AssertionError("every candidate has an entry")  # (pushed above)
+                found = pid
+                break
+        for entry in passed:
+            heapq.heappush(heap, entry)
+        if found is None:
+            raise AssertionError("every candidate has an entry")  # (pushed above)
+        return found
 
 
 def count_misses(policy: Policy, sequence: Sequence[int], capacity: int) -> int:
