@@ -9,6 +9,7 @@ import torch
 from angel_ptm.checkpoint.buffers import BufferPool, anonymous_buffer
 from angel_ptm.errors import ChecksumError
 from angel_ptm.memory import Page, PageState
+from angel_ptm.memory import memops
 
 # A page in these states, unpinned and unchanged, still holds the saved bytes in its (current) slot
 _MOVED = frozenset({PageState.TO_HOST, PageState.TO_DEVICE, PageState.HOST, PageState.DEVICE})
@@ -54,7 +55,7 @@ class Snapshot:
 
     def _copy(self, buffer: torch.Tensor) -> torch.Tensor:
         self.copied_bytes += self.page_bytes
-        return anonymous_buffer(self.page_bytes).copy_(buffer.view(torch.uint8).reshape(-1))
+        return memops.copy_(anonymous_buffer(self.page_bytes), buffer.view(torch.uint8).reshape(-1))
 
     def _before_change(self, page: Page) -> None:
         """(The training thread, at a guarded page's next change.) A page moving between the device and host tiers
@@ -86,7 +87,7 @@ class Snapshot:
             with self._lock:
                 entry = self._entries[page.id]
                 if entry[0] == "live":  # untouched since the save: its bytes are still in its slot
-                    buffer = self._take_scratch().copy_(entry[1].view(torch.uint8).reshape(-1))
+                    buffer = memops.copy_(self._take_scratch(), entry[1].view(torch.uint8).reshape(-1))
                     self._entries[page.id] = ("read",)
                     # only now: the copy lets the GIL go, and training may reach the page meanwhile (its guard
                     # then waits for this lock, and finds the page read)

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from angel_ptm.errors import PageIOError
+from angel_ptm.memory import memops
 
 
 @dataclass(frozen=True)
@@ -153,7 +154,7 @@ class BackedReader:
         position = 0
         for extent in source.extents:
             if extent.page_offset > position:
-                buffer[position: extent.page_offset].zero_()
+                memops.zero_(buffer[position: extent.page_offset])
             target = view[extent.page_offset: extent.page_offset + extent.nbytes]
             done = 0
             while done < extent.nbytes:
@@ -169,7 +170,7 @@ class BackedReader:
                 done += got
             position = extent.page_offset + extent.nbytes
         if position < len(view):
-            buffer[position:].zero_()
+            memops.zero_(buffer[position:])
         return self.checksum(buffer)
 
     def close(self) -> None:

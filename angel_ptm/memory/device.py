@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from angel_ptm.errors import BudgetError
+from angel_ptm.memory import memops
 
 
 def compute_device(preference: str = "auto") -> torch.device:
@@ -85,7 +86,7 @@ class Copier:
         """Start a copy of `src` into `dst`; `wait=True` says the caller waits at once (done inline on CPU)."""
         if not self.is_cuda:
             if self._pool is None or wait:
-                dst.copy_(src)
+                memops.copy_(dst, src)
                 return _DONE
             # One plain memcpy on the copy thread (numpy releases the GIL and uses no thread team of its own, so
             # it does not contend with compute's intra-op threads the way a second torch parallel copy would).

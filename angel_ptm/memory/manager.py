@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 
 from angel_ptm.errors import BudgetError, ChecksumError, PageIOError, PageStateError
+from angel_ptm.memory import memops
 from angel_ptm.memory.device import Copier, CopyHandle
 from angel_ptm.memory.guards import PageGuards
 from angel_ptm.memory.hops import NonBlockingMoves
@@ -84,7 +85,7 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
                 page.disk_slot = self.disk.alloc_or_reclaim(kind, self.pages)
             else:
                 page.buffer = self._alloc(tier)
-                page.buffer.zero_()
+                memops.zero_(page.buffer)
         except Exception:
             self.pages.pop()
             self._indexed = min(self._indexed, len(self.pages))
@@ -266,7 +267,7 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
         """A dead page's new working copy: a zeroed slot on `tier`, nothing read (its old contents are dead)."""
         buffer = self._alloc(tier)
         clear = self.clearers.get(page.kind)
-        clear(page.index, buffer) if clear is not None else buffer.zero_()
+        clear(page.index, buffer) if clear is not None else memops.zero_(buffer)
         page.transition(PageState.FROM_DISK)
         page.transition(PageState.HOST)
         if tier is Tier.DEVICE:
