@@ -33,8 +33,9 @@ class NonBlockingMoves:
                 return Hop.BLOCKED  # in use where it is: its holder's views must stay valid
             step_to = dst if page.dead and page.state is PageState.DISK else order[here + 1]
             if self.pools[step_to].free_slots == 0:
-                if need is None or not self.make_room_async(step_to, need, keep=page) or \
-                        self.pools[step_to].free_slots == 0:
+                if need is not None and not self.make_room_async(step_to, need, keep=page):
+                    return Hop.FULL
+                if need is None or self.pools[step_to].free_slots == 0:
                     return Hop.BLOCKED  # the eviction under way frees the slot later (a drop frees it at once)
             if page.dead and page.state is PageState.DISK:
                 self._materialize(page, step_to)

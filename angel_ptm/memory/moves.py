@@ -44,10 +44,13 @@ class Prefetch:
 
 
 class Hop(enum.Enum):
-    """What `try_hop` did with one page: started a move, had nothing to do, or must wait for room / a move."""
+    """What `try_hop` did with one page: started a move, had nothing to do, must wait for room / a move, or must
+    wait and nothing on the full tier is used later than the `need` it was given (FULL: no eviction started; a page
+    needed later still finds none until something there is used or leaves)."""
 
     __hash__ = object.__hash__  # (as Tier's)
 
     STARTED = "started"
     NOTHING = "nothing"
     BLOCKED = "blocked"
+    FULL = "full"

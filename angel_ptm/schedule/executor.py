@@ -36,6 +36,7 @@ from angel_ptm.schedule.runs import OptionalRuns
 from angel_ptm.schedule.trace import StepRecorder, StepTrace, merge_optional
 from angel_ptm.trace.recorder import TraceRecorder
 
+INF = float("inf")
 RESYNC_WINDOW = 64  # accesses searched ahead of the plan's position for an unexpected access
 # Accesses ahead whose planned disk reads may start early into free host slots. Measured with tools.bench.overlap
 # on CPU: the scheduled step is 4-5% shorter with 16 to 128 than with 8 on two I/O-bound shapes, the same within
@@ -78,12 +79,11 @@ class Executor:
     """Issues planned moves on the manager's queues.
 
     Fetches are issued in plan order. One whose page is still on its way up (the previous hop) is passed over
-    for the moment, so disk reads stay many deep; the first one that finds no free slot stops the scan: it starts
-    the eviction that will free one (a page used after the access the fetch serves: Belady) and is retried on the
-    next pump. Evictions are the manager's, made to room for fetches, so a step whose residency differs from the
-    plan's simulation (after an evaluation pass, say) still evicts correctly. A fetch for an access already past
-    is dropped: acquire fetched that page on demand.
-    """
+    for the moment, so disk reads stay many deep; one that finds no free slot starts the eviction that will free
+    one (a page used after the access the fetch serves: Belady) and is retried on the next pump; when there is
+    none, no later fetch of that pump looks. Evictions are the manager's, made to room for fetches, so a step
+    whose residency differs from the plan's (after an evaluation pass, say) still evicts correctly. A fetch for
+    an access already past is dropped: acquire fetched that page on demand."""
 
     SCAN = 64  # queued fetches looked at per pump
 
@@ -93,8 +93,7 @@ class Executor:
         self.counts: Counter = Counter()
         # Pages whose fetches serving this step's accesses (serves < horizon) are held, not issued: experts the
         # gate routed no token to, or predicted cold whose gate has not routed yet (Scheduler.route, _hold_cold).
-        # Their fetches wait in `parked`: issued if the gate routes to them after all (`resume`), else dropped at
-        # the step's end.
+        # Their fetches wait in `parked`: issued if the gate routes to them after all (`resume`), else dropped.
         self.cancelled: set[int] = set()
         self.horizon = 0
         self.parked: list[Op] = []
@@ -141,6 +140,7 @@ class Executor:
         next_use = getattr(manager.policy, "next_use", None)
         kept: list[Op] = []
         waiting: Counter = Counter()  # fetches held back for room, per tier: each may have one eviction under way
+        full: dict[tuple, float] = {}  # hop -> least need it was FULL for: a later need is FULL too, this pump
         moves, i = self.moves, 0
         while i < len(moves) and len(kept) < self.SCAN:
             op = moves[i]
@@ -164,9 +164,12 @@ class Executor:
             if page.pin_count or manager.moving(page):
                 kept.append(op)  # in use, or the previous hop is still under way: later moves go ahead
                 continue
-            may_evict = need is not None and manager.leaving(op.dst) <= waiting[op.dst]
+            hop = (page.tier, op.dst)
+            may_evict = need is not None and need < full.get(hop, INF) and manager.leaving(op.dst) <= waiting[op.dst]
             result = manager.try_hop(page, op.dst, need if may_evict else None)
-            if result is Hop.BLOCKED:
+            if result is Hop.BLOCKED or result is Hop.FULL:
+                if result is Hop.FULL:
+                    full[hop] = min(full.get(hop, INF), need)
                 kept.append(op)
                 waiting[op.dst] += 1
                 continue
