@@ -124,3 +124,21 @@ def test_belady_on_a_live_set_rekeys_a_page_accessed_while_it_rested():
     assert belady.victim(live, "host") == 1  # now 1 at 2, 2 at 1
     belady.seek(4)  # the clock passes 2's use at 1 unused... and 1's at 2
     assert belady.victim(live, "host") == 1  # 1 never again, 2 at 5
+
+
+def test_belady_on_live_sets_keeps_its_index_bounded_over_many_steps():
+    """Steps of accesses, evictions and seeks back to the start (no full rebuild any more) leave the index's heaps
+    a bounded size: stale entries are dropped once they outnumber the live ones, and the choices stay a scan's."""
+    future = [i % 50 for i in range(0, 400, 3)]
+    policy = BeladyPolicy(future)
+    live = RestingSet(range(50))
+    for _ in range(200):
+        policy.seek(0)
+        for position, pid in enumerate(future):
+            live.discard(pid)  # pinned while used
+            policy.on_access(pid)
+            live.add(pid)
+            if position % 3 == 0:
+                assert policy.victim(live, "host") == _farthest(future, sorted(live), policy._now,
+                                                                policy.history._last_use)
+    assert len(policy._heaps["host"]) + len(policy._expiry["host"]) <= 4 * 50 + 1024 + 50

@@ -168,6 +168,11 @@ class BeladyPolicy:
             wanted = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
             fresh = wanted - known
         rekeyed.clear()
+        if len(heap) + len(expiry) > 4 * len(known) + 1024:  # stale entries pile up below the top: drop them
+            heap[:] = [e for e in heap if e[2] in known and e[1] == stamps.get(e[2], 0)]
+            expiry[:] = [e for e in expiry if e[2] in known and e[1] == stamps.get(e[2], 0)]
+            heapq.heapify(heap)
+            heapq.heapify(expiry)
         last_use = self.history._last_use
         for pid in fresh:
             nxt = self.next_use(pid)
