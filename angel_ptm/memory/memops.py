@@ -7,8 +7,10 @@ spinning worker holds is the one the I/O threads, the checkpoint's read-ahead or
 here (2 cores, a checkpoint load of 4 MiB pages): with the pages zero-filled by `zero_()` a second thread burned
 ~0.2 s of CPU per load and the load took 0.30 s; by libc's memset, 0.25 s.
 
-Large CPU buffers therefore go through libc's `memset` / `memmove` by ctypes (a foreign call: the GIL is released
-while it runs); everything else (small, strided, other devices, a dtype change) through torch's own op.
+Contiguous CPU buffers from 32 KiB therefore go through libc's `memset` / `memmove` by ctypes, with the GIL kept
+below 1 MiB (handing it to another Python thread for a few microseconds of work costs this one a wait to get it
+back, up to the interpreter's switch interval: the collectives' waiter threads are there to take it) and released
+from 1 MiB; everything else (small, strided, other devices, a dtype change, no libc) through torch's own op.
 """
 
 from __future__ import annotations
@@ -19,6 +21,27 @@ import torch
 
 # torch runs an elementwise op on one thread below 32768 elements; a uint8 view of a 32 KiB buffer is already that.
 DIRECT_BYTES = 32 << 10
+RELEASE_GIL_BYTES = 1 << 20
+
+
+def _libc(loader) -> tuple | None:
+    """(memset, memmove) of the C library this process runs with, loaded by `loader` (PyDLL: the GIL kept during
+    a call; CDLL: released); None where there is none to load (the torch op serves then)."""
+    try:
+        lib = loader(None)
+        memset, memmove = lib.memset, lib.memmove
+    except (OSError, AttributeError, TypeError):
+        return None
+    memset.argtypes, memset.restype = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t], ctypes.c_void_p
+    memmove.argtypes, memmove.restype = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t], ctypes.c_void_p
+    return memset, memmove
+
+
+_HOLD, _RELEASE = _libc(ctypes.PyDLL), _libc(ctypes.CDLL)
+
+
+def _calls(nbytes: int) -> tuple | None:
+    return _RELEASE if nbytes >= RELEASE_GIL_BYTES else _HOLD
 
 
 def _direct(t: torch.Tensor) -> int:
@@ -30,8 +53,9 @@ def _direct(t: torch.Tensor) -> int:
 def zero_(t: torch.Tensor) -> torch.Tensor:
     """`t.zero_()` (all bytes zero: +0.0 for floats), off the intra-op pool for a large CPU buffer."""
     nbytes = _direct(t)
-    if nbytes:
-        ctypes.memset(t.data_ptr(), 0, nbytes)
+    calls = _calls(nbytes) if nbytes else None
+    if calls is not None:
+        calls[0](t.data_ptr(), 0, nbytes)
         return t
     return t.zero_()
 
@@ -39,7 +63,8 @@ def zero_(t: torch.Tensor) -> torch.Tensor:
 def copy_(dst: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """`dst.copy_(src)`, off the intra-op pool when both are large CPU buffers of one dtype and shape."""
     nbytes = _direct(dst)
-    if nbytes and dst.dtype == src.dtype and dst.shape == src.shape and _direct(src):
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
+    calls = _calls(nbytes) if nbytes and dst.dtype == src.dtype and dst.shape == src.shape and _direct(src) else None
+    if calls is not None:
+        calls[1](dst.data_ptr(), src.data_ptr(), nbytes)
         return dst
     return dst.copy_(src)
