@@ -3,9 +3,10 @@
 torch's `zero_()` and `copy_()` of a CPU tensor past its grain size (32768 elements) run on the intra-op pool, whose
 workers then spin on their cores for a while after the op. Compute needs that pool; the runtime's own byte moves do
 not (they are memory-bound: one thread streams them at memory speed), and on a machine with few cores the core a
-spinning worker holds is the one the I/O threads, the checkpoint's read-ahead or the copy thread needed. Measured
-here (2 cores, a checkpoint load of 4 MiB pages): with the pages zero-filled by `zero_()` a second thread burned
-~0.2 s of CPU per load and the load took 0.30 s; by libc's memset, 0.25 s.
+spinning worker holds is the one the I/O threads, the checkpoint's read-ahead or another rank needed. Measured
+here (2 cores, a checkpoint load of 4 MiB pages): with the pages zero-filled by `zero_()` an intra-op worker burned
+~0.17 s of CPU per load beside the loading thread's ~0.16 s; by libc's memset, none (the load's wall time on an
+otherwise idle machine: the same within noise, ~0.27 s).
 
 Contiguous CPU buffers from 32 KiB therefore go through libc's `memset` / `memmove` by ctypes, with the GIL kept
 below 1 MiB (handing it to another Python thread for a few microseconds of work costs this one a wait to get it
