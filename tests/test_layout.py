@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch import nn
 
@@ -78,3 +79,35 @@ def test_first_use_order_follows_the_forward_pass():
 
     order = first_use_order(Reversed(), torch.zeros(1, 4))
     assert order == ["inner.first.weight", "inner.first.bias", "inner.second.weight", "inner.second.bias"]
+
+
+def test_a_tensor_that_fills_its_last_page_leaves_the_open_page_open():
+    # "b" fills pages 1-2 exactly: "c" still fits the rest of page 0, where "a" is
+    tensors = [("a", torch.zeros(10)), ("b", torch.zeros(2048)), ("c", torch.zeros(10)), ("d", torch.zeros(1500))]
+    layout = PageLayout.build(tensors, page_bytes=4 * KIB)
+    assert [s.pages for s in layout.slots] == [[0], [1, 2], [0], [3, 4]]
+    assert layout.slot("c").segments[0].offset == 16
+
+
+@pytest.mark.parametrize("page_kib", [4, 12, 16, 48, 256])
+def test_each_moe_expert_is_on_pages_of_its_own(page_kib):
+    """However the sizes fall against the page size, no page holds two experts' tensors or an expert's and another
+    tensor's (a step that routes an expert no token leaves all of its pages alone), and each expert's tensors come
+    one after another."""
+    from angel_ptm.units import expert_page_indexes, moe_layers
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=256, seq_len=16, n_layer=3, n_head=2, dim=48,
+                          moe={"experts": 4, "top_k": 1, "every": 2}))
+    layout = build_layout(model, page_bytes=page_kib * KIB)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert len(moe_layers(model)) == 1
+    for layer in moe_layers(model):
+        own = expert_page_indexes(layer, model, layout)
+        for expert, pages in zip(layer.experts, own):
+            slots = [layout.slot(names[id(p)]) for p in expert.parameters()]
+            assert {p for s in slots for p in s.pages} == pages  # every page of its tensors holds only them
+            order = [s.name for s in layout.slots]
+            at = [order.index(s.name) for s in slots]
+            assert at == list(range(at[0], at[0] + len(at)))
+    assert sum(s.numel for s in layout.slots) == sum(p.numel() for p in model.parameters())

@@ -8,6 +8,10 @@ page kind (parameters, gradients, master weights, optimizer states): page i of e
 The layout is a pure function of (tensor names, shapes, dtypes, order, page_bytes, dp_world_size, compute_dtype,
 which tensors are frozen).
 
+Tensors can be kept apart in groups (`apart`: MoE experts, build_layout): a group's tensors are on pages of their
+own, which no tensor outside it shares, so a step that leaves the group alone (an expert no token was routed to)
+leaves its pages alone too.
+
 Frozen tensors (`requires_grad=False` at initialize) come last, on pages of their own: pages
 [0, n_trainable_pages) hold the trainable tensors and exist in every kind; the pages after them exist only as
 parameters (no gradient, master or optimizer-state pages: `kind_pages`).
@@ -145,10 +149,11 @@ class PageLayout:
     @classmethod
     def build(cls, tensors: Iterable[tuple[str, torch.Tensor]], page_bytes: int, dp_world_size: int = 1,
               compute_dtype: torch.dtype | None = None, frozen: Iterable[str] = (),
-              local: Iterable[str] = ()) -> "PageLayout":
+              local: Iterable[str] = (), apart: Iterable[Iterable[str]] = ()) -> "PageLayout":
         """`compute_dtype` (bf16/fp16): mixed precision, floating tensors stored in it and packed at fp32's size.
         `frozen`: names of tensors without gradients, which must come after every trainable one. `local`: names of
-        rank-local trainable tensors, which must come after the other trainable ones and start a page group."""
+        rank-local trainable tensors, which must come after the other trainable ones and start a page group.
+        `apart`: groups of tensor names, each on pages of its own (its tensors come one after another)."""
         if page_bytes <= 0 or page_bytes % ALIGN_BYTES:
             raise ValueError(f"page_bytes must be a positive multiple of {ALIGN_BYTES}, got {page_bytes}")
         if dp_world_size < 1:
@@ -165,6 +170,8 @@ class PageLayout:
 
         master_dtype = torch.float32 if compute_dtype is not None else None
         frozen, local = set(frozen), set(local)
+        group_of = {name: g for g, names in enumerate(apart) for name in names}
+        group = None  # the group of the tensor before (None: in no group)
         n_trainable = None
         local_start = None
         for name, tensor in tensors:
@@ -182,6 +189,8 @@ class PageLayout:
                 n_trainable, open_page = len(page_dtypes), {}
             elif name not in frozen and n_trainable is not None:
                 raise ValueError(f"frozen tensors must come last: '{name}' is trainable and follows a frozen one")
+            if group_of.get(name) != group:  # a group starts or ends: its pages hold nothing from outside it
+                group, open_page = group_of.get(name), {}
             dtype, esize, numel = tensor.dtype, tensor.element_size(), tensor.numel()
             if master_dtype is not None and dtype.is_floating_point:
                 dtype, esize = compute_dtype, master_dtype.itemsize  # offsets count elements, the same in all kinds
@@ -197,12 +206,15 @@ class PageLayout:
             per_page = page_bytes // esize
             segments, start = [], 0
             while start < numel or not segments:
-                page = new_page(dtype)
+                fresh = new_page(dtype)
                 count = min(per_page, numel - start)
-                segments.append(Segment(page, 0, count, start))
-                used[page] = count * esize
+                segments.append(Segment(fresh, 0, count, start))
+                used[fresh] = count * esize
                 start += count
-            open_page[dtype] = segments[-1].page
+            # A tensor that fills its last page leaves the page open before it open (the next small tensor fits
+            # there); any other makes its last page the open one.
+            if page is None or used[fresh] < page_bytes:
+                open_page[dtype] = fresh
             slots.append(TensorSlot(name, tuple(tensor.shape), dtype, tuple(segments)))
 
         while len(page_dtypes) % dp_world_size:  # pad to whole page groups
@@ -241,7 +253,10 @@ def build_layout(module: nn.Module, page_bytes: int, dp_world_size: int = 1,
                  local: Iterable[str] = ()) -> PageLayout:
     """The layout of `module`'s parameters (shared parameters once), in `order` or registration order, the
     rank-local ones (`local`: expert parallelism's experts) after the other trainable ones, the frozen ones
-    (`requires_grad=False`) last; `compute_dtype`: mixed precision (PageLayout.build)."""
+    (`requires_grad=False`) last; `compute_dtype`: mixed precision (PageLayout.build). Each MoE expert's tensors
+    (units.expert_modules) are on pages of their own, one after another, where its first tensor would be."""
+    from angel_ptm.units import expert_modules  # (units.py builds on the memory package)
+
     params = dict(module.named_parameters())
     names = list(order) if order is not None else list(params)
     missing = set(params) - set(names)
@@ -249,10 +264,32 @@ def build_layout(module: nn.Module, page_bytes: int, dp_world_size: int = 1,
         raise ValueError(f"order leaves out parameters: {sorted(missing)[:5]}")
     frozen = {n for n in names if not params[n].requires_grad}
     local = set(local) - frozen
-    names = ([n for n in names if n not in frozen and n not in local] + [n for n in names if n in local]
-             + [n for n in names if n in frozen])
+    known = {id(p): n for n, p in params.items()}
+    group_of: dict[str, int] = {}  # (a parameter shared by several experts: in the first one's group)
+    for g, expert in enumerate(expert_modules(module)):
+        for p in expert.parameters():
+            group_of.setdefault(known[id(p)], g)
+    groups = [[] for _ in range(max(group_of.values(), default=-1) + 1)]
+    for name in names:
+        if name in group_of:
+            groups[group_of[name]].append(name)
+
+    def together(section: list[str]) -> list[str]:  # each group's members of `section` where its first one is
+        out, done = [], set()
+        for name in section:
+            g = group_of.get(name)
+            if g is None:
+                out.append(name)
+            elif g not in done:
+                done.add(g)
+                members = set(groups[g])
+                out.extend(n for n in section if n in members)
+        return out
+
+    names = (together([n for n in names if n not in frozen and n not in local])
+             + together([n for n in names if n in local]) + together([n for n in names if n in frozen]))
     return PageLayout.build(((n, params[n]) for n in names), page_bytes, dp_world_size, compute_dtype, frozen,
-                            local)
+                            local, apart=groups)
 
 
 def largest_module(model: nn.Module, layout: PageLayout) -> tuple[str, int]:
