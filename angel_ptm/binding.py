@@ -30,7 +30,7 @@ from torch import nn
 from angel_ptm import guard
 from angel_ptm.activations import ActivationPages, PackedActivation, Recomputation
 from angel_ptm.activations.recompute import checkpoint_modes
-from angel_ptm.errors import ParameterAccessError
+from angel_ptm.errors import ConfigValueError, ParameterAccessError
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
 from angel_ptm.units import PagingUnit, unit_pages
 
@@ -89,6 +89,16 @@ class _Saved:
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor, self.storage = tensor, tensor.untyped_storage().data_ptr()
+
+
+def refuse_sparse_gradients(model: nn.Module) -> None:
+    """A ConfigValueError naming the first module that would give its parameters sparse gradients (nn.Embedding or
+    nn.EmbeddingBag with sparse=True): gradient pages are dense, and AdamW (torch's too) takes dense gradients."""
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+            raise ConfigValueError(f"{name or '<root>'}: {type(module).__name__}(sparse=True) gives sparse gradients, "
+                                   f"which paged AdamW does not take (nor does torch.optim.AdamW): build it with "
+                                   f"sparse=False")
 
 
 class ParamBinder:

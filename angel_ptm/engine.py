@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from angel_ptm.binding import ParamBinder
+from angel_ptm.binding import ParamBinder, refuse_sparse_gradients
 from angel_ptm.config import Config, load_config
 from angel_ptm.failure import Failure
 from angel_ptm.estimate import estimate_job
@@ -62,6 +62,7 @@ class Engine(StateAccess, EngineViews):
 
     def _set_up(self, model: nn.Module, config: Config, trace: TraceRecorder | None, units: UnitsSpec,
                 example_inputs) -> None:
+        refuse_sparse_gradients(model)
         self._paging = Paging()  # the tiers, opened in order; closed whole by close() or a failed start
         self.model, self.config = model, config
         self.trace = trace or TraceRecorder(None)
@@ -108,7 +109,7 @@ class Engine(StateAccess, EngineViews):
         self.meta_init = self.tensors.fill_from(model)
         if "master" in self.pages:
             cast_master_into_parameters(model, self.scheduler, self.pages, self.layout, own, self.compute_dtype)
-        buffers_onto(model, self.device)  # (those built on the meta device computed there: GPT's RoPE tables)
+        buffers_onto(model, self.device, self.compute_dtype)  # (meta ones computed there: GPT's RoPE tables)
 
         self.binder = ParamBinder(model, self.layout, self.manager, self.pages["param"], self.pages["grad"],
                                   self.device, self.units, access=self.scheduler)

@@ -96,4 +96,4 @@ def release(param: nn.Parameter, data: torch.Tensor) -> None:
 
 def placeholder(param: torch.Tensor, device: torch.device) -> torch.Tensor:
     """A tensor of `param`'s shape and dtype holding one element (zero strides): what an unbound parameter's data is."""
-    return torch.zeros((1,), dtype=param.dtype, device=device).expand(param.shape)
+    return torch.zeros((), dtype=param.dtype, device=device).expand(param.shape)  # (a 0-dim parameter too)

@@ -20,11 +20,13 @@ is sent on to disk at once, so the host holds only pages being filled or brought
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from angel_ptm.errors import ActivationError
+from angel_ptm.errors import ActivationError, BudgetError
 from angel_ptm.memory import Page, Tier
 
 KIND = "activation"
@@ -139,8 +141,10 @@ class ActivationPages:
             self._free.remove(index)
         else:
             index = len(self.pages)
-            self.pages.append(self.scheduler.manager.create_page(KIND, torch.uint8, index=index, tier=Tier.HOST,
-                                                                  untouched=True))
+            with self._room():
+                page = self.scheduler.manager.create_page(KIND, torch.uint8, index=index, tier=Tier.HOST,
+                                                          untouched=True)
+            self.pages.append(page)
             self._live.append(0)
         self.scheduler.acquire([self.pages[index]], Tier.DEVICE, label=f"act:save:{index}")
         self._open, self._cursor = index, 0
@@ -159,6 +163,18 @@ class ActivationPages:
         self._settle()
         self._push_behind()
 
+    @contextmanager
+    def _room(self):
+        """A tier out of room for activation pages: a BudgetError that says whose room ran out."""
+        try:
+            yield
+        except BudgetError as exc:
+            raise BudgetError(exc.tier, exc.requested, exc.available,
+                              what=f"activation pages ({len(self.pages)} made, {len(self.pages) * self.page_bytes} "
+                                   f"bytes): the room the estimate made for them is spent (sized from initialize's "
+                                   f"example_inputs where the model is not angel_ptm's GPT; raise "
+                                   f"memory.{exc.tier}_budget otherwise)") from exc
+
     def end_forward(self) -> None:
         self._close_page()
 
@@ -169,7 +185,8 @@ class ActivationPages:
             if page.dead or (page.tier is Tier.DISK and not self.scheduler.manager.moving(page)):
                 continue  # read back and discarded already, or there
             if not page.pin_count:
-                self.scheduler.write_behind(page)
+                with self._room():
+                    self.scheduler.write_behind(page)
             waiting.append(page)
         self._behind = waiting
 

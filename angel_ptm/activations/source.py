@@ -19,6 +19,14 @@ from angel_ptm.models.gpt import ActivationFootprint, Block, activation_footprin
 from angel_ptm.units import find_units
 
 log = logging.getLogger("angel_ptm")
+_warned: set[str] = set()
+
+
+def _warn_once(message: str, *args) -> None:
+    text = message % args
+    if text not in _warned:
+        _warned.add(text)
+        log.warning(text)
 _WARNED: set = set()  # (model type, reason) of the traces that failed and said so
 
 
@@ -119,6 +127,10 @@ def activation_page_bytes(acts: ActivationSource, states_bytes: int) -> int:
         return 0
     footprint = acts.footprint()
     if footprint is None:
+        _warn_once("activations.offload %s: the activations of this %s are unknown without example_inputs, so "
+                    "the room for its activation pages is a guess (%s, the size of its states); pass "
+                    "example_inputs= to angel_ptm.initialize to size it", acts.config.activations.offload,
+                    type(acts.model).__name__, format_bytes(states_bytes))
         return states_bytes
     page = acts.config.memory.page_bytes
     # A tensor that fits a page never straddles two: up to a tenth more, and two pages per unit of slack.

@@ -218,13 +218,20 @@ def registration_order(model: nn.Module) -> list[tuple[str, nn.Module, bool]]:
     return out
 
 
-def buffers_onto(model: nn.Module, device: torch.device) -> None:
-    """Every buffer of `model` on `device`: those on the meta device computed there first."""
+def buffers_onto(model: nn.Module, device: torch.device, compute_dtype: torch.dtype | None = None) -> None:
+    """Every buffer of `model` on `device`: those on the meta device computed there first. `compute_dtype` (mixed
+    precision): the floating buffers of a module with floating parameters of its own (batch norm's running
+    statistics) in that dtype too, as its parameters are, the way `model.to(dtype)` leaves them (torch's kernels
+    take them in the parameters' dtype); a module without parameters keeps its buffers' dtypes (RoPE tables)."""
     materialize_buffers(model, device)
     for name, module in model.named_modules():
+        cast = compute_dtype is not None and any(p.is_floating_point() for p in module.parameters(recurse=False))
         for key, buffer in module._buffers.items():
-            if buffer is not None and buffer.device != device:
-                module._buffers[key] = buffer.to(device)
+            if buffer is None:
+                continue
+            dtype = compute_dtype if cast and buffer.is_floating_point() else buffer.dtype
+            if buffer.device != device or buffer.dtype != dtype:
+                module._buffers[key] = buffer.to(device, dtype)
 
 
 def materialize_buffers(model: nn.Module, device: torch.device) -> None:

@@ -79,7 +79,7 @@ class PagedAdamW:
             grad_page = self.pages["grad"][index]
             self.access.acquire([grad_page], self.update_tier, label="opt:norm")
             view = grad_page.view(self.page_dtypes[index])
-            wide = None if view.dtype == torch.float32 else torch.float32  # bf16/fp16 gradients: norms in fp32
+            wide = torch.float32 if view.dtype.itemsize < 4 else None  # bf16/fp16 gradients: norms in fp32
             norms = torch.stack([torch.linalg.vector_norm(view[offset : offset + numel], 2.0, dtype=wide)
                                  for offset, numel in segments])
             per_page.append((index, norms.to(torch.float64).square().sum()))

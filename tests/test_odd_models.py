@@ -1,0 +1,143 @@
+"""Models with parts the engine was not written for, as an outside probe found them: a 0-dim parameter, a float64
+one under clipping, batch norm under bf16, sparse embeddings, and offloaded activations of a model whose footprint
+is unknown. Each trains as torch does, or is refused with a typed error that says what to change."""
+
+import pytest
+import torch
+from torch import nn
+
+import angel_ptm
+from angel_ptm.errors import BudgetError, ConfigValueError
+from tests.test_engine_equivalence import assert_same_losses
+
+ADAMW = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
+
+
+def config(tmp_path, **trainer):
+    return {"optimizer": ADAMW, "memory": {"page_bytes": "4KiB", "disk_dir": str(tmp_path)},
+            "trainer": {"device": "cpu", "grad_clip": 0, **trainer}}
+
+
+class OddParameters(nn.Module):
+    """A learnable 0-dim temperature and a float64 vector beside an ordinary layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = nn.Linear(8, 8)
+        self.temperature = nn.Parameter(torch.tensor(0.7))
+        self.scale = nn.Parameter(torch.randn(8, dtype=torch.float64))
+
+    def forward(self, x):
+        return ((torch.tanh(self.lin(x)) * self.temperature).double() * self.scale).float().pow(2).mean()
+
+
+def test_a_0dim_and_a_float64_parameter_train_like_torch_with_clipping(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 8, generator=g) for _ in range(4)]
+    model = OddParameters()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    expected, norms = [], []
+    for x in batches:
+        loss = model(x)
+        loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)))
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    engine = angel_ptm.initialize(OddParameters(), config(tmp_path, grad_clip=0.05))
+    losses, engine_norms = [], []
+    try:
+        for x in batches:
+            loss = engine(x)
+            engine.backward(loss)
+            engine_norms.append(engine.clip_grad_norm(0.05))
+            engine.step()
+            losses.append(loss.item())
+        assert engine.parameter("temperature").shape == () and engine.parameter("scale").dtype == torch.float64
+        assert torch.allclose(engine.parameter("scale"), model.scale.detach(), rtol=1e-6, atol=0)
+        assert float(engine.parameter("temperature")) == pytest.approx(model.temperature.item(), rel=1e-6)
+    finally:
+        engine.close()
+    assert_same_losses(expected, losses)
+    assert engine_norms == pytest.approx(norms, rel=1e-6)
+
+
+class Normed(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 1))
+
+    def forward(self, x):
+        return self.net(x).float().pow(2).mean()
+
+
+def test_batch_norm_under_bf16_keeps_its_running_statistics_in_bf16_as_model_to_does(tmp_path):
+    """trainer.dtype bfloat16: a module's floating buffers go to the compute dtype with its parameters (batch norm's
+    kernels take its running statistics in its weight's dtype), as `model.to(torch.bfloat16)` has them; the
+    losses and statistics are those of plain torch in bf16 with fp32 master weights."""
+    g = torch.Generator().manual_seed(2)
+    batches = [torch.randn(16, 6, generator=g) for _ in range(4)]
+    plain = Normed()
+    master = [p.detach().clone() for p in plain.parameters()]
+    plain.to(torch.bfloat16)
+    opt = torch.optim.AdamW(master, lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    expected = []
+    for x in batches:
+        loss = plain(x.bfloat16())
+        loss.backward()
+        for m, p in zip(master, plain.parameters()):
+            m.grad, p.grad = p.grad.float(), None
+        opt.step()
+        with torch.no_grad():
+            for m, p in zip(master, plain.parameters()):
+                p.copy_(m)
+        expected.append(loss.item())
+    model = Normed()
+    engine = angel_ptm.initialize(model, config(tmp_path, dtype="bfloat16"))
+    try:
+        losses = []
+        for x in batches:
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+    finally:
+        engine.close()
+    bn, ref = model.net[1], plain.net[1]
+    assert bn.running_mean.dtype == torch.bfloat16 and bn.num_batches_tracked.dtype == torch.int64
+    assert torch.equal(bn.running_mean, ref.running_mean) and torch.equal(bn.running_var, ref.running_var)
+    assert losses == expected
+
+
+def test_a_sparse_embedding_is_refused_at_initialize_naming_it(tmp_path):
+    model = nn.Sequential(nn.Embedding(10, 4, sparse=True), nn.Linear(4, 1))
+    with pytest.raises(ConfigValueError, match=r"^0: Embedding\(sparse=True\) gives sparse gradients"):
+        angel_ptm.initialize(model, config(tmp_path))
+
+
+class Wide(nn.Module):
+    """Activations far larger than the states: 64 x 4096 floats saved per step, 2 KiB of parameters."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a = nn.Linear(4, 128)
+        self.b = nn.Linear(128, 1)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.a(x))).pow(2).mean()
+
+
+def test_offloaded_activations_of_an_unknown_footprint_warn_then_say_whose_room_ran_out(tmp_path, caplog):
+    job = dict(config(tmp_path), activations={"offload": "disk", "offload_min_bytes": 256})
+    with caplog.at_level("WARNING", logger="angel_ptm"):
+        engine = angel_ptm.initialize(Wide(), job)
+    assert "pass example_inputs= to angel_ptm.initialize" in caplog.text
+    try:
+        with pytest.raises(BudgetError, match="activation pages .* the room the estimate made for them is spent"):
+            loss = engine(torch.randn(4096, 4))
+            engine.backward(loss)
+    finally:
+        engine.close()
