@@ -108,6 +108,7 @@ class Estimate:
     collective_buffer_bytes: int = 0  # ZeRO 2-3: the reduce-scatters' own buffers, outside the pools
     osdp_groups: int = 0  # parallel.osdp: page groups that may be kept replicated (parallel/ownership.osdp_replicable)
     gather_pages: int = 0  # ZeRO-3: device slots those groups take at most
+    device_floor_pages: int = 0  # ZeRO-3: no device budget is cut below this many slots (memory/budgets.py)
     expert_gather_pages: int = 0  # ZeRO-3 with ep < dp: one MoE layer's expert pages, gathered while it computes
     collective_bytes: dict = field(default_factory=dict)  # per step, bytes this rank hands to each collective
     checkpoint_staging_bytes: int = 0  # checkpoint.async_save: host RAM a save beside training copies pages into
@@ -270,17 +271,20 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     remote_pages = own.remote_count(layout.n_pages)  # ZeRO-3: other ranks' parameter pages, gathered here in turn
     paged = activation_page_bytes(acts, states_bytes)  # activations.offload's pages
     offload = config.activations.offload
+    max_tensor_pages = max((len(slot.segments) for slot in layout.slots), default=1)
+    # ZeRO-3's fewest device slots with the update on the device (the most it pins): no budget is cut below it
+    floor = min_gather_device_pages(chain_groups, own.dp, gather_reserve(max_tensor_pages, group)) if own.gathers \
+        else 0
     planned = plan_budgets(mem.device_budget, mem.host_budget, mem.disk_budget, states_bytes, device, page_bytes,
                            gpu_free=gpu_free, ram_available=ram_available, slack_bytes=largest * page_bytes,
                            share=local_world_size, gathered_bytes=remote_pages * page_bytes,
-                           activation_bytes=paged, activation_tier=offload)
+                           activation_bytes=paged, activation_tier=offload, device_floor_bytes=floor * page_bytes)
     budgets = {"device": planned.device, "host": planned.host, "disk": planned.disk}
     slots = {tier: budgets[tier] // page_bytes for tier in TIERS}
     update = update_tier(device, slots["device"], slots["host"], n_states, group)
     gather_groups = gather_pages = gather_min = 0
     if own.gathers:
-        reserve = gather_reserve(max(len(slot.segments) for slot in layout.slots),
-                                 group if update == "device" else 0)
+        reserve = gather_reserve(max_tensor_pages, group if update == "device" else 0)
         gather_min = min_gather_device_pages(chain_groups, own.dp, reserve)
         local = layout.local_pages[1] - layout.local_pages[0] if layout.local_pages is not None else 0
         gather_groups = gather_capacity(chain_groups, own.dp, slots["device"], reserve,  # (experts: never gathered)
@@ -415,6 +419,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         master_note=STALE_MASTER_NOTE if config.trainer.dtype == "float32" else MIXED_MASTER_NOTE,
         gpu_memory_given=gpu_memory is not None,
         zero=own.stage, largest_unit_groups=chain_groups, gather_groups=gather_groups, gather_pages=gather_pages,
+        device_floor_pages=floor,
         expert_gather_pages=expert_pages,
         osdp_groups=osdp_replicable(gather_groups, chain_groups) if own.gathers and config.parallel.osdp else 0,
         collective_bytes=collective_bytes(own, layout, page_bytes), checkpoint_staging_bytes=staged,

@@ -61,7 +61,8 @@ def open_paging(paging: Paging, config, layout, kinds, ownership, estimate, mesh
         mem.device_budget, mem.host_budget, mem.disk_budget, n_states * page_bytes, device, paging.disk_dir,
         page_bytes, slack_bytes=keep_free * page_bytes, share=mesh.local_world_size,
         gathered_bytes=ownership.remote_count(layout.n_pages) * page_bytes,
-        activation_bytes=estimate.activation_page_bytes, activation_tier=config.activations.offload)
+        activation_bytes=estimate.activation_page_bytes, activation_tier=config.activations.offload,
+        device_floor_bytes=estimate.device_floor_pages * page_bytes)
     if mesh.local_world_size > 1:  # the processes on this machine share its cores
         set_adam_threads(max(1, (os.cpu_count() or 1) // mesh.local_world_size))
     paging.io = create_engine(mem.io_threads, mem.queue_depth)

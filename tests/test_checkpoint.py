@@ -286,8 +286,12 @@ def test_a_damaged_checkpoint_is_a_typed_error_naming_the_file_and_the_previous_
         with pytest.warns(UserWarning, match="skipping corrupt checkpoint"):
             extra, path = ckpts.load_latest(fresh)
         assert path == ckpts.path(2) and extra == {"step": 2}
+        # set aside, not deleted: the resumed run saves the same step again where the corrupt one was
+        assert not newest.exists() and newest.with_name("step-4.corrupt").is_dir()
         loss_fn, data = CASES["mlp"][2], batches("mlp")
         assert [step(fresh, loss_fn, data[s]) for s in (2, 3)] == losses[2:]
+        ckpts.save(fresh, 4, {"step": 4})
+        assert ckpts.latest() == newest and ckpts.load_latest(fresh) == ({"step": 4}, newest)
     finally:
         fresh.close()
 

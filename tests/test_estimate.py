@@ -437,3 +437,25 @@ def test_reduce_scatter_buffers_count_in_ram_on_a_cpu_for_zero_2_and_3_only():
         assert estimate.collective_buffer_bytes == expected, stage
         assert estimate.host_ram_needed - expected == alone.host_ram_needed  # the same pools otherwise
         assert ("reduce-scatter buffers" in estimate.format_table()) == bool(expected)
+
+
+@pytest.mark.parametrize("device_budget", ["auto", "1MiB"])
+@pytest.mark.parametrize("page", ["4KiB", "64MiB"])
+def test_zero3_on_a_model_smaller_than_its_gather_room_fits_any_ample_budget(device_budget, page, tmp_path):
+    """ZeRO-3 on 2 ranks needs the largest unit's gathered groups beside the pages a rank pins of its own, which can
+    be more slots than a small model has pages: an ample (or "auto") device budget is not cut below that."""
+    from angel_ptm.parallel import Ownership
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.Tanh(), torch.nn.Linear(40, 8))
+    model[0].bias.requires_grad_(False)
+    config = load_config(None, [f"memory.page_bytes={page}", f"memory.device_budget={device_budget}",
+                                f"memory.disk_dir={tmp_path}", "trainer.device=cpu"])
+    estimate = estimate_job(config, model, ownership=Ownership(0, 2, 3), local_world_size=2, device=CPU)
+    floor = estimate.device_floor_pages
+    assert floor * estimate.page_bytes > estimate.states_bytes  # (the case: more room than the model's pages)
+    if device_budget == "auto" or page == "4KiB":
+        assert estimate.fits, estimate.problems
+        assert estimate.tiers["device"].budget >= floor * estimate.page_bytes
+    else:  # 1 MiB is less than one 64 MiB page: refused with the numbers
+        assert not estimate.fits

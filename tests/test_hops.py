@@ -23,3 +23,21 @@ def test_a_hop_to_a_full_tier_says_whether_an_eviction_will_free_a_slot(tmp_path
         manager.poll()
     manager.poll()
     assert a.tier is Tier.DEVICE and b.tier is Tier.DEVICE
+
+
+def test_a_host_access_to_pages_on_the_device_needs_no_host_slot(tmp_path, io_engine):
+    """A host tier of no slots (every page fits the device) still serves host accesses from the device copies;
+    a page that would need a host slot is refused with the numbers."""
+    import pytest
+    import torch
+
+    from angel_ptm.errors import BudgetError
+
+    manager = make_manager(tmp_path, io_engine, device_pages=3, host_pages=0)
+    pages = [manager.create_page("param", torch.float32, tier=Tier.DEVICE) for _ in range(3)]
+    manager.acquire(pages, Tier.HOST)
+    manager.release(pages, dirty=True)
+    assert all(p.tier is Tier.DEVICE for p in pages)
+    spilled = manager.create_page("param", torch.float32, tier=Tier.DISK)
+    with pytest.raises(BudgetError, match="host tier budget exceeded for 1 pages pinned at once"):
+        manager.acquire([spilled], Tier.HOST)

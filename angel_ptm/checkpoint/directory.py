@@ -7,7 +7,8 @@
 A directory counts as a checkpoint only when complete: renamed from `.tmp` with its `.metadata` and manifest. A
 `.tmp` left by a killed save is removed by the next save. `latest` is rewritten atomically after each save; loading
 does not trust it alone: it tries the complete checkpoints newest first, and one that is torn or bit-flipped is
-skipped with a warning naming the file. Rank 0 writes and deletes (the directory is shared by the ranks, as DCP's
+skipped with a warning naming the file, and renamed `step-N.corrupt` (kept for a look; the resumed run saves
+`step-N` again when it gets there). Rank 0 writes and deletes (the directory is shared by the ranks, as DCP's
 single `.metadata` requires); every rank calls save and load.
 """
 
@@ -65,15 +66,33 @@ class Checkpoints:
         for _, old in self.complete()[: -self.keep]:
             shutil.rmtree(old, ignore_errors=True)
 
+    @staticmethod
+    def _set_aside(path: Path) -> Path | None:
+        """Rename the corrupt checkpoint `path` to `step-N.corrupt` (`.corrupt-2`, ... if taken): kept for a look,
+        no longer a checkpoint, and its step free for the save the resumed run makes there again."""
+        for n in range(1, 1000):
+            aside = path.with_name(f"{path.name}.corrupt" + (f"-{n}" if n > 1 else ""))
+            if not aside.exists():
+                try:
+                    path.rename(aside)
+                except OSError:
+                    return None  # (the run goes on; a save at this step will say the directory exists)
+                return aside
+        return None
+
     def load_latest(self, engine) -> tuple[Any, Path] | None:
         """Load the newest complete checkpoint that reads back whole (a corrupt one is skipped with a warning);
         None when there is none. Every rank calls it and sees the same directory listing."""
+        skipped = 0
         for _, path in reversed(self.complete()):
             try:
                 return load_checkpoint(engine, path), path
-            except CheckpointCorruptError as err:
-                warnings.warn(f"skipping corrupt checkpoint {path}: {err}", stacklevel=2)
-        if self.complete():
+            except CheckpointCorruptError as err:  # (every rank gets the same error: DCP gathers the failures)
+                skipped += 1
+                aside = self._set_aside(path) if engine.mesh.rank == 0 else None
+                moved = f"; moved to {aside.name}" if aside is not None else ""
+                warnings.warn(f"skipping corrupt checkpoint {path}{moved}: {err}", stacklevel=2)
+        if skipped:
             raise CheckpointError(f"checkpoint: no checkpoint in {self.root} reads back whole (see the warnings)",
                                   str(self.root))
         return None

@@ -21,21 +21,23 @@ class Budgets:
 def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, device: torch.device, page_bytes: int,
                  *, gpu_free: int | None = None, ram_available: int | None = None, slack_bytes: int = 0,
                  share: int = 1, gathered_bytes: int = 0, activation_bytes: int = 0,
-                 activation_tier: str = "none") -> Budgets:
+                 activation_tier: str = "none", device_floor_bytes: int = 0) -> Budgets:
     """Bytes per tier, no checks, no side effects. "auto": device = everything (CPU) or 80% of free GPU memory;
     host = the rest of the states plus `slack_bytes` (room to rotate the largest layer through the device), up to
     half the available RAM; disk = a slot for every page when some must live there. `share`: the processes on this
     machine (torchrun's LOCAL_WORLD_SIZE), which split its RAM between them; `gathered_bytes`: device room for
     copies of other ranks' parameter pages (ZeRO-3), which a device budget may hold beyond this rank's states;
     `activation_bytes`: room for activation pages (activations.offload) where `activation_tier` ("host" or "disk")
-    says they rest, added to that tier's "auto" budget."""
+    says they rest, added to that tier's "auto" budget. `device_floor_bytes`: the fewest device bytes the job runs
+    with (ZeRO-3: the largest unit's gathered groups beside the pages a rank pins of its own), which may exceed
+    its pages' bytes on a small model: a CPU's "auto" budget is at least that, and no budget is cut below it."""
     if device_budget == "auto":
         if device.type == "cuda":
             gpu_free = int(torch.cuda.mem_get_info(device)[0]) if gpu_free is None else gpu_free
             device_budget = int(0.8 * gpu_free)
         else:
-            device_budget = states_bytes
-    device_budget = min(int(device_budget), states_bytes + gathered_bytes)
+            device_budget = max(states_bytes, device_floor_bytes)
+    device_budget = min(int(device_budget), max(states_bytes + gathered_bytes, device_floor_bytes))
     if host_budget == "auto":
         ram_available = psutil.virtual_memory().available if ram_available is None else ram_available
         rest = states_bytes - device_budget
@@ -60,11 +62,13 @@ def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, dev
 
 def resolve_budgets(device_budget, host_budget, disk_budget, states_bytes: int, device: torch.device,
                     disk_dir: str, page_bytes: int, slack_bytes: int = 0, share: int = 1,
-                    gathered_bytes: int = 0, activation_bytes: int = 0, activation_tier: str = "none") -> Budgets:
+                    gathered_bytes: int = 0, activation_bytes: int = 0, activation_tier: str = "none",
+                    device_floor_bytes: int = 0) -> Budgets:
     """`plan_budgets`, then refuse budgets that cannot hold the states, before anything is allocated."""
     budgets = plan_budgets(device_budget, host_budget, disk_budget, states_bytes, device, page_bytes,
                            slack_bytes=slack_bytes, share=share, gathered_bytes=gathered_bytes,
-                           activation_bytes=activation_bytes, activation_tier=activation_tier)
+                           activation_bytes=activation_bytes, activation_tier=activation_tier,
+                           device_floor_bytes=device_floor_bytes)
     device_budget, host_budget, disk_budget = budgets.device, budgets.host, budgets.disk
     needed_on_disk = max(0, states_bytes - max(0, device_budget - gathered_bytes) - host_budget)
     if needed_on_disk and disk_budget < needed_on_disk:

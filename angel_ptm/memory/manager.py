@@ -30,7 +30,6 @@ from angel_ptm.trace.recorder import TraceRecorder
 
 _TRADED = CopyHandle()  # a traded slot: nothing to wait for
 
-
 _UP = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}  # a move to a lower number goes up, toward compute
 
 
@@ -208,7 +207,8 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
         capacity = self.pools[tier].capacity
         if len(pages) + len(self._pinned) <= capacity:
             return
-        wanted = {p.id for p in pages}
+        pages = [p for p in pages if not (tier is Tier.HOST and p.state is PageState.DEVICE)]
+        wanted = {p.id for p in pages}  # (a host access to a page on the device is served there: no host slot)
         pinned_elsewhere = sum(1 for i in self._pinned if self.pages[i].tier is tier and i not in wanted)
         if len(pages) + pinned_elsewhere > capacity:
             raise BudgetError(tier.value, len(pages) * self.page_bytes,

@@ -18,6 +18,7 @@ torch.distributed.
 
 from __future__ import annotations
 
+import atexit
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -120,6 +121,16 @@ def _env_int(name: str, default: int) -> int:
         raise DistributedError(f"environment variable {name}: expected an integer, got {value!r}") from None
 
 
+def _destroy_at_exit() -> None:
+    """The gloo process group this module made, torn down before the interpreter's own teardown (left to static
+    destructors, its threads could outlive what they use: a rare abort at exit after a clean run)."""
+    if dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception:  # (exiting anyway; a peer already gone is no reason to fail the exit)
+            pass
+
+
 def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
     """The mesh of this process; initializes the default process group from the environment when a launcher
     (torchrun) started several processes and nobody initialized it yet. Idempotent."""
@@ -142,6 +153,8 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
             _use_local_gpu(device_type, _env_int("LOCAL_RANK", rank % max(1, _env_int("LOCAL_WORLD_SIZE", world))))
             try:
                 dist.init_process_group(backend, timeout=timedelta(seconds=parallel.timeout_s))
+                if backend == "gloo":
+                    atexit.register(_destroy_at_exit)
             except (RuntimeError, ValueError) as exc:
                 raise DistributedError(f"rank {rank}: cannot set up the {backend} process group of {world} ranks "
                                        f"(MASTER_ADDR={os.environ.get('MASTER_ADDR')}, "
