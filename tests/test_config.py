@@ -279,6 +279,8 @@ def test_n_head_not_divisible_by_n_kv_head_is_rejected():
         ("optimizer", "weight_decay", -0.1),
         ("memory", "io_threads", 0),
         ("trainer", "grad_accum", 0),
+        ("parallel", "moe_a2a", "hierarchical"),  # (with ep 1: nothing exchanges tokens)
+        ("parallel", "moe_rebalance_every", 4),
     ],
 )
 def test_impossible_values_are_value_errors_naming_the_key(section, name, value):

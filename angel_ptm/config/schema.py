@@ -364,6 +364,8 @@ class ParallelConfig(_Section):
         if self.osdp:
             self._require("osdp", self.zero == 3, "false unless zero is 3 (only ZeRO-3 shards parameters)")
         self._require("timeout_s", 0 < self.timeout_s <= 86400, "> 0 and at most 86400 (a day)")
+        if self.moe_a2a == "hierarchical":
+            self._require("moe_a2a", self.ep > 1, "flat unless ep > 1 (only expert parallelism exchanges tokens)")
         self._require("moe_rebalance_every", self.moe_rebalance_every >= 0, ">= 0")
         if self.moe_rebalance_every:
             self._require("moe_rebalance_every", self.ep > 1, "0 unless ep > 1 (experts move between ep ranks)")
