@@ -106,49 +106,71 @@ def load_model_state_dict(engine, state_dict: dict, strict: bool = True) -> Inco
     return IncompatibleKeys(missing, unexpected)
 
 
+def _grouped(engine) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """`model.named_parameters()` as torch.optim.AdamW's param groups: one, or with optimizer.no_decay two (the
+    decayed ones, then those with weight decay 0, each in model order), as a recipe builds them."""
+    named, spared = list(engine.model.named_parameters()), engine.optimizer.no_decay
+    if not spared:
+        return [named]
+    return [[(n, p) for n, p in named if n not in spared], [(n, p) for n, p in named if n in spared]]
+
+
 def optimizer_state_dict(engine) -> dict:
-    """The page-wise AdamW's state as `torch.optim.AdamW.state_dict()` would give it for `model.parameters()`."""
+    """The page-wise AdamW's state as `torch.optim.AdamW.state_dict()` would give it for `model.parameters()` (with
+    optimizer.no_decay: for the two param groups of `_grouped`, their parameters numbered in that order)."""
     opt = engine.optimizer
     shards = _shards(engine)
-    state = {}
-    for index, (name, _param) in enumerate(engine.model.named_parameters()):
-        steps = opt.slot_steps[name]  # (tp peers step the same tensors: one rank's count holds for all)
-        if steps:
-            state[index] = {"step": torch.tensor(float(steps)), **{
-                kind: (_whole(engine, shards[name], engine.state(kind, name), f"optimizer state {kind} {name}")
-                       if name in shards else engine.state(kind, name)) for kind in MOMENTS}}
+    state, groups, index = {}, [], 0
     beta1, beta2 = opt.betas
-    group = {"lr": opt.lr, "betas": (beta1, beta2), "eps": opt.eps, "weight_decay": opt.weight_decay,
-             "amsgrad": False, "maximize": False, "foreach": None, "capturable": False, "differentiable": False,
-             "fused": None, "decoupled_weight_decay": True,
-             "params": list(range(len(list(engine.model.parameters()))))}
-    return {"state": state, "param_groups": [group]}
+    for g, members in enumerate(_grouped(engine)):
+        params = []
+        for name, _param in members:
+            steps = opt.slot_steps[name]  # (tp peers step the same tensors: one rank's count holds for all)
+            if steps:
+                state[index] = {"step": torch.tensor(float(steps)), **{
+                    kind: (_whole(engine, shards[name], engine.state(kind, name), f"optimizer state {kind} {name}")
+                           if name in shards else engine.state(kind, name)) for kind in MOMENTS}}
+            params.append(index)
+            index += 1
+        groups.append({"lr": opt.lr, "betas": (beta1, beta2), "eps": opt.eps,
+                       "weight_decay": opt.weight_decay if g == 0 else 0.0,
+                       "amsgrad": False, "maximize": False, "foreach": None, "capturable": False,
+                       "differentiable": False, "fused": None, "decoupled_weight_decay": True, "params": params})
+    return {"state": state, "param_groups": groups}
 
 
 def load_optimizer_state_dict(engine, state_dict: dict) -> None:
-    """Take a `torch.optim.AdamW.state_dict()` (one param group over `model.parameters()`, in order) into the
-    pages: moments, per-parameter step counts and the group's hyperparameters."""
+    """Take a `torch.optim.AdamW.state_dict()` (one param group over `model.parameters()`, in order; with
+    optimizer.no_decay the two groups of `_grouped`, the second's weight decay 0) into the pages: moments,
+    per-parameter step counts and the first group's hyperparameters."""
     groups = state_dict.get("param_groups")
-    named = list(engine.model.named_parameters())
-    if not isinstance(groups, list) or len(groups) != 1:
-        raise StateDictError(f"load_optimizer_state_dict: expected one param group, got "
+    grouped = _grouped(engine)
+    if not isinstance(groups, list) or len(groups) != len(grouped):
+        raise StateDictError(f"load_optimizer_state_dict: expected {len(grouped)} param group"
+                             f"{'s (optimizer.no_decay: decayed, then not)' if len(grouped) > 1 else ''}, got "
                              f"{len(groups) if isinstance(groups, list) else groups!r}")
+    for g, (group, members) in enumerate(zip(groups, grouped)):
+        if len(group.get("params", ())) != len(members):
+            raise StateDictError(f"load_optimizer_state_dict: param_groups[{g}] has {len(group.get('params', ()))} "
+                                 f"parameters, the model's group {len(members)}")
+        for flag in ("amsgrad", "maximize"):
+            if group.get(flag):
+                raise StateDictError(f"load_optimizer_state_dict: param_groups[{g}].{flag} is true; the page-wise "
+                                     f"AdamW has no {flag}")
+        if g > 0 and float(group.get("weight_decay", 0.0)) != 0.0:
+            raise StateDictError(f"load_optimizer_state_dict: param_groups[{g}].weight_decay is "
+                                 f"{group['weight_decay']}; the optimizer.no_decay group's is 0")
+    named = [(name, param, key) for group, members in zip(groups, grouped)
+             for (name, param), key in zip(members, group["params"])]
     group = groups[0]
-    if len(group.get("params", ())) != len(named):
-        raise StateDictError(f"load_optimizer_state_dict: the param group has {len(group.get('params', ()))} "
-                             f"parameters, the model {len(named)}")
-    for flag in ("amsgrad", "maximize"):
-        if group.get(flag):
-            raise StateDictError(f"load_optimizer_state_dict: param_groups[0].{flag} is true; the page-wise AdamW "
-                                 f"has no {flag}")
     opt = engine.optimizer
     shards = _shards(engine)
-    for i, (name, param) in enumerate(named):
-        entry = state_dict.get("state", {}).get(group["params"][i], {})
+    for name, param, key in named:
+        entry = state_dict.get("state", {}).get(key, {})
         steps = int(float(entry["step"])) if "step" in entry else 0
         if not param.requires_grad:  # frozen at initialize: no optimizer pages
             if steps:
-                raise StateDictError(f"load_optimizer_state_dict: state[{group['params'][i]}] is for '{name}', "
+                raise StateDictError(f"load_optimizer_state_dict: state[{key}] is for '{name}', "
                                      f"which is frozen (requires_grad=False) and has no optimizer state")
             continue
         shape = _expected_shape(shards, name, param)
@@ -157,7 +179,7 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
             if value is None:
                 value = torch.zeros(shape, dtype=torch.float32)
             elif tuple(value.shape) != shape:
-                raise StateDictError(f"load_optimizer_state_dict: state[{group['params'][i]}].{kind} "
+                raise StateDictError(f"load_optimizer_state_dict: state[{key}].{kind} "
                                      f"('{name}') has shape {tuple(value.shape)}, the parameter's is {shape}")
             engine.write_state(kind, name, _local(shards, name, value))
         opt.slot_steps[name] = steps

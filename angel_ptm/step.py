@@ -12,6 +12,8 @@ they did; `grads_final` once this step's gradients are settled, agreed over rank
 
 from __future__ import annotations
 
+import fnmatch
+
 import torch
 
 from angel_ptm.errors import ConfigValueError
@@ -54,6 +56,20 @@ def cast_master_into_parameters(model, scheduler, pages, layout: PageLayout, own
                 param.data = torch.zeros((), dtype=compute_dtype).expand(param.shape)
 
 
+def no_decay_names(model, patterns) -> frozenset[str]:
+    """The parameter names optimizer.no_decay's patterns match (fnmatch, case-sensitive); a pattern that matches
+    nothing is a ConfigValueError (a misspelt one would otherwise decay what it meant to spare)."""
+    names = [name for name, _ in model.named_parameters()]
+    matched: set[str] = set()
+    for pattern in patterns:
+        hits = {name for name in names if fnmatch.fnmatchcase(name, pattern)}
+        if not hits:
+            raise ConfigValueError(f"optimizer.no_decay: pattern {pattern!r} matches no parameter (names look like "
+                                   f"{names[0]!r})" if names else f"optimizer.no_decay: the model has no parameters")
+        matched |= hits
+    return frozenset(matched)
+
+
 def build_step(config, estimate, *, model, layout: PageLayout, pages, scheduler, manager, binder, collectives,
                ownership, mesh, split, n_units: int):
     """The optimizer, the data-parallel fixed points and the StepDriver of a job, wired: (optimizer, data_parallel,
@@ -65,7 +81,8 @@ def build_step(config, estimate, *, model, layout: PageLayout, pages, scheduler,
     # Where an update pins its pages (placement.update_tier, resolved by the estimate, which checked they fit)
     update_tier = Tier(estimate.update_tier)
     optimizer = PagedAdamW(scheduler, layout, pages, opt.lr, opt.betas, opt.eps, opt.weight_decay, update_tier,
-                           write_params=staleness == 0, updates=ownership.updated)
+                           write_params=staleness == 0, updates=ownership.updated,
+                           no_decay=no_decay_names(model, opt.no_decay))
     data_parallel = SingleRank() if collectives is None else DataParallel(
         collectives, ownership, manager, scheduler, layout, pages, update_tier, estimate.gather_groups,
         estimate.largest_unit_groups, config.parallel.osdp)

@@ -189,6 +189,9 @@ class OptimizerConfig(_Section):
     betas: Tuple[float, float] = (0.9, 0.95)
     eps: float = 1e-8
     weight_decay: float = 0.1
+    # Parameters AdamW does not decay (weight decay 0 for them): shell-style patterns matched against the names
+    # model.named_parameters() gives ("*.bias", "*norm*"), as a recipe's second param group with weight_decay 0.
+    no_decay: Tuple[str, ...] = ()
     # 0: synchronous (identical to torch.optim.AdamW). 1: ZeRO-Offload's delayed parameter update: the update of
     # step t runs during step t+1, which computes with the parameters after update t-1 (deterministic; fp32 jobs
     # get master pages of their own). An evaluation between steps sees the parameters the next step computes with;

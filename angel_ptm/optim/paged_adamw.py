@@ -24,11 +24,13 @@ from angel_ptm.optim.fused_adam import fused_adamw_
 class PagedAdamW:
     def __init__(self, access, layout: PageLayout, pages: dict[str, list[Page]], lr: float,
                  betas: tuple[float, float], eps: float, weight_decay: float, update_tier: Tier,
-                 fused: bool = True, write_params: bool = True, updates: Callable[[int], bool] | None = None):
+                 fused: bool = True, write_params: bool = True, updates: Callable[[int], bool] | None = None,
+                 no_decay: frozenset[str] = frozenset()):
         # `access`: acquire/release/discard of pages, the scheduler's (which records the step's accesses) or a
         # PageManager's
         self.access, self.layout, self.pages = access, layout, pages
         self.lr, self.betas, self.eps, self.weight_decay = lr, tuple(betas), eps, weight_decay
+        self.no_decay = frozenset(no_decay)  # tensor names updated with weight decay 0 (optimizer.no_decay)
         self.step_lr = lr  # the learning rate of the open step (taken when it opens: a delayed update keeps its own)
         self.update_tier = update_tier
         self.step_count = 0
@@ -191,20 +193,23 @@ class PagedAdamW:
             exp_avg, exp_avg_sq = group["exp_avg"].view(state_dtype), group["exp_avg_sq"].view(state_dtype)
             param = group["param"].view(dtype)[:page_numel] if self.write_params else None
             master, copy = (group["master"].view(state_dtype), param) if self.mixed else (param, None)
-            steps = {self.slot_steps[name] for name, _, _ in slots}
+            steps = {(self.slot_steps[name], name in self.no_decay) for name, _, _ in slots}
             if len(steps) == 1 and not any(name in without_grad for name, _, _ in slots):
-                self._update(master, grad, exp_avg, exp_avg_sq, steps.pop(), copy)  # the whole page at once
+                step, spared = steps.pop()  # the whole page at once
+                self._update(master, grad, exp_avg, exp_avg_sq, step, copy, 0.0 if spared else self.weight_decay)
             else:
                 for name, offset, numel in slots:
                     if name not in without_grad:
                         part = slice(offset, offset + numel)
                         self._update(master[part], grad[part], exp_avg[part], exp_avg_sq[part],
-                                     self.slot_steps[name], None if copy is None else copy[part])
+                                     self.slot_steps[name], None if copy is None else copy[part],
+                                     0.0 if name in self.no_decay else self.weight_decay)
         self.access.release([page for kind, page in group.items() if kind != "grad"], dirty=True)
         self.access.release([group["grad"]])
         self.access.discard([group["grad"]])  # the gradient is applied: its page is dead until the next backward
 
-    def _update(self, param, grad, exp_avg, exp_avg_sq, step: int, copy: torch.Tensor | None = None) -> None:
+    def _update(self, param, grad, exp_avg, exp_avg_sq, step: int, copy: torch.Tensor | None,
+                weight_decay: float) -> None:
         """One AdamW step of `param` (fp32: the master weights under mixed precision); `copy`: a bf16/fp16 tensor
         that receives the updated values (the compute parameters)."""
         beta1, beta2 = self.betas
@@ -212,7 +217,7 @@ class PagedAdamW:
             # One pass over master, gradient and both moments in the native kernel (clip coefficient and loss-scale
             # unscaling folded in), writing the compute copy in the same pass.
             fused_adamw_(param, grad, exp_avg, exp_avg_sq, lr=self.step_lr, beta1=beta1, beta2=beta2, eps=self.eps,
-                         weight_decay=self.weight_decay, step=step, grad_scale=self.grad_scale, out=copy)
+                         weight_decay=weight_decay, step=step, grad_scale=self.grad_scale, out=copy)
             return
         bias_correction1 = 1 - beta1**step
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
@@ -223,8 +228,8 @@ class PagedAdamW:
                 grad.mul_(self.grad_scale)
         elif self.grad_scale != 1.0:  # as clip_grad_norm_ does: the gradient times the coefficient, then AdamW
             grad = torch.mul(grad, self.grad_scale, out=self._scratch(grad, slot=1))
-        if self.weight_decay != 0:
-            param.mul_(1 - self.step_lr * self.weight_decay)
+        if weight_decay != 0:
+            param.mul_(1 - self.step_lr * weight_decay)
         exp_avg.lerp_(grad, 1 - beta1)
         exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
         denom = self._scratch(param)  # reused: a fresh page-sized temporary costs page faults every step
