@@ -215,6 +215,15 @@ def test_page_dirs_of_dead_processes_on_this_host_are_removed_with_one_log_line_
         for path in removed]
 
 
+def test_page_dirs_a_killed_rank_left_in_its_rank_directory_are_removed(tmp_path):
+    """torchrun's ranks keep their page files in disk_dir/rank<R>: those of a killed job (any world size) go too."""
+    dead = [make_page_dir(tmp_path / f"rank{r}", f"pages-{HOST}-{NO_SUCH_PID}-a{r}") for r in (0, 1, 3)]
+    alive = make_page_dir(tmp_path / "rank0", f"pages-{HOST}-{os.getpid()}-ef")
+    unrelated = make_page_dir(tmp_path / "ranks", f"pages-{HOST}-{NO_SUCH_PID}-ab")  # not a rank directory
+    assert remove_dead_page_dirs(str(tmp_path)) == [str(d) for d in dead]
+    assert not any(d.exists() for d in dead) and alive.exists() and unrelated.exists()
+
+
 def test_a_missing_disk_dir_has_no_page_dirs_to_remove(tmp_path):
     assert remove_dead_page_dirs(str(tmp_path / "missing")) == []
 

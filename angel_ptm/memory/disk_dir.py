@@ -32,6 +32,7 @@ KEY = "memory.disk_dir"
 PROBE_BYTES = 4096  # one O_DIRECT block (io/slot_file.ALIGNMENT)
 # The host may hold dashes; the last two fields are the pid and the engine's hex id. No host: written before hosts
 # were named (taken as this host's).
+_RANK_DIR = re.compile(r"rank\d+")
 _PAGE_DIR = re.compile(r"pages-(?:(?P<host>.+)-)?(?P<pid>\d+)-[0-9a-f]+")
 
 
@@ -89,14 +90,18 @@ def check_disk_dir(path: str, needed_bytes: int = 0, *, create: bool = True) -> 
 
 
 def remove_dead_page_dirs(disk_dir: str) -> list[str]:
-    """Remove the `pages-<host>-<pid>-<hex>` directories in `disk_dir` that this host's processes left and that no
-    longer run (one log line each); return their paths. A missing or unreadable disk dir has none."""
+    """Remove the `pages-<host>-<pid>-<hex>` directories in `disk_dir`, and in its `rank<R>` directories (where the
+    ranks of a torchrun job keep theirs, for any world size), that this host's processes left and that no longer
+    run (one log line each); return their paths. A missing or unreadable disk dir has none."""
     try:
         names = os.listdir(disk_dir)
     except OSError:
         return []
     removed = []
     for name in sorted(names):
+        if _RANK_DIR.fullmatch(name) and os.path.isdir(os.path.join(disk_dir, name)):
+            removed += remove_dead_page_dirs(os.path.join(disk_dir, name))
+            continue
         match = _PAGE_DIR.fullmatch(name)
         path = os.path.join(disk_dir, name)
         if match is None or match["host"] not in (None, _host()) or not os.path.isdir(path):
