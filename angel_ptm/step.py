@@ -132,6 +132,7 @@ class StepDriver:
         # optimizer.staleness 1: update t runs during step t+1 (optim/delayed.py), a share before each unit's
         # forward, a group at the latest before step t+1 writes its gradient page.
         self.delayed: DelayedUpdates | None = None
+        self._landing = False  # staleness 1: an update was enqueued that no step or flush has published since
         if staleness == 1:
             self.delayed = DelayedUpdates(optimizer, self._publish, n_units)
             binder.before_unit_forward = self._before_unit_forward
@@ -209,9 +210,14 @@ class StepDriver:
                                label="opt:publish")
 
     def flush(self) -> None:
-        """staleness 1: finish the pending update and put its result in the parameters."""
+        """staleness 1: finish the pending update and put its result in the parameters, every rank's (the owners'
+        new parameters all-gathered, gathered copies dropped, as after a step: every rank calls it, and whether an
+        update is pending is the same on all of them)."""
         if self.delayed is not None:
             self.delayed.publish_all()
+            if self._landing:
+                self._landing = False
+                self.data_parallel.params_updated()
 
     # ------------------------------------------------------------------ the norm and the step
     def finish_grads(self) -> None:
@@ -244,6 +250,7 @@ class StepDriver:
     def step(self) -> None:
         if self.delayed is not None:  # update t-1 done and in the parameters before update t is opened
             self.delayed.publish_all()
+            self._landing = False  # (every rank's at the end of this step)
         self.finish_grads()
         if self.last_step_skipped:  # nothing updated: parameters, master weights, moments and step counts stay
             self.optimizer.skip_step()
@@ -256,6 +263,7 @@ class StepDriver:
                 final = set(self.final_order)
                 order = self.final_order + [i for i in self.optimizer.local_indices if i not in final]
                 self.delayed.enqueue([i for i in order if self.ownership.updated(i)], self.binder.without_grad)
+                self._landing = True
             else:
                 self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)
         self.data_parallel.params_updated()  # the owners' new parameters reach every rank

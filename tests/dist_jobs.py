@@ -247,6 +247,8 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
                 engine.save_checkpoint(spec["save_to"], extra={"step": step + 1}, background=spec.get("background"))
         engine.wait_for_checkpoint()
         engine.flush()
+        with torch.no_grad():  # each rank's own forward after the flush (staleness 1: the last update everywhere)
+            after = loss_fn(engine, *batches[0]).item() if spec["staleness"] else None
         stats = engine.memory_stats()
         gatherer = engine.data_parallel.gatherer
         states: dict = {}
@@ -258,7 +260,7 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
             states |= {"model": digests(engine.state_dict()),
                       "optimizer": digests({f"{i}.{k}": v for i, s in engine.optimizer_state_dict()["state"].items()
                                             for k, v in s.items()})}
-        return {"losses": losses, "routed": routed, "skipped": skipped, "scales": scales, "pages": pages, "moved": stats["moved"],
+        return {"losses": losses, "after": after, "routed": routed, "skipped": skipped, "scales": scales, "pages": pages, "moved": stats["moved"],
                 "gathers": gatherer.gathers if gatherer is not None else 0, "states": states,
                 "comm_bytes": engine.collectives.bytes_sent if engine.collectives is not None else 0,
                 "eager_updates": eager,

@@ -69,6 +69,13 @@ def result(results, name):
     return results[0][name]
 
 
+@pytest.mark.parametrize("name", [f"zero{z}-staleness1" for z in STAGES])
+def test_after_a_flush_every_rank_computes_with_the_last_update(two_ranks, name, tmp_path):
+    """staleness 1: Engine.flush (the trainer's, after the last step) lands the pending update in every rank's
+    parameters, not only in its owners' pages: each rank's forward then gives one rank's."""
+    assert [by_job[name]["after"] for by_job in two_ranks] == [one_rank(BY_NAME[name], 2, tmp_path)["after"]] * 2
+
+
 @pytest.mark.parametrize("name", [s["name"] for s in JOBS if "overflow_at" not in s])
 def test_two_ranks_give_the_losses_of_one_rank_with_grad_accum_2_bitwise(two_ranks, name, tmp_path):
     spec = BY_NAME[name]
