@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import signal
@@ -52,6 +53,8 @@ from angel_ptm.models.moe import moe_metrics, set_moe_step
 from angel_ptm.parallel import Mesh, init_mesh, rank_device
 from angel_ptm.parallel.collectives import Collectives, world_group
 from angel_ptm.trace import TraceRecorder
+
+log = logging.getLogger("angel_ptm")
 
 EngineFactory = Callable[..., Any]  # (model, config, trace=TraceRecorder) -> Engine
 TIERS = ("device", "host", "disk")
@@ -128,6 +131,8 @@ class Trainer:
         train_seconds = 0.0
         with contextlib.ExitStack() as cleanup:  # closes engine, then trace, then files, even on an exception
             trace_path = run_dir / trace_name(mesh)
+            if resume == "auto" and checkpoints.latest() is None:  # a new run in a directory an earlier one used
+                set_aside([trace_path] + ([run_dir / "metrics.jsonl"] if mesh.is_main else []))
             trace_path.unlink(missing_ok=True)  # the recorder appends; a run dir holds one run
             trace = TraceRecorder(trace_path, max_bytes=cfg.trace.max_bytes)
             cleanup.callback(trace.close)
@@ -346,6 +351,21 @@ def refuse_an_earlier_run(run_dir: Path) -> None:
     if metrics.is_file() and metrics.stat().st_size > 0:
         raise RunDirInUseError(f"run.dir: {run_dir} already holds the metrics of an earlier run ({metrics}, "
                                f"{metrics.stat().st_size} bytes); choose another run.dir or move that file away")
+
+
+def set_aside(paths: list[Path]) -> None:
+    """Rename each non-empty file of `paths` to `<name>.<k>` (the first k free), with a warning: run.resume auto
+    found no checkpoint, so this run starts at step 0 where an earlier one (a restart before its first checkpoint,
+    or another run) left its record, which is kept."""
+    for path in paths:
+        if not (path.is_file() and path.stat().st_size > 0):
+            continue
+        k = 1
+        while path.with_name(f"{path.name}.{k}").exists():
+            k += 1
+        path.rename(path.with_name(f"{path.name}.{k}"))
+        log.warning("run.resume auto: no checkpoint to resume, so this run starts over; the earlier %s is kept as "
+                    "%s", path.name, f"{path.name}.{k}")
 
 
 def resume_run(engine: Any, resume: str, checkpoints: Checkpoints) -> tuple[Optional[Path], int]:

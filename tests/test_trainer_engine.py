@@ -120,3 +120,17 @@ def test_checkpoints_written_beside_training_resume_exactly(tmp_path):
     again = Trainer(checkpointed(run_dir, async_save=True), progress=False)
     again.config = dataclasses.replace(again.config, run=dataclasses.replace(again.config.run, resume="auto"))
     assert again.run().losses == whole.losses[5:]
+
+
+def test_resume_auto_with_no_checkpoint_starts_over_keeping_the_earlier_record(tmp_path, monkeypatch, caplog):
+    """A torchrun restart (resume auto) in a run.dir whose first attempt died before its first checkpoint: this
+    attempt starts at step 0 and gives the same losses, and the first one's metrics and trace are renamed, kept."""
+    first = Trainer(checkpointed(tmp_path, steps=3, every=0), progress=False).run()  # (died before one)
+    before = {name: (tmp_path / name).read_bytes() for name in ("metrics.jsonl", "trace.jsonl")}
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    with caplog.at_level("WARNING", logger="angel_ptm"):
+        again = Trainer(checkpointed(tmp_path, steps=3, every=0), progress=False).run()
+    assert again.resumed_from is None and again.losses == first.losses
+    assert losses_logged(tmp_path) == [(i + 1, loss) for i, loss in enumerate(first.losses)]
+    assert {name: (tmp_path / f"{name}.1").read_bytes() for name in before} == before
+    assert "the earlier metrics.jsonl is kept as metrics.jsonl.1" in caplog.text
