@@ -117,7 +117,7 @@ class Trainer:
         resume = cfg.run.resume
         if resume is None and _env_int("TORCHELASTIC_RESTART_COUNT") > 0:
             resume = "auto"
-        run_dir = agree_run_dir(cfg.run.dir, mesh, collectives, refuse_used=resume is None)
+        run_dir = agree_run_dir(cfg.run.dir, mesh, collectives, refuse_used=resume is None, name=cfg.run.name)
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)))
         checkpoints = Checkpoints(cfg.checkpoint.dir or run_dir / "checkpoints", keep=cfg.checkpoint.keep)
         if cfg.memory.disk_dir is None:  # page files live in the run directory unless the job says otherwise
@@ -305,13 +305,13 @@ def trace_name(mesh: Mesh) -> str:
 
 
 def agree_run_dir(requested: Optional[str], mesh: Mesh, collectives: Optional[Collectives],
-                  refuse_used: bool = True) -> Path:
+                  refuse_used: bool = True, name: str = "default") -> Path:
     """Rank 0 makes the run directory (refusing an earlier run's unless this run resumes it) and every rank takes
     its path, or raises the error rank 0 met, so no rank is left waiting."""
     outcome: Any = None
     if mesh.is_main:
         try:
-            run_dir = make_run_dir(requested)
+            run_dir = make_run_dir(requested, name)
             if refuse_used:
                 refuse_an_earlier_run(run_dir)
             outcome = str(run_dir)
@@ -324,14 +324,16 @@ def agree_run_dir(requested: Optional[str], mesh: Mesh, collectives: Optional[Co
     return Path(outcome)
 
 
-def make_run_dir(requested: Optional[str]) -> Path:
-    """``run.dir`` if given (created if needed, reused if present), else a new ``runs/<YYYYmmdd-HHMMSS>``."""
+def make_run_dir(requested: Optional[str], name: str = "default") -> Path:
+    """``run.dir`` if given (created if needed, reused if present), else a new ``runs/<YYYYmmdd-HHMMSS>``, or
+    ``runs/<name>-<YYYYmmdd-HHMMSS>`` for a ``run.name`` other than "default"."""
     try:
         if requested is not None:
             run_dir = Path(requested).expanduser().resolve()
             run_dir.mkdir(parents=True, exist_ok=True)
             return run_dir
-        base = Path("runs").resolve() / time.strftime("%Y%m%d-%H%M%S")
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        base = Path("runs").resolve() / (stamp if name == "default" else f"{name}-{stamp}")
         for attempt in range(1000):  # two runs started in the same second get -1, -2, ...
             run_dir = base if attempt == 0 else base.with_name(f"{base.name}-{attempt}")
             try:

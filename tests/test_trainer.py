@@ -226,6 +226,12 @@ def test_without_run_dir_a_timestamped_directory_under_runs_is_created(tmp_path,
     assert first.run_dir.parent == tmp_path / "runs" and re.fullmatch(r"\d{8}-\d{6}(-\d+)?", first.run_dir.name)
     assert second.run_dir != first.run_dir  # two runs in the same second do not share a directory
     assert (first.run_dir / "metrics.jsonl").is_file()
+    config.run.name = "gpt-small"  # a name: the directory says it
+    named, _ = train(config)
+    assert named.run_dir.parent == tmp_path / "runs" and re.fullmatch(r"gpt-small-\d{8}-\d{6}(-\d+)?",
+                                                                       named.run_dir.name)
+    with pytest.raises(ConfigValueError, match="run.name: must be a non-empty name without '/'"):
+        tiny_config(tmp_path, run={"name": "a/b"})
 
 
 def test_engine_and_trace_are_closed_when_a_step_fails(tmp_path):

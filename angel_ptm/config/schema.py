@@ -447,7 +447,7 @@ class ActivationsConfig(_Section):
 class RunConfig(_Section):
     SECTION: ClassVar[str] = "run"
 
-    dir: Optional[str] = None  # None: runs/<timestamp>
+    dir: Optional[str] = None  # None: runs/<timestamp> (runs/<name>-<timestamp> with a run.name)
     name: str = "default"
     # null: a new run. "auto": continue from the newest complete checkpoint in checkpoint.dir if there is one (a new
     # run otherwise). A path: that checkpoint directory. torchrun's restarts (TORCHELASTIC_RESTART_COUNT > 0)
@@ -455,7 +455,8 @@ class RunConfig(_Section):
     resume: Optional[str] = None
 
     def validate(self) -> None:
-        self._require("name", self.name != "", "a non-empty string")
+        self._require("name", self.name.strip() != "" and "/" not in self.name and self.name not in (".", ".."),
+                      "a non-empty name without '/' (it names the run's directory under runs/)")
         if self.resume is not None:
             self._require("resume", self.resume.strip() != "", '"auto", a checkpoint path or null')
 
