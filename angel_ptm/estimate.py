@@ -296,10 +296,17 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     problems: list[Problem] = []
 
     # 1. the budgets themselves (as resolve_budgets refuses them)
-    needed_on_disk = max(0, states_bytes - max(0, budgets["device"] - gather_pages * page_bytes) - budgets["host"])
+    # Pages rest on disk when the states fit neither the device (beside the room it keeps free: the largest unit's,
+    # or ZeRO-3's gathered copies') nor the host. Then each kind's page file keeps a slot for every page of the kind
+    # (memory/placement.disk_reservations): which pages rest there changes as they move, and a kind's free slots
+    # are no room for another kind's pages.
+    device_keeps = max(0, slots["device"] - max(reserve, gather_pages))
+    spill = max(0, n_states - device_keeps - slots["host"]) * page_bytes
+    needed_on_disk = states_bytes if spill or start.disk else 0
     if needed_on_disk and budgets["disk"] < needed_on_disk:
         problems.append(Problem("disk", needed_on_disk, budgets["disk"],
-                                "the model states that fit neither the device nor the host budget"))
+                                f"the page files: {format_bytes(spill)} of states fit neither the device nor the "
+                                f"host, and each kind's file keeps a slot for every page of it"))
     if disk_reserved:  # the path before its space: a file or a read-only mount is named so, not as a budget
         check_disk_dir(disk_dir, create=False)  # DiskDirError; creates nothing
     disk_free = free_disk_bytes(disk_dir) if disk_reserved else None

@@ -112,7 +112,7 @@ def test_the_default_job_in_numbers():
     assert estimate.activation_bytes == estimate_activation_bytes(build_model(job("default").model).cfg, 8)
     assert estimate.pinned_host_bytes == 0  # pinned only with CUDA
     assert {t: estimate.tiers[t].budget for t in TIERS} == {"device": 56 * MiB, "host": 72 * MiB, "disk": 240 * MiB}
-    assert estimate.tiers["disk"].needed == 112 * MiB  # 240 MiB of states - 56 - 72
+    assert estimate.tiers["disk"].needed == 240 * MiB  # a slot for every state page (125 rest there at start)
     assert estimate.start_pages == {"device": 43, "host": 72, "disk": 125}  # the device keeps 13 pages free
 
 
@@ -220,7 +220,7 @@ def test_disk_budget_below_the_spill_is_a_budget_error_with_the_numbers():
     assert not estimate.fits and not estimate.tiers["disk"].fits
     with pytest.raises(BudgetError) as info:
         estimate.check()
-    assert (info.value.tier, info.value.requested, info.value.available) == ("disk", 112 * MiB, 10 * MiB)
+    assert (info.value.tier, info.value.requested, info.value.available) == ("disk", 240 * MiB, 10 * MiB)
 
 
 def test_device_smaller_than_the_largest_layer_is_refused_like_the_engine_refuses_it():
@@ -459,3 +459,17 @@ def test_zero3_on_a_model_smaller_than_its_gather_room_fits_any_ample_budget(dev
         assert estimate.tiers["device"].budget >= floor * estimate.page_bytes
     else:  # 1 MiB is less than one 64 MiB page: refused with the numbers
         assert not estimate.fits
+
+
+@pytest.mark.parametrize("disk_budget", [150, 239])
+def test_a_disk_budget_below_a_slot_for_every_state_page_is_refused_naming_the_page_files(disk_budget, tmp_path):
+    """Once states rest on disk, each kind's page file keeps a slot for every page of the kind (which pages rest
+    there changes as they move; a kind's free slots are no room for another's): the default job's 240 state pages
+    need 240 MiB, which the table says, and a smaller budget is refused with those numbers, not as the host's."""
+    short = estimate_job(job("default", f"memory.disk_budget={disk_budget}MiB", f"memory.disk_dir={tmp_path}"),
+                         device=CPU)
+    assert short.tiers["disk"].needed == 240 * MiB and not short.fits
+    problem = short.problems[0]
+    assert (problem.tier, problem.requested, problem.available) == ("disk", 240 * MiB, disk_budget * MiB)
+    assert "125.0 MiB of states fit neither the device nor the host" in problem.what
+    assert estimate_job(job("default", "memory.disk_budget=240MiB", f"memory.disk_dir={tmp_path}"), device=CPU).fits
