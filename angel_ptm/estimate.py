@@ -213,8 +213,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
 
     `model`: an existing module to estimate (default: the config's model, built on the meta device, so nothing
     is allocated). `layout`: its PageLayout if already built. `disk_dir`: where the page files go (default:
-    memory.disk_dir, else run.dir/pages, else runs/pages, as the trainer picks). `device`: the compute device
-    (default: trainer.device resolved). `gpu_memory`: the bytes of GPU memory to plan for instead of asking CUDA
+    memory.disk_dir, else run.dir/pages, else runs/<new run>/pages: the trainer's runs/<timestamp>/pages). `device`:
+    the compute device (default: trainer.device resolved). `gpu_memory`: the bytes of GPU memory to plan for instead of asking CUDA
     for the free memory of the GPU present, so a GPU job is estimated on a machine without one (the device budget
     "auto" resolves against it, and the device pool and activations must fit in it). `ownership`: this rank's
     share of the pages under data parallelism (default: one rank); `local_world_size`: processes on this machine,
@@ -256,7 +256,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     counts = {kind: own.local_count(kind, layout.kind_pages(kind)) for kind in kinds}
     n_states = sum(counts.values())
     states_bytes = n_states * page_bytes
-    disk_dir = disk_dir or mem.disk_dir or str(Path(config.run.dir or "runs") / "pages")
+    disk_dir = disk_dir or mem.disk_dir or str(Path(config.run.dir or "runs/<new run>") / "pages")
 
     gpu_free = gpu_memory if gpu_memory is not None else (
         int(torch.cuda.mem_get_info(device)[0]) if device.type == "cuda" else None)
