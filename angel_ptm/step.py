@@ -65,7 +65,7 @@ def no_decay_names(model, patterns) -> frozenset[str]:
         hits = {name for name in names if fnmatch.fnmatchcase(name, pattern)}
         if not hits:
             raise ConfigValueError(f"optimizer.no_decay: pattern {pattern!r} matches no parameter (names look like "
-                                   f"{names[0]!r})" if names else f"optimizer.no_decay: the model has no parameters")
+                                   f"{names[0]!r})" if names else "optimizer.no_decay: the model has no parameters")
         matched |= hits
     return frozenset(matched)
 
