@@ -291,7 +291,9 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
                                         (layout.n_pages - local) // own.dp)
         gather_pages = gather_groups * own.dp
     disk_reserved = sum(disk_reservations(counts, slots["disk"]).values())
-    reserve = device_reserve_pages(slots["device"], n_states + gather_pages, max(largest, gather_pages))
+    # (a gathered group's own page is its input in its own slot: the copies take the other dp - 1 slots)
+    copies = gather_pages - gather_groups
+    reserve = device_reserve_pages(slots["device"], n_states + copies, max(largest, gather_pages))
     start = place_pages(counts, slots, reserve, page_bytes, kinds)
     problems: list[Problem] = []
 
@@ -300,7 +302,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     # or ZeRO-3's gathered copies') nor the host. Then each kind's page file keeps a slot for every page of the kind
     # (memory/placement.disk_reservations): which pages rest there changes as they move, and a kind's free slots
     # are no room for another kind's pages.
-    device_keeps = max(0, slots["device"] - max(reserve, gather_pages))
+    device_keeps = max(0, slots["device"] - max(reserve, copies))
     spill = max(0, n_states - device_keeps - slots["host"]) * page_bytes
     needed_on_disk = states_bytes if spill or start.disk else 0
     if needed_on_disk and budgets["disk"] < needed_on_disk:

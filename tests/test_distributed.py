@@ -25,6 +25,9 @@ JOBS = (
                                                                     placement="device+host")]
     + [job(f"zero{z}-branchy", zero=z, model="branchy", placement="device+host") for z in (2, 3)]
     + [job("zero3-osdp", zero=3, osdp=True, steps=5)]
+    # the defaults: auto budgets, on a model smaller than ZeRO-3's gathered groups' room (16 KiB pages)
+    + [job("zero3-auto-budgets", zero=3, placement="device", page_bytes="16KiB",
+           memory={"device_budget": "auto", "host_budget": "auto"})]
     + [job("zero3-recompute", zero=3, activations="full")]
     + [job("zero3-selective", zero=3, activations="selective"),
        job("zero3-offload-host", zero=3, activations={"checkpoint": "none", "offload": "host", "offload_min_bytes": 0},

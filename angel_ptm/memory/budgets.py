@@ -36,7 +36,7 @@ def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, dev
             gpu_free = int(torch.cuda.mem_get_info(device)[0]) if gpu_free is None else gpu_free
             device_budget = int(0.8 * gpu_free)
         else:
-            device_budget = max(states_bytes, device_floor_bytes)
+            device_budget = max(states_bytes + gathered_bytes, device_floor_bytes)
     device_budget = min(int(device_budget), max(states_bytes + gathered_bytes, device_floor_bytes))
     if host_budget == "auto":
         ram_available = psutil.virtual_memory().available if ram_available is None else ram_available
