@@ -20,6 +20,7 @@ from torch import nn
 
 from angel_ptm.binding import ParamBinder, refuse_sparse_gradients
 from angel_ptm.config import Config, load_config
+from angel_ptm.errors import EngineClosedError
 from angel_ptm.failure import Failure
 from angel_ptm.estimate import estimate_job
 from angel_ptm.inputs import to_device
@@ -202,7 +203,11 @@ class Engine(StateAccess, EngineViews):
         copy_masters_into_params(self.scheduler, self.pages, self.layout, self.ownership)
         self.data_parallel.params_updated()
 
-    def _check_alive(self) -> None:
+    def _check_alive(self, reading: bool = False) -> None:
+        """Refuse a call on a failed engine, or (unless it only `reading` state) on a closed one."""
+        if self._closed and not reading:
+            raise EngineClosedError("the engine was closed: its model holds the trained weights as ordinary tensors "
+                                    "(model.state_dict()); angel_ptm.initialize(model, ...) trains on from them")
         self.failure.check()
 
     def close(self) -> None:

@@ -130,6 +130,11 @@ class EngineFailedError(AngelError):
     call refuses; resume from the last checkpoint."""
 
 
+class EngineClosedError(AngelError):
+    """A call that trains, writes or checkpoints on an engine after its close(): the model holds its trained weights
+    as ordinary tensors, and a new engine trains on from them."""
+
+
 # --- checkpoints ----------------------------------------------------------------------------------------------
 class CheckpointError(AngelError):
     """A checkpoint that cannot be saved or loaded: a path in use, a save between backward and step, a checkpoint

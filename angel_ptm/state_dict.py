@@ -220,7 +220,7 @@ class StateAccess:
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """`model.state_dict()`'s keys with the real values, on the CPU (angel_ptm/state_dict.py)."""
-        self._check_alive()
+        self._check_alive(reading=True)
         return model_state_dict(self)
 
     def load_state_dict(self, state_dict: dict, strict: bool = True):
@@ -231,7 +231,7 @@ class StateAccess:
 
     def optimizer_state_dict(self) -> dict:
         """The AdamW state in `torch.optim.AdamW.state_dict()`'s format, for `model.parameters()` in order."""
-        self._check_alive()
+        self._check_alive(reading=True)
         return optimizer_state_dict(self)
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
@@ -260,9 +260,12 @@ class StateAccess:
             warnings.warn(f"the checkpoint saved beside training failed: {exc}", stacklevel=3)
 
     def wait_for_checkpoint(self):
-        """Wait for a save running beside training to complete (its path), raising its error; None without one."""
+        """Wait for a save running beside training to complete (its path), raising its error unless the save's own
+        `wait()` raised it already (the caller knows: a later save is not failed by it); None without one."""
         pending, self.pending_checkpoint = self.pending_checkpoint, None
-        return None if pending is None else pending.wait()
+        if pending is None or (pending.done() and pending.reported):
+            return None
+        return pending.wait()
 
     def load_checkpoint(self, path):
         """The training state of checkpoint directory `path` (saved by any rank count, page size or placement) into

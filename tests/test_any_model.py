@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 import angel_ptm
-from angel_ptm.errors import (BudgetError, EngineFailedError, PageIOError, ParameterAccessError, StateDictError)
+from angel_ptm.errors import (BudgetError, EngineClosedError, EngineFailedError, PageIOError, ParameterAccessError,
+                              StateDictError)
 from angel_ptm.estimate import estimate_job
 from angel_ptm.lr import lr_at
 from angel_ptm.memory import Tier
@@ -273,6 +274,11 @@ def test_after_close_the_model_holds_its_trained_weights(tmp_path):
     torch.testing.assert_close(model(x), reference(x), rtol=1e-5, atol=1e-6)
     regression_loss(model, x).backward()  # an ordinary module again
     assert model.w.grad is not None
+    with pytest.raises(EngineClosedError, match="the engine was closed"):  # not a silent no-op
+        regression_loss(engine, x)
+    for call in (engine.step, engine.zero_grad, lambda: engine.save_checkpoint(tmp_path / "ckpt")):
+        with pytest.raises(EngineClosedError):
+            call()
 
 
 def test_an_io_error_inside_step_fails_the_engine_instead_of_training_on(tmp_path, monkeypatch):

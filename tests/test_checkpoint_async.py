@@ -78,3 +78,38 @@ def test_waiting_for_a_paced_save_lifts_its_pace(tmp_path):
         assert other.load_checkpoint(tmp_path / "bg") == {"step": 3}
     finally:
         other.close()
+
+
+def test_a_failed_background_save_whose_error_was_raised_fails_no_later_save(tmp_path, monkeypatch):
+    """A save beside training that fails raises its typed error from its own wait(); the engine's next save (the
+    disk fine again) is not failed by that error a second time, and writes its checkpoint. One whose error nobody
+    waited for is raised by the next save (nothing is dropped unseen)."""
+    import errno
+
+    from angel_ptm.checkpoint import storage
+    from angel_ptm.errors import CheckpointWriteError
+
+    build, _, loss_fn = CASES["mlp"]
+    data = batches("mlp")
+    engine = angel_ptm.initialize(build(), config(tmp_path, "a"))
+
+    def full(point):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    try:
+        step(engine, loss_fn, data[0])
+        monkeypatch.setattr(storage, "FAULT", full)
+        pending = engine.save_checkpoint(tmp_path / "first", background=True)
+        with pytest.raises(CheckpointWriteError):
+            pending.wait()
+        monkeypatch.setattr(storage, "FAULT", None)
+        assert engine.save_checkpoint(tmp_path / "second") == tmp_path / "second"
+        monkeypatch.setattr(storage, "FAULT", full)
+        engine.save_checkpoint(tmp_path / "third", background=True)
+        while not engine.pending_checkpoint.done():
+            time.sleep(0.01)
+        monkeypatch.setattr(storage, "FAULT", None)
+        with pytest.raises(CheckpointWriteError, match="third"):  # (not waited for: the next save says so)
+            engine.save_checkpoint(tmp_path / "fourth")
+    finally:
+        engine.close()
+    assert (tmp_path / "second" / ".metadata").is_file() and not (tmp_path / "first").exists()

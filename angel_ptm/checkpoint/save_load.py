@@ -190,6 +190,7 @@ class PendingSave:
     def __init__(self, path: Path, snapshot: Snapshot, pace: Pace | None = None):
         self.path, self._snapshot, self.pace = path, snapshot, pace
         self.error: BaseException | None = None
+        self.reported = False  # its error was raised to a caller of wait(): the engine's next wait is not told again
         self.seconds = 0.0
         self._thread: threading.Thread | None = None
 
@@ -222,6 +223,7 @@ class PendingSave:
         if self._thread is not None:
             self._thread.join()
         if self.error is not None:
+            self.reported = True
             raise self.error
         return self.path
 
