@@ -91,6 +91,16 @@ class _Saved:
         self.tensor, self.storage = tensor, tensor.untyped_storage().data_ptr()
 
 
+def refuse_managed(model: nn.Module) -> None:
+    """A ConfigValueError when an engine already manages `model` (its parameters carry that engine's labels until
+    it closes): two engines would page the same parameters."""
+    for name, param in model.named_parameters():
+        if "_angel_name" in param.__dict__:
+            raise ConfigValueError(f"initialize: parameter '{name}' is managed by an engine already (one not "
+                                   f"closed, or one that failed and left it without values): close that engine "
+                                   f"first, or build a new model")
+
+
 def refuse_sparse_gradients(model: nn.Module) -> None:
     """A ConfigValueError naming the first module that would give its parameters sparse gradients (nn.Embedding or
     nn.EmbeddingBag with sparse=True): gradient pages are dense, and AdamW (torch's too) takes dense gradients."""

@@ -18,7 +18,7 @@ import time
 import torch
 from torch import nn
 
-from angel_ptm.binding import ParamBinder, refuse_sparse_gradients
+from angel_ptm.binding import ParamBinder, refuse_managed, refuse_sparse_gradients
 from angel_ptm.config import Config, load_config
 from angel_ptm.errors import EngineClosedError
 from angel_ptm.failure import Failure
@@ -63,6 +63,7 @@ class Engine(StateAccess, EngineViews):
 
     def _set_up(self, model: nn.Module, config: Config, trace: TraceRecorder | None, units: UnitsSpec,
                 example_inputs) -> None:
+        refuse_managed(model)
         refuse_sparse_gradients(model)
         self._paging = Paging()  # the tiers, opened in order; closed whole by close() or a failed start
         self.model, self.config = model, config

@@ -141,3 +141,17 @@ def test_offloaded_activations_of_an_unknown_footprint_warn_then_say_whose_room_
             engine.backward(loss)
     finally:
         engine.close()
+
+
+def test_a_model_an_open_engine_manages_is_refused_by_a_second_initialize(tmp_path):
+    model = Normed()
+    engine = angel_ptm.initialize(model, config(tmp_path / "a"))
+    try:
+        with pytest.raises(ConfigValueError, match="'net.0.weight' is managed by an engine already"):
+            angel_ptm.initialize(model, config(tmp_path / "b"))
+        loss = engine(torch.randn(4, 6))  # the first engine is untouched by the refusal
+        engine.backward(loss)
+        engine.step()
+    finally:
+        engine.close()
+    angel_ptm.initialize(model, config(tmp_path / "c")).close()  # once it is closed, a new engine may take it
