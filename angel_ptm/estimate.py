@@ -214,13 +214,13 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     `model`: an existing module to estimate (default: the config's model, built on the meta device, so nothing
     is allocated). `layout`: its PageLayout if already built. `disk_dir`: where the page files go (default:
     memory.disk_dir, else run.dir/pages, else runs/<new run>/pages: the trainer's runs/<timestamp>/pages). `device`:
-    the compute device (default: trainer.device resolved). `gpu_memory`: the bytes of GPU memory to plan for instead of asking CUDA
-    for the free memory of the GPU present, so a GPU job is estimated on a machine without one (the device budget
-    "auto" resolves against it, and the device pool and activations must fit in it). `ownership`: this rank's
-    share of the pages under data parallelism (default: one rank); `local_world_size`: processes on this machine,
-    which split its RAM. `example_inputs`: one micro-batch's forward arguments (a tuple, or a dict of keyword
-    arguments; real or meta tensors), from which the activations of a model other than our dense GPT are traced
-    (activations/footprint.py); without them those are unknown."""
+    the compute device (default: trainer.device resolved). `gpu_memory`: the bytes of GPU memory to plan for instead
+    of asking CUDA for the free memory of the GPU present, so a GPU job is estimated on a machine without one (the
+    device budget "auto" resolves against it, and the device pool and activations must fit in it). `ownership`:
+    this rank's share of the pages under data parallelism (default: one rank); `local_world_size`: processes on
+    this machine, which split its RAM. `example_inputs`: one micro-batch's forward arguments (a tuple, or a dict
+    of keyword arguments; real or meta tensors), from which the activations of a model other than our dense GPT are
+    traced (activations/footprint.py); without them those are unknown."""
     if not isinstance(config, Config):
         config = load_config(config)
     mem = config.memory
@@ -297,7 +297,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     start = place_pages(counts, slots, reserve, page_bytes, kinds)
     problems: list[Problem] = []
 
-    # 1. the budgets themselves (as resolve_budgets refuses them)
+    # 1. the budgets themselves (what resolve_budgets refuses, and the page files' slots: the engine checks this first)
     # Pages rest on disk when the states fit neither the device (beside the room it keeps free: the largest unit's,
     # or ZeRO-3's gathered copies') nor the host. Then each kind's page file keeps a slot for every page of the kind
     # (memory/placement.disk_reservations): which pages rest there changes as they move, and a kind's free slots

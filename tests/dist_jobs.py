@@ -145,7 +145,8 @@ def config_of(spec: dict, world: int, disk_dir: str) -> dict:
     cfg["parallel"] = {"zero": spec["zero"], "timeout_s": spec.get("timeout_s", 60), "osdp": spec.get("osdp", False),
                        "tp": spec.get("tp", 1), "sequence_parallel": spec.get("sp", False), "ep": spec.get("ep", 1),
                        # (a reference run of one ep rank has no all-to-all to make hierarchical)
-                       "moe_a2a": spec.get("moe_a2a", "flat") if spec.get("ep", 1) > 1 else "flat", "moe_rebalance_every": spec.get("rebalance", 0),
+                       "moe_a2a": spec.get("moe_a2a", "flat") if spec.get("ep", 1) > 1 else "flat",
+                       "moe_rebalance_every": spec.get("rebalance", 0),
                        "moe_rebalance_threshold": spec.get("rebalance_threshold", 1.25),
                        "moe_replicas": spec.get("replicas", 0)}
     cfg["optimizer"].update(spec.get("optimizer", {}))
