@@ -211,7 +211,7 @@ class Trainer:
                         "grad_norm": None if grad_norm is None or not math.isfinite(grad_norm) else float(grad_norm),
                         "tokens_per_s": tokens_per_step / step_s, "step_s": step_s,
                         "in_use": dict(stats["in_use"]), "moved": moved,
-                        **schedule_metrics(stats.get("schedule")),
+                        **schedule_metrics(stats.get("schedule"), experts="expert_moved" in stats),
                         **precision_metrics(engine),
                         **({"osdp_replicated": stats["osdp_replicated"]} if stats.get("osdp_replicated") else {}),
                         **({"moe": routed} if routed else {}),
@@ -365,14 +365,15 @@ def precision_metrics(engine: Any) -> dict[str, Any]:
     return {"loss_scale": float(scale), "skipped": bool(getattr(engine, "last_step_skipped", False))}
 
 
-def schedule_metrics(schedule: dict | None) -> dict[str, Any]:
-    """The scheduler's figures for the step just finished (an engine without a scheduler reports none)."""
+def schedule_metrics(schedule: dict | None, experts: bool = False) -> dict[str, Any]:
+    """The scheduler's figures for the step just finished (an engine without a scheduler reports none); `experts`
+    (the engine pages MoE experts): the expert accesses' figures on every line, zeros included."""
     if not schedule:
         return {}
     out = {"stall_s": schedule["stall_s"], "deviations": schedule["deviations"],
            "planned_moves": schedule["issued"], "replanned": schedule["replanned"]}
-    if schedule.get("optional_skipped") or schedule.get("optional_unplanned") or schedule.get("optional_cancelled") \
-            or schedule.get("optional_reordered"):
+    if experts or any(schedule.get(key) for key in ("optional_skipped", "optional_unplanned", "optional_cancelled",
+                                                    "optional_reordered", "optional_resumed", "experts_cold")):
         out.update(expert_accesses_skipped=schedule["optional_skipped"],  # MoE: experts routed or not
                    expert_accesses_unplanned=schedule["optional_unplanned"],
                    expert_fetches_cancelled=schedule.get("optional_cancelled", 0),

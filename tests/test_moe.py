@@ -301,6 +301,8 @@ def test_configs_moe_trains_through_the_cli_with_loss_falling_and_logs_the_routi
     for row in steps:
         assert set(row["moe"]) == {"layers.1.feed_forward", "layers.3.feed_forward"}
         assert {"expert_moved", "expert_prefetch_wasted", "deviations", "stall_s"} <= set(row)  # experts' traffic
+        assert {"expert_accesses_skipped", "expert_accesses_unplanned", "expert_fetches_cancelled",  # on every line
+                "expert_accesses_reordered", "expert_fetches_resumed", "experts_cold_pages"} <= set(row)
         for layer in row["moe"].values():
             assert len(layer["tokens_per_expert"]) == 8 and 0 <= layer["drop_rate"] < 1 and layer["aux_loss"] > 0
             # top-2 over 8 x 32 tokens, less the dropped choices
