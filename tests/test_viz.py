@@ -307,6 +307,20 @@ def test_truncated_trace_and_unknown_events_still_give_a_report_with_visible_war
     assert report_data(page)["meta"]["events"] == len(SMALL_TRACE)
 
 
+def test_a_trace_cut_at_trace_max_bytes_says_what_the_report_leaves_out(tmp_path):
+    """After the recorder's "trace truncated" mark only step events are written: the report says its bytes moved
+    and step-time split cover the steps before it (metrics.jsonl has every step's)."""
+    trace = SMALL_TRACE[:7] + [{"t": 2.6, "event": "mark", "name": "trace truncated", "max_bytes": 4096},
+                               {"t": 4.0, "event": "step", "step": 2, "loss": 5.0, "step_s": 1.5,
+                                "left_out": {"moved": 3}}]
+    result = build_report(make_run(tmp_path, trace=trace))
+    assert any("truncated at trace.max_bytes 2.6 s into the run" in w and "metrics.jsonl has every step's" in w
+               for w in result.warnings)
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    assert not any("truncated" in w for w in build_report(make_run(whole)).warnings)
+
+
 def test_without_metrics_the_table_comes_from_the_trace_step_events(tmp_path):
     result = build_report(make_run(tmp_path, metrics=None))
     assert result.warnings == ("no metrics.jsonl in the run directory; steps come from the trace's step events",)

@@ -9,6 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from angel_ptm.trace.recorder import TRUNCATED_MARK
 from angel_ptm.viz.bins import Decimator, LaneActivity, MovedBytes, TierUsage, TimeAxis
 from angel_ptm.viz.chrome import ChromeTraceWriter
 from angel_ptm.viz.metrics import StepTableBuilder
@@ -48,6 +49,7 @@ class TraceDigest:
         self.steps: Decimator[float] = Decimator(limits.steps)  # times of step events
         self.trace_steps = StepTableBuilder(limits.table_rows)  # the table of a run without metrics.jsonl
         self.marks: list[dict[str, Any]] = []
+        self.truncated_at: float | None = None  # trace.max_bytes: when the recorder stopped writing page events
         self.counts: Counter = Counter()  # event type -> events
         self.dropped = 0  # `drop` events: pages leaving a tier without a transfer (a clean copy is on disk)
         self.io_errors = 0
@@ -149,6 +151,8 @@ class TraceDigest:
 
     def _mark(self, t: float, event: dict[str, Any]) -> None:
         fields = {k: v for k, v in event.items() if k not in ("t", "event")}
+        if fields.get("name") == TRUNCATED_MARK and self.truncated_at is None:
+            self.truncated_at = t
         if len(self.marks) < self.limits.marks:
             self.marks.append({"t": t, **fields})
         if self.chrome is not None:
