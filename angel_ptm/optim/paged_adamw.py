@@ -193,20 +193,24 @@ class PagedAdamW:
             exp_avg, exp_avg_sq = group["exp_avg"].view(state_dtype), group["exp_avg_sq"].view(state_dtype)
             param = group["param"].view(dtype)[:page_numel] if self.write_params else None
             master, copy = (group["master"].view(state_dtype), param) if self.mixed else (param, None)
-            steps = {(self.slot_steps[name], name in self.no_decay) for name, _, _ in slots}
-            if len(steps) == 1 and not any(name in without_grad for name, _, _ in slots):
-                step, spared = steps.pop()  # the whole page at once
-                self._update(master, grad, exp_avg, exp_avg_sq, step, copy, 0.0 if spared else self.weight_decay)
+            # (step count, weight decay) of each tensor on the page: one pair for all of them, the page at once
+            terms = {(self.slot_steps[name], self._decay(name)) for name, _, _ in slots}
+            if len(terms) == 1 and not any(name in without_grad for name, _, _ in slots):
+                step, decay = terms.pop()
+                self._update(master, grad, exp_avg, exp_avg_sq, step, copy, decay)
             else:
                 for name, offset, numel in slots:
                     if name not in without_grad:
                         part = slice(offset, offset + numel)
                         self._update(master[part], grad[part], exp_avg[part], exp_avg_sq[part],
-                                     self.slot_steps[name], None if copy is None else copy[part],
-                                     0.0 if name in self.no_decay else self.weight_decay)
+                                     self.slot_steps[name], None if copy is None else copy[part], self._decay(name))
         self.access.release([page for kind, page in group.items() if kind != "grad"], dirty=True)
         self.access.release([group["grad"]])
         self.access.discard([group["grad"]])  # the gradient is applied: its page is dead until the next backward
+
+    def _decay(self, name: str) -> float:
+        """Tensor `name`'s weight decay: 0 for optimizer.no_decay's, the group's otherwise."""
+        return 0.0 if name in self.no_decay else self.weight_decay
 
     def _update(self, param, grad, exp_avg, exp_avg_sq, step: int, copy: torch.Tensor | None,
                 weight_decay: float) -> None:
