@@ -108,6 +108,7 @@ class Estimate:
     collective_buffer_bytes: int = 0  # ZeRO 2-3: the reduce-scatters' own buffers, outside the pools
     osdp_groups: int = 0  # parallel.osdp: page groups that may be kept replicated (parallel/ownership.osdp_replicable)
     gather_pages: int = 0  # ZeRO-3: device slots those groups take at most
+    gather_copy_pages: int = 0  # of them, copies of other ranks' pages (a group's own page is its gather's input)
     device_floor_pages: int = 0  # ZeRO-3: no device budget is cut below this many slots (memory/budgets.py)
     expert_gather_pages: int = 0  # ZeRO-3 with ep < dp: one MoE layer's expert pages, gathered while it computes
     collective_bytes: dict = field(default_factory=dict)  # per step, bytes this rank hands to each collective
@@ -428,7 +429,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         master_note=STALE_MASTER_NOTE if config.trainer.dtype == "float32" else MIXED_MASTER_NOTE,
         gpu_memory_given=gpu_memory is not None,
         zero=own.stage, largest_unit_groups=chain_groups, gather_groups=gather_groups, gather_pages=gather_pages,
-        device_floor_pages=floor,
+        device_floor_pages=floor, gather_copy_pages=copies,
         expert_gather_pages=expert_pages,
         osdp_groups=osdp_replicable(gather_groups, chain_groups) if own.gathers and config.parallel.osdp else 0,
         collective_bytes=collective_bytes(own, layout, page_bytes), checkpoint_staging_bytes=staged,

@@ -84,8 +84,7 @@ def open_paging(paging: Paging, config, layout, kinds, ownership, estimate, mesh
             disk.reserve(kind, slots)
     pools = manager.pools  # each new page where it will rest (placement.creation_tiers)
     tiers = creation_tiers(pools[Tier.DEVICE].capacity, pools[Tier.HOST].capacity, n_states,
-                           estimate.gather_pages - estimate.gather_groups,  # (the copies: own pages are inputs)
-                           keep_free)
+                           estimate.gather_copy_pages, keep_free)
     paging.pages = PageStore.create(manager, layout, kinds, ownership, iter(tiers),
                                     PageTensors(manager, layout, {}).dtype)
 
