@@ -245,10 +245,12 @@ def run_viz(args: argparse.Namespace) -> int:
 
     if rank_traces(args.run_dir) and not (Path(args.run_dir) / "trace.jsonl").exists():  # a torchrun run
         with warnings_to_stderr("angel_ptm.viz"):
-            ranks = build_rank_reports(args.run_dir, args.output)
+            ranks = build_rank_reports(args.run_dir, args.output, args.chrome_trace)
         print(f"report: {ranks.html_path} ({len(ranks.ranks)} ranks side by side)")
         for result in ranks.ranks:
             print(f"  {result.html_path.name}, {result.chrome_path.name}: {result.events:,} events")
+        print(f"chrome trace: {ranks.chrome.path} ({format_bytes(ranks.chrome.bytes)}, {ranks.chrome.events:,} events, "
+              f"every rank a process on one time axis)")
         return 0
     with warnings_to_stderr("angel_ptm.viz"):
         result = build_report(args.run_dir, args.output, args.chrome_trace)

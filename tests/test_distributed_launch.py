@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from angel_ptm.viz.chrome import validate_chrome_trace
 from dist_harness import free_port, spawn
 from dist_jobs import die_mid_step, die_while_saving, job, start_with
 
@@ -193,3 +194,11 @@ def test_viz_of_a_torchrun_run_shows_every_rank_side_by_side(launched):
         assert f'<iframe src="report.rank{rank}.html" title="rank {rank}">' in index
         assert "angel-ptm report" in (tmp / "two" / f"report.rank{rank}.html").read_text()
         assert (tmp / "two" / f"trace.rank{rank}.chrome.json").stat().st_size > 0
+    # One Chrome trace with every rank a process, on the clock of the ranks' start marks
+    merged = json.loads((tmp / "two" / "trace.chrome.json").read_text())
+    assert validate_chrome_trace(merged) == []
+    names = {e["pid"]: e["args"]["name"] for e in merged["traceEvents"] if e["name"] == "process_name"}
+    assert names == {1: "rank 0", 2: "rank 1"}
+    comm = {pid: [e for e in merged["traceEvents"] if e.get("cat") == "comm" and e["pid"] == pid] for pid in (1, 2)}
+    assert comm[1] and comm[2]
+    assert "every rank a process on one time axis" in result.stdout

@@ -255,11 +255,14 @@ def record_steps(path: Path, max_bytes: int | None, steps: int = 3) -> list[dict
         trace.interval("compute", f"step {step}", 1.0, 1.5)
         trace.event("step", step=step, loss=1.0)
     trace.close()
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    start, *events = [json.loads(line) for line in path.read_text().splitlines()]
+    assert start["name"] == "trace start"  # every trace's first line (the recorder's)
+    return events
 
 
 def line_bytes(path: Path, n: int) -> int:
-    return sum(len(line) + 1 for line in path.read_text().splitlines()[:n])
+    """The bytes of the trace's start line and its first `n` events."""
+    return sum(len(line) + 1 for line in path.read_text().splitlines()[:n + 1])
 
 
 def test_a_trace_under_its_bound_keeps_every_event(tmp_path):
@@ -289,7 +292,7 @@ def test_a_trace_without_a_bound_is_never_cut(tmp_path):
 def test_viz_reads_a_truncated_trace(tmp_path):
     events = record_steps(tmp_path / "trace.jsonl", max_bytes=line_bytes_of_one_step(tmp_path), steps=5)
     result = build_report(tmp_path)
-    assert result.events == len(events) == 12 + 1 + 4
+    assert result.events == 1 + len(events) == 1 + 12 + 1 + 4  # the start mark too
     assert "trace truncated" in result.html_path.read_text()
 
 

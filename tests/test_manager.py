@@ -203,7 +203,7 @@ def test_trace_records_every_move_with_in_use(tmp_path, io_engine):
     manager.close()
     trace.close()
     events = [json.loads(line) for line in open(tmp_path / "trace.jsonl")]
-    assert [e["event"] for e in events] == ["alloc", "move", "moved", "interval"]
+    assert [e["event"] for e in events] == ["mark", "alloc", "move", "moved", "interval"]  # the start mark first
     moved, span = events[-2], events[-1]
     assert span["lane"] == "disk" and span["dur"] >= 0 and span["bytes"] == PAGE
     assert moved["page"] == "param:0" and moved["src"] == "host" and moved["dst"] == "disk"

@@ -312,11 +312,12 @@ def test_no_progress_prints_nothing_per_step(tmp_path, capsys):
 
 # --- trace.max_bytes ------------------------------------------------------------------------------------------
 def test_trace_max_bytes_bounds_the_runs_trace_to_one_step_event_per_step(tmp_path):
-    train(tiny_config(tmp_path, trainer={"steps": 4, "eval_every": 0}, trace={"max_bytes": 120}))  # one interval line
+    train(tiny_config(tmp_path, trainer={"steps": 4, "eval_every": 0}, trace={"max_bytes": 200}))  # the start line and one interval line
     events = read_jsonl(tmp_path / "trace.jsonl")
-    assert [e["event"] for e in events] == ["interval", "mark", "step", "step", "step", "step"]
-    assert events[1]["name"] == "trace truncated" and events[1]["max_bytes"] == 120
-    assert [e["left_out"] for e in events[2:]] == [{}, {"interval": 1}, {"interval": 1}, {"interval": 1}]
+    assert [e["event"] for e in events] == ["mark", "interval", "mark", "step", "step", "step", "step"]
+    assert events[0]["name"] == "trace start" and events[2]["name"] == "trace truncated"
+    assert events[2]["max_bytes"] == 200
+    assert [e["left_out"] for e in events[3:]] == [{}, {"interval": 1}, {"interval": 1}, {"interval": 1}]
 
 
 # --- SIGTERM --------------------------------------------------------------------------------------------------

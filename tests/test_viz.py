@@ -448,3 +448,59 @@ def test_viz_writes_the_report_and_the_chrome_trace_where_asked(capsys, tmp_path
                                              f"{len(json.loads(chrome.read_text())['traceEvents']):,} events)"]
     assert captured.err.startswith("angel-ptm: warning: trace.jsonl: the last line (14) is cut short")
     assert not (run / "report.html").exists()
+
+
+def rank_run(tmp_path: Path, starts) -> Path:
+    """A two-rank run directory: each rank's trace is SMALL_TRACE, its t = 0 at starts[rank] on the wall clock
+    (None: a trace from before the start mark)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    for rank, start in enumerate(starts):
+        head = [] if start is None else [{"t": 0.0, "event": "mark", "name": "trace start", "unix_s": start}]
+        write_lines(run / f"trace.rank{rank}.jsonl", head + SMALL_TRACE)
+    write_lines(run / "metrics.jsonl", METRICS)
+    return run
+
+
+def test_viz_of_a_data_parallel_run_writes_one_chrome_trace_with_the_ranks_on_one_clock(capsys, tmp_path):
+    run = rank_run(tmp_path, [1000.0, 1000.25])  # rank 1 started 0.25 s after rank 0
+    merged = tmp_path / "all.json"
+    assert cli.main(["viz", str(run), "--chrome-trace", str(merged)]) == 0
+    out = capsys.readouterr().out
+    assert f"chrome trace: {merged} (" in out and "every rank a process on one time axis" in out
+    trace = json.loads(merged.read_text())
+    assert validate_chrome_trace(trace) == []
+    events = trace["traceEvents"]
+    assert {e["pid"]: e["args"]["name"] for e in events if e["name"] == "process_name"} == {1: "rank 0", 2: "rank 1"}
+    compute = {e["pid"]: e["ts"] for e in events if e.get("cat") == "compute"}
+    assert compute == {1: 1.5e6, 2: 1.75e6}  # each rank's lane where its own clock puts it, shifted to one axis
+    steps = [(e["pid"], e["ts"], e["s"]) for e in events if e["ph"] == "i" and e["name"] == "step 2"]
+    assert steps == [(1, 4e6, "p"), (2, 4.25e6, "p")]  # a rank's marks span its own lanes only
+    assert trace["otherData"]["span_us"] == [0.0, 4.25e6]
+    # each rank's own trace is still written beside it, and the index links the merged one
+    assert (run / "trace.rank1.chrome.json").exists() and 'href="all.json"' in (run / "report.html").read_text()
+
+
+def test_rank_traces_without_a_start_mark_are_merged_from_their_own_zero_with_a_warning(caplog, tmp_path):
+    from angel_ptm.viz.ranks import build_rank_reports
+
+    with caplog.at_level(logging.WARNING, logger="angel_ptm.viz"):
+        result = build_rank_reports(rank_run(tmp_path, [None, 5.0]))
+    assert any("trace.rank0.jsonl lack(s) the 'trace start' mark" in w for w in result.warnings)
+    assert any("not on one clock" in r.getMessage() for r in caplog.records)
+    compute = [e["ts"] for e in json.loads(result.chrome.path.read_text())["traceEvents"] if e.get("cat") == "compute"]
+    assert compute == [1.5e6, 1.5e6]
+
+
+def test_the_recorder_writes_its_start_on_the_wall_clock_first(tmp_path):
+    import time
+
+    from angel_ptm.trace.recorder import TraceRecorder
+
+    before = time.time()
+    recorder = TraceRecorder(tmp_path / "trace.jsonl")
+    recorder.event("mark", name="x")
+    recorder.close()
+    first, second = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert first["event"] == "mark" and first["name"] == "trace start" and first["t"] == 0.0
+    assert before <= first["unix_s"] <= time.time() and second["name"] == "x"

@@ -9,7 +9,8 @@ The file is bounded (`max_bytes`, the config's trace.max_bytes). The event that 
 not written; a `mark` event named "trace truncated" is, once, and from then on page events and intervals are only
 counted: each `step` event carries what its step left out (`left_out`: events per type, `moved`: bytes per tier
 pair, `in_use`: the bytes per tier after the step's last page event). `mark` and `io_error` events, a few per run,
-are still written whole.
+are still written whole. The first line is a `mark` named "trace start" whose `unix_s` is the wall-clock time of
+t = 0 (`angel-ptm viz` lines the ranks' traces of a data-parallel run up by it).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import time
 EVENTS = ("alloc", "free", "move", "moved", "evict", "drop", "io_error", "interval", "step", "mark")
 KEPT_WHEN_TRUNCATED = frozenset(("step", "mark", "io_error"))
 TRUNCATED_MARK = "trace truncated"
+START_MARK = "trace start"  # the first event of every trace: `unix_s`, the wall-clock time of its t = 0
 
 
 class TraceRecorder:
@@ -30,6 +32,7 @@ class TraceRecorder:
         self.path = os.fspath(path) if path is not None else None
         self.enabled = self.path is not None
         self._t0 = time.perf_counter()
+        self._unix_t0 = time.time()
         self._lines: list[str] = []
         self._flush_every = flush_every
         self._file = open(self.path, "a", encoding="utf-8") if self.enabled else None
@@ -38,6 +41,9 @@ class TraceRecorder:
         self.bytes = self._file.tell() if self._file is not None else 0  # in the file and buffered
         self.truncated = False
         self._left_out = StepSummary()
+        if self.enabled:  # where t = 0 is on the wall clock: `angel-ptm viz` lines up the ranks' traces by it
+            self._append(json.dumps({"t": 0.0, "event": "mark", "name": START_MARK, "unix_s": round(self._unix_t0, 6)},
+                                    separators=(",", ":")))
 
     def now(self) -> float:
         return time.perf_counter() - self._t0

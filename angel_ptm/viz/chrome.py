@@ -1,6 +1,6 @@
 """The Chrome trace-event JSON (chrome://tracing, Perfetto) of a run, and a validator for such files.
 
-Layout: one process, "angel-ptm"; thread 0 carries the step marks, trace marks and I/O errors as instant events,
+Layout: one process, "angel-ptm" (a data-parallel run's merged trace: one per rank, `merge_rank_traces`); thread 0 carries the step marks, trace marks and I/O errors as instant events,
 and the per-tier bytes in use and the moved bytes per tier pair as counters (downsampled to fixed time bins);
 every interval lane ("compute", "copy", "disk", "comm", ...) is a thread of its own, named by a thread_name
 metadata event, holding its intervals as complete ("X") events. Times are microseconds from the trace's t = 0.
@@ -151,6 +151,53 @@ class ChromeTraceWriter:
             self._file.write(",\n")
         self._file.write(json.dumps(event, separators=(",", ":")))
         self._events += 1
+
+
+def merge_rank_traces(parts: list[tuple[int, Path, float]], path: str | os.PathLike) -> ChromeTraceStats:
+    """One Chrome trace of a data-parallel run from its ranks' (written by ChromeTraceWriter): `parts` holds
+    (rank, that rank's trace.chrome.json, seconds its t = 0 came after the earliest rank's). Each rank becomes a
+    process of its own ("rank R", pid R + 1) with its lanes as threads, on one time axis, so Perfetto draws the
+    ranks one above the other. Streamed: one event at a time."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    events = 0
+    spans: list[float] = []
+    try:
+        with open(tmp, "w", encoding="utf-8") as out:
+            out.write('{"displayTimeUnit":"ms","traceEvents":[\n')
+            for rank, source, offset_s in parts:
+                shift = _us(offset_s)
+                with open(source, encoding="utf-8") as f:
+                    for line in f:
+                        line = line.rstrip().rstrip(",")
+                        if not line.startswith('{"name"'):
+                            if line.startswith('],"otherData"'):
+                                span = json.loads("{" + line[2:]).get("otherData", {}).get("span_us") or [0, 0]
+                                spans += [span[0] + shift, span[1] + shift]
+                            continue
+                        event = json.loads(line)
+                        event["pid"] = rank + 1
+                        if "ts" in event:
+                            event["ts"] = round(event["ts"] + shift, 3)
+                        if event.get("ph") == "i":
+                            event["s"] = "p"  # a rank's step marks and trace marks span its own lanes only
+                        if event["name"] == "process_name":
+                            event["args"] = {"name": f"rank {rank}"}
+                        out.write((",\n" if events else "") + json.dumps(event, separators=(",", ":")))
+                        events += 1
+                sort = {"name": "process_sort_index", "ph": "M", "pid": rank + 1, "tid": MARKS_TID,
+                        "args": {"sort_index": rank}}
+                out.write((",\n" if events else "") + json.dumps(sort, separators=(",", ":")))
+                events += 1
+            other = {"source": "angel-ptm viz", "ranks": [rank for rank, _, _ in parts],
+                     "rank_offsets_us": [_us(offset_s) for _, _, offset_s in parts],
+                     "span_us": [min(spans), max(spans)] if spans else [0, 0]}
+            out.write("\n],\"otherData\":" + json.dumps(other) + "}\n")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return ChromeTraceStats(path, events, path.stat().st_size)
 
 
 def _us(seconds: float) -> float:

@@ -2,11 +2,14 @@
 shows them side by side with each rank's headline figures, so a slow or stalled rank stands out.
 
     result = build_rank_reports("runs/<run>")   # report.html (the index), report.rank<R>.html, trace.rank<R>.chrome.json
+                                                # and trace.chrome.json: every rank a process, on one time axis
 """
 
 from __future__ import annotations
 
 import html
+import json
+import logging
 import os
 import re
 import time
@@ -14,8 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from angel_ptm.errors import RunDirError
-from angel_ptm.viz.report import REPORT_FILE, ReportResult, build_report
+from angel_ptm.errors import ReportWriteError, RunDirError
+from angel_ptm.trace.recorder import START_MARK
+from angel_ptm.viz.chrome import ChromeTraceStats, merge_rank_traces
+from angel_ptm.viz.report import CHROME_FILE, REPORT_FILE, ReportResult, build_report
+
+log = logging.getLogger("angel_ptm.viz")
 
 RANK_TRACE = re.compile(r"^trace\.rank(\d+)\.jsonl$")
 
@@ -25,6 +32,8 @@ class RankReports:
     html_path: Path  # the index
     ranks: tuple[ReportResult, ...]
     seconds: float
+    chrome: ChromeTraceStats  # the ranks' traces merged: each rank a process
+    warnings: tuple[str, ...] = ()
 
     @property
     def events(self) -> int:
@@ -40,7 +49,8 @@ def rank_traces(run_dir: str | os.PathLike) -> dict[int, str]:
     return dict(sorted(found.items()))
 
 
-def build_rank_reports(run_dir: str | os.PathLike, output: Optional[str | os.PathLike] = None) -> RankReports:
+def build_rank_reports(run_dir: str | os.PathLike, output: Optional[str | os.PathLike] = None,
+                       chrome_trace: Optional[str | os.PathLike] = None) -> RankReports:
     started = time.perf_counter()
     run_dir = Path(run_dir)
     traces = rank_traces(run_dir)
@@ -52,11 +62,39 @@ def build_rank_reports(run_dir: str | os.PathLike, output: Optional[str | os.Pat
         results.append(build_report(run_dir, index.with_name(f"{index.stem}.rank{rank}{index.suffix}"),
                                     run_dir / f"trace.rank{rank}.chrome.json", trace_file=name,
                                     title=f" (rank {rank} of {len(traces)})"))
-    _write_index(index, run_dir, list(traces), results)
-    return RankReports(index, tuple(results), time.perf_counter() - started)
+    merged = Path(chrome_trace) if chrome_trace is not None else run_dir / CHROME_FILE
+    starts = {rank: _start_time(run_dir / name) for rank, name in traces.items()}
+    warnings = []
+    if None in starts.values():
+        warnings.append(f"{merged.name}: {', '.join(traces[r] for r, t in starts.items() if t is None)} "
+                        f"lack(s) the '{START_MARK}' mark (a trace from before it was written): every rank is drawn "
+                        f"from its own t = 0, not on one clock")
+        starts = dict.fromkeys(starts, 0.0)
+    base = min(starts.values())
+    try:
+        chrome = merge_rank_traces([(rank, r.chrome_path, starts[rank] - base) for rank, r in zip(traces, results)],
+                                   merged)
+    except OSError as err:
+        raise ReportWriteError(f"cannot write {merged}: {err.strerror or err}") from None
+    for warning in warnings:
+        log.warning(warning)
+    _write_index(index, run_dir, list(traces), results, chrome.path)
+    return RankReports(index, tuple(results), time.perf_counter() - started, chrome, tuple(warnings))
 
 
-def _write_index(path: Path, run_dir: Path, ranks: list[int], results: list[ReportResult]) -> None:
+def _start_time(trace: Path) -> float | None:
+    """The wall-clock time of the trace's t = 0 (its first line, the recorder's start mark), None without one."""
+    try:
+        with open(trace, encoding="utf-8") as f:
+            first = json.loads(f.readline() or "null")
+    except (OSError, ValueError):
+        return None
+    if isinstance(first, dict) and first.get("name") == START_MARK and isinstance(first.get("unix_s"), (int, float)):
+        return float(first["unix_s"])
+    return None
+
+
+def _write_index(path: Path, run_dir: Path, ranks: list[int], results: list[ReportResult], merged: Path) -> None:
     frames = "".join(
         f'<section><h2>rank {rank}</h2><p>{r.events:,} events, {len(r.warnings)} warning(s) · '
         f'<a href="{html.escape(r.html_path.name)}">open</a> · '
@@ -68,6 +106,8 @@ def _write_index(path: Path, run_dir: Path, ranks: list[int], results: list[Repo
             f".ranks{{display:grid;grid-template-columns:repeat({min(len(ranks), 4)},1fr);gap:1em}}"
             f"iframe{{width:100%;height:80vh;border:1px solid #ccc}}</style>"
             f"<h1>angel-ptm report: {html.escape(run_dir.resolve().name)}, {len(ranks)} data-parallel ranks</h1>"
-            f"<p>Each rank's report, side by side (metrics.jsonl is rank 0's: losses are the mean over ranks).</p>"
+            f"<p>Each rank's report, side by side (metrics.jsonl is rank 0's: losses are the mean over ranks). "
+            f'Every rank\'s lanes on one time axis, a process per rank: <a href="{html.escape(merged.name)}">'
+            f"{html.escape(merged.name)}</a> (open it in ui.perfetto.dev).</p>"
             f'<div class="ranks">{frames}</div>')
     path.write_text(page, encoding="utf-8")
