@@ -131,7 +131,9 @@ class Trainer:
             trace_path = run_dir / trace_name(mesh)
             if resume == "auto" and checkpoints.latest() is None:  # a new run in a directory an earlier one used
                 set_aside([trace_path] + ([run_dir / "metrics.jsonl"] if mesh.is_main else []))
-            trace_path.unlink(missing_ok=True)  # the recorder appends; a run dir holds one run
+            if resume is None:
+                trace_path.unlink(missing_ok=True)  # a run dir holds one run
+            # A resumed run appends to its trace (as to metrics.jsonl): a new segment, which viz puts on one clock
             trace = TraceRecorder(trace_path, max_bytes=cfg.trace.max_bytes)
             cleanup.callback(trace.close)
             metrics = None

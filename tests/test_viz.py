@@ -504,3 +504,19 @@ def test_the_recorder_writes_its_start_on_the_wall_clock_first(tmp_path):
     first, second = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     assert first["event"] == "mark" and first["name"] == "trace start" and first["t"] == 0.0
     assert before <= first["unix_s"] <= time.time() and second["name"] == "x"
+
+
+@pytest.mark.parametrize("second_start, shift", [(1010.0, 10.0), (1001.0, 4.0)])  # 4.0: the first segment's end
+def test_a_resumed_runs_trace_reads_as_one_timeline(tmp_path, second_start, shift):
+    """A resumption appends a segment whose t restarts at 0: it is put after the first on the wall clock, and never
+    before the first segment's last event (a clock that stepped back)."""
+    head = {"t": 0.0, "event": "mark", "name": "trace start", "unix_s": 1000.0}
+    path = write_lines(tmp_path / "trace.jsonl", [head] + SMALL_TRACE + [dict(head, unix_s=second_start)]
+                       + SMALL_TRACE)
+    issues = ReadIssues()
+    steps = [e["t"] for e in iter_events(path, issues) if e["event"] == "step"]
+    assert issues.segments == 2 and steps == [2.5, 4.0, 2.5 + shift, 4.0 + shift]
+    write_lines(tmp_path / "metrics.jsonl", METRICS)
+    result = build_report(tmp_path)
+    assert "2 segments: the run and its 1 resumption(s)" in result.html_path.read_text()
+    assert json.loads(result.chrome_path.read_text())["otherData"]["span_us"] == [0.0, (4.0 + shift) * 1e6]

@@ -3,6 +3,10 @@
 Bad input is counted, not fatal: a malformed line (a crash cuts the last line short; a disk error can garble one
 in the middle), a JSON value that is not an event, and an event type this version does not know are skipped and
 reported through `ReadIssues`, which turns each kind of problem into one warning line for the log and the report.
+
+A resumed run appends to its trace: each segment starts with the recorder's "trace start" mark, its `t` counted
+from that segment's start. The reader puts every segment on the first one's clock (its `unix_s` after the first's;
+never before the events already read), so a run and its resumptions read as one timeline.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from angel_ptm.trace.recorder import EVENTS
+from angel_ptm.trace.recorder import EVENTS, START_MARK
 
 KNOWN_EVENTS = frozenset(EVENTS)
 PAGE_EVENTS = frozenset(("alloc", "free", "move", "moved", "evict", "drop", "io_error"))
@@ -33,6 +37,7 @@ class ReadIssues:
     invalid: int = 0  # JSON lines that are not an event object with a numeric `t` >= 0 and a string `event`
     first_invalid_line: int | None = None
     unknown: Counter = field(default_factory=Counter)  # event type -> lines skipped
+    segments: int = 0  # "trace start" marks read: 1 for a run, 1 more per resumption appended to its trace
     notes: list[str] = field(default_factory=list)  # problems found by the consumers (see `note`)
     _noted: set = field(default_factory=set, repr=False)
 
@@ -65,6 +70,9 @@ def iter_events(path: str | Path, issues: ReadIssues) -> Iterator[dict[str, Any]
     """
     pending_bad: tuple[int, bool] | None = None  # (line number, ended with a newline) of the latest bad line
     decode = json.JSONDecoder().decode  # on str: skips json.loads' per-call encoding detection
+    origin: float | None = None  # unix_s of the first segment's t = 0
+    shift = 0.0  # added to the t of this segment's events
+    last = 0.0  # the latest t handed on
     # Invalid UTF-8 becomes U+FFFD instead of an exception: one bad byte in a page name must not lose the line.
     with open(path, encoding="utf-8", errors="replace", newline="\n") as lines:
         for number, raw in enumerate(lines, start=1):
@@ -90,6 +98,20 @@ def iter_events(path: str | Path, issues: ReadIssues) -> Iterator[dict[str, Any]
                     name = "(other names)"  # bounded: a file of random names must not grow the counter
                 issues.unknown[name] += 1
                 continue
+            if record["event"] == "mark" and record.get("name") == START_MARK:
+                issues.segments += 1
+                unix_s = record.get("unix_s")
+                if isinstance(unix_s, (int, float)) and math.isfinite(unix_s):
+                    if origin is None:
+                        origin = float(unix_s)
+                    else:
+                        shift = max(float(unix_s) - origin, last)
+                elif origin is not None:
+                    shift = last
+            if shift:
+                record["t"] = record["t"] + shift
+            dur = record.get("dur")
+            last = max(last, record["t"] + (dur if is_number(dur) and dur > 0 else 0.0))
             issues.events += 1
             yield record
     if pending_bad is not None:

@@ -206,7 +206,9 @@ def _facts(run_dir: Path, trace_bytes: int, issues: ReadIssues, digest: TraceDig
     facts = [
         ("run directory", str(run_dir)),
         ("trace", f"{format_bytes(trace_bytes)}, {issues.lines:,} lines, {issues.events:,} events"),
-        ("span", f"{digest.end:.2f} s"),
+        ("span", f"{digest.end:.2f} s"
+                 + (f" ({issues.segments} segments: the run and its {issues.segments - 1} resumption(s), on one clock)"
+                    if issues.segments > 1 else "")),
         ("events", counts or "none"),
         ("pages", f"{digest.residency.pages:,}"),
         ("moved in all", moved or "nothing"),
