@@ -30,8 +30,9 @@ from torch import nn
 from angel_ptm import guard
 from angel_ptm.activations import ActivationPages, PackedActivation, Recomputation
 from angel_ptm.activations.recompute import checkpoint_modes
-from angel_ptm.errors import ConfigValueError, ParameterAccessError
+from angel_ptm.errors import ParameterAccessError
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
+from angel_ptm.outside_units import OutsideUnits
 from angel_ptm.units import PagingUnit, unit_pages
 
 log = logging.getLogger("angel_ptm")
@@ -91,27 +92,7 @@ class _Saved:
         self.tensor, self.storage = tensor, tensor.untyped_storage().data_ptr()
 
 
-def refuse_managed(model: nn.Module) -> None:
-    """A ConfigValueError when an engine already manages `model` (its parameters carry that engine's labels until
-    it closes): two engines would page the same parameters."""
-    for name, param in model.named_parameters():
-        if "_angel_name" in param.__dict__:
-            raise ConfigValueError(f"initialize: parameter '{name}' is managed by an engine already (one not "
-                                   f"closed, or one that failed and left it without values): close that engine "
-                                   f"first, or build a new model")
-
-
-def refuse_sparse_gradients(model: nn.Module) -> None:
-    """A ConfigValueError naming the first module that would give its parameters sparse gradients (nn.Embedding or
-    nn.EmbeddingBag with sparse=True): gradient pages are dense, and AdamW (torch's too) takes dense gradients."""
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
-            raise ConfigValueError(f"{name or '<root>'}: {type(module).__name__}(sparse=True) gives sparse gradients, "
-                                   f"which paged AdamW does not take (nor does torch.optim.AdamW): build it with "
-                                   f"sparse=False")
-
-
-class ParamBinder:
+class ParamBinder(OutsideUnits):
     def __init__(self, model: nn.Module, layout: PageLayout, manager: PageManager, param_pages: list[Page],
                  grad_pages: list[Page], device: torch.device, units: list[PagingUnit], access):
         self.model, self.layout, self.manager, self.device = model, layout, manager, device
@@ -133,6 +114,11 @@ class ParamBinder:
         self._hooks_on = False  # inside engine(...): saved tensors in pages are packed by reference
         self._recomputing = 0  # units being recomputed now (activations.checkpoint), nested ones counted
         self._copied_units: list[PagingUnit] = []  # units nested in a recomputed one, bound to copies
+        self.in_backward = False  # inside the engine's backward (StepDriver.backward): a unit run then is recomputed
+        self._post_hook_ids: dict[int, int] = {}  # id(unit) -> its unbinding forward hook's id
+        self._lazy_units: list[PagingUnit] = []  # units bound to copies by `resolve` in this backward
+        self.grads_pending = False  # a backward's gradients are in the grad pages, waiting for step() or zero_grad()
+        self._unit_of: dict[int, PagingUnit] = {}  # id(param) -> the unit that binds it (attach)
         self._node_pins: list[Page] = []
         self._current_node = None
         self._handles = []
@@ -184,8 +170,12 @@ class ParamBinder:
             config.use_cache = False
         self.recomputation = Recomputation(self) if checkpointed else None
         for unit, mode in zip(self.units, modes):
-            self._handles.append(unit.module.register_forward_pre_hook(self._unit_pre_hook(unit)))
-            self._handles.append(unit.module.register_forward_hook(self._unit_post_hook(unit), always_call=True))
+            # First of the unit's pre-hooks (one the model had, torch.nn.utils.weight_norm's, reads the weights),
+            # and last of its forward hooks, those added later too (the pre-hook moves it back to the end)
+            post = unit.module.register_forward_hook(self._unit_post_hook(unit), always_call=True)
+            self._post_hook_ids[id(unit)] = post.id
+            self._handles.append(unit.module.register_forward_pre_hook(self._unit_pre_hook(unit), prepend=True))
+            self._handles.append(post)
             if mode != "none":
                 self._recomputed.append(unit)
                 unit.module.forward = self.recomputation.wrap(unit, unit.module.forward, mode)
@@ -198,7 +188,9 @@ class ParamBinder:
             if param.requires_grad:
                 self._handles.append(param.register_post_accumulate_grad_hook(self._accumulate_grad))
             guard.label(param, name, owner.get(id(param), "<root>"))
+            guard.manage(param, self)
             guard.unbind(param, self._placeholders[id(param)])
+        self._unit_of = {id(p): u for u in reversed(self.units) for p in u.params}
 
     def detach(self, values: Callable[[TensorSlot], torch.Tensor] | None = None) -> None:
         """Remove every hook; with `values`, give each parameter its values as an ordinary tensor for good."""
@@ -214,7 +206,12 @@ class ParamBinder:
 
     # ------------------------------------------------------------------ forward
     def _unit_pre_hook(self, unit: PagingUnit):
-        def hook(_module, _args):
+        post = self._post_hook_ids[id(unit)]
+
+        def hook(module, _args):
+            hooks = module._forward_hooks
+            if next(reversed(hooks)) != post:
+                hooks.move_to_end(post)
             self.bind_unit(unit)
         return hook
 
@@ -225,6 +222,12 @@ class ParamBinder:
 
     def bind_unit(self, unit: PagingUnit) -> None:
         if self._recomputing and not self._hooks_on:  # a unit inside one being recomputed (an MoE block's experts)
+            self.bind_copies(unit)
+            self._copied_units.append(unit)
+            return
+        if torch.is_grad_enabled() and not self._hooks_on and self.in_backward:
+            # The model recomputes this unit in backward itself (torch.utils.checkpoint around the unit:
+            # HuggingFace's gradient_checkpointing_enable()): it reads copies, as activations.checkpoint does
             self.bind_copies(unit)
             self._copied_units.append(unit)
             return
@@ -323,20 +326,6 @@ class ParamBinder:
         for param in unit.params:
             guard.unbind(param, self._placeholders[id(param)])
 
-    # ------------------------------------------------------------------ state dicts
-    def _before_state_dict(self, module: nn.Module, _prefix, _keep_vars) -> None:
-        """Unbound parameters of `module` take copies of their values while its state_dict() runs."""
-        if self.read_values is None:
-            return
-        bound = [p for p in module.parameters(recurse=False) if id(p) not in self._bound]
-        for param in bound:
-            guard.bind(param, self.read_values(self.slots[id(param)]))
-        self._state_dict_bound.setdefault(id(module), []).extend(bound)
-
-    def _after_state_dict(self, module: nn.Module, *_args) -> None:
-        for param in self._state_dict_bound.pop(id(module), []):
-            guard.unbind(param, self._placeholders[id(param)])
-
     # ------------------------------------------------------------------ saved tensors
     @contextmanager
     def saved_tensor_hooks(self):
@@ -416,6 +405,7 @@ class ParamBinder:
                 self._node_pins = []
 
     def end_backward(self) -> None:
+        self.release_lazy()
         self._current_node = None
         self.activation_bytes = 0
         self._saved_storages.clear()
@@ -490,6 +480,7 @@ class ParamBinder:
 
     def start_new_step(self) -> None:
         """Gradients of the finished step are dead: the next ones overwrite their slots."""
+        self.grads_pending = False
         self._has_grad = set()
         self._settled = False
         self._overflow = None

@@ -12,15 +12,16 @@ a ParamBinder that points parameters at pages around each module's forward and b
 from __future__ import annotations
 
 import collections
+import math
 import statistics
 import time
 
 import torch
 from torch import nn
 
-from angel_ptm.binding import ParamBinder, refuse_managed, refuse_sparse_gradients
+from angel_ptm.binding import ParamBinder
 from angel_ptm.config import Config, load_config
-from angel_ptm.errors import EngineClosedError
+from angel_ptm.errors import ConfigValueError, EngineClosedError
 from angel_ptm.failure import Failure
 from angel_ptm.estimate import estimate_job
 from angel_ptm.inputs import to_device
@@ -28,6 +29,7 @@ from angel_ptm.lr import ConfigSchedule
 from angel_ptm.memory import build_layout
 from angel_ptm.memory.materialize import buffers_onto
 from angel_ptm.memory.placement import CREATION_ORDER, compute_dtype, creation_order
+from angel_ptm.model_checks import refuse_compiled, refuse_unsupported
 from angel_ptm.page_tensors import PageTensors
 from angel_ptm.paging import Paging, choose_disk_dir, open_paging
 from angel_ptm.parallel.data_parallel import agree_on_job, join
@@ -63,8 +65,7 @@ class Engine(StateAccess, EngineViews):
 
     def _set_up(self, model: nn.Module, config: Config, trace: TraceRecorder | None, units: UnitsSpec,
                 example_inputs) -> None:
-        refuse_managed(model)
-        refuse_sparse_gradients(model)
+        refuse_unsupported(model)
         self._paging = Paging()  # the tiers, opened in order; closed whole by close() or a failed start
         self.model, self.config = model, config
         self.trace = trace or TraceRecorder(None)
@@ -134,6 +135,7 @@ class Engine(StateAccess, EngineViews):
     def __call__(self, *args, **kwargs):
         """The model's forward, its inputs on the compute device (angel_ptm/inputs.py)."""
         self._check_alive()
+        refuse_compiled(self.model)  # model.compile() after initialize
         args, kwargs = to_device((args, kwargs), self.device, self.compute_dtype)
         with self.failure.reads(), self.binder.saved_tensor_hooks():
             return self.model(*args, **kwargs)
@@ -157,9 +159,17 @@ class Engine(StateAccess, EngineViews):
         return self.driver.clip_grad_norm(max_norm)
 
     def set_lr(self, lr: float) -> None:
-        """Drive the learning rate yourself: from now on the config's lr_schedule is no longer applied."""
+        """Drive the learning rate yourself: from now on the config's lr_schedule is no longer applied. A number
+        >= 0 (a 0-dim tensor too, as torch optimizers take); anything else is a ConfigValueError, before any page
+        is touched."""
+        try:
+            value = float(lr.item() if isinstance(lr, torch.Tensor) and lr.numel() == 1 else lr)
+        except (TypeError, ValueError):
+            value = None
+        if value is None or isinstance(lr, (bool, str)) or not 0 <= value < math.inf:
+            raise ConfigValueError(f"set_lr: the learning rate must be a number >= 0 and finite, got {lr!r}")
         self._schedule.on = False
-        self.optimizer.lr = lr
+        self.optimizer.lr = value
 
     @property
     def lr(self) -> float:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves, tree_map
 
 from angel_ptm.errors import ParameterAccessError
 
@@ -42,14 +43,25 @@ class UnboundParameter(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        if _name_of(func) in _METADATA:
+        name = _name_of(func)
+        if name in _METADATA:
+            if name == "grad" and getattr(func, "__name__", "") == "__get__":
+                _check_grad_readable(args[0])
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **(kwargs or {}))
         if func is torch.Tensor.__repr__:
             param = args[0]
             return (f"UnboundParameter({param.__dict__.get('_angel_name', '?')}, shape={tuple(param.shape)}, "
                     f"dtype={param.dtype}: values in pages, unit {param.__dict__.get('_angel_unit', '?')!r})")
-        offender = next((a for a in _tensors(args, kwargs) if type(a) is UnboundParameter), None)
+        unbound = list(dict.fromkeys(a for a in _tensors(args, kwargs) if type(a) is UnboundParameter))
+        owner = unbound[0].__dict__.get("_angel_owner") if unbound else None
+        resolved = owner.resolve(unbound) if owner is not None else None
+        if resolved is True:  # bound now (a recomputation in backward): the op runs on their values
+            return func(*args, **(kwargs or {}))
+        if isinstance(resolved, dict):  # no autograd to record: the op runs on copies of their values
+            swap = lambda a: resolved.get(id(a), a) if type(a) is UnboundParameter else a  # noqa: E731
+            return func(*tree_map(swap, tuple(args)), **tree_map(swap, dict(kwargs or {})))
+        offender = unbound[0] if unbound else None
         name = offender.__dict__.get("_angel_name", "?") if offender is not None else "?"
         unit = offender.__dict__.get("_angel_unit", "?") if offender is not None else "?"
         raise ParameterAccessError(
@@ -59,11 +71,29 @@ class UnboundParameter(nn.Parameter):
 
 
 def _tensors(args, kwargs):
-    for value in list(args) + list((kwargs or {}).values()):
+    for value in tree_leaves((tuple(args), dict(kwargs or {}))):
         if isinstance(value, torch.Tensor):
             yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, torch.Tensor))
+
+
+def manage(param: nn.Parameter, owner) -> None:
+    """`param` is the binder `owner`'s:
+    - `owner.resolve(params)` is called when unbound `params` are used: True once it bound them, a dict id(param)
+      -> tensor to use in their place (a copy, where no autograd records the op), or None (the use is an error);
+    - while `owner.grads_pending` (between a backward and the step, outside backward) reading `param.grad` is an
+      error: the gradient is in the grad pages, not in `.grad`, and torch's own clipping or zero_grad would see
+      None and silently do nothing."""
+    param.__dict__["_angel_owner"] = owner
+
+
+def _check_grad_readable(param) -> None:
+    owner = param.__dict__.get("_angel_owner")
+    if owner is not None and owner.grads_pending and not owner.in_backward:
+        name = param.__dict__.get("_angel_name", "?")
+        raise ParameterAccessError(
+            f"'{name}'.grad read between engine.backward and engine.step: the engine holds gradients in pages, not "
+            f"in .grad (torch.nn.utils.clip_grad_norm_ or model.zero_grad() would see None and do nothing); use "
+            f"engine.clip_grad_norm(max_norm) or engine.zero_grad()")
 
 
 def label(param: nn.Parameter, name: str, unit: str) -> None:
@@ -92,6 +122,7 @@ def release(param: nn.Parameter, data: torch.Tensor) -> None:
     param.data = data
     param.__dict__.pop("_angel_name", None)
     param.__dict__.pop("_angel_unit", None)
+    param.__dict__.pop("_angel_owner", None)
 
 
 def placeholder(param: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -159,6 +159,7 @@ class StepDriver:
             self.ready = set()
             self.final_order = []
             dp.begin_backward()
+        self.binder.in_backward = True
         try:
             (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
             if self.eager_now:
@@ -167,6 +168,8 @@ class StepDriver:
             if self.eager_now:
                 dp.end_backward()
             self.eager_now = False
+            self.binder.in_backward = False
+            self.binder.grads_pending = True
             self.binder.end_backward()
 
     def _grad_ready(self, slot) -> None:
@@ -239,7 +242,9 @@ class StepDriver:
                 "trainer.grad_clip: clip_grad_norm was called after pages were already updated during backward; "
                 "set trainer.grad_clip so the engine waits for the norm (or optimizer.overlap_updates: false)")
         self.finish_grads()
-        total = self.data_parallel.grad_norm(self.optimizer, self.binder.without_grad)
+        # The pages hold the gradients as backward left them: a clip earlier in this step is pending in grad_scale
+        # (folded into the update), so the norm is of the gradients as already clipped, as torch's second call sees
+        total = self.data_parallel.grad_norm(self.optimizer, self.binder.without_grad) * self.optimizer.grad_scale
         if self.loss_scaler is not None:  # the norm of the true gradients (inf after an overflow: the step is skipped)
             total = float("inf") if self.last_step_skipped else total / self.loss_scaler.scale
         clip_coef = max_norm / (total + 1e-6)

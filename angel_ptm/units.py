@@ -122,7 +122,8 @@ def default_unit_modules(model: nn.Module, experts: bool = True) -> set[nn.Modul
             blocks = [child for child in module.children() if _owns_parameters(child)]
             least = 1 if isinstance(module, nn.ModuleList) else 2  # a Sequential of one is a wrapper, not a list
             if len(blocks) >= least and len({type(b) for b in blocks}) == 1:
-                found.update(blocks)
+                for block in blocks:  # a block that is a container (never called) gives its called parts
+                    found.update(_called_parts(block) if isinstance(block, CONTAINERS) else (block,))
                 return
         for child in module.children():
             visit(child)
@@ -131,7 +132,31 @@ def default_unit_modules(model: nn.Module, experts: bool = True) -> set[nn.Modul
     return found
 
 
+# Modules that hold others but are never called (no forward): a unit's parameters are bound by its forward's hooks
+CONTAINERS = (nn.ModuleDict, nn.ModuleList, nn.ParameterDict, nn.ParameterList)
+
+
+def _called_parts(container: nn.Module) -> list[nn.Module]:
+    """The parameter-owning modules a container holds, looking through containers inside it."""
+    parts = []
+    for child in container.children():
+        if isinstance(child, CONTAINERS):
+            parts += _called_parts(child)
+        elif _owns_parameters(child):
+            parts.append(child)
+    return parts
+
+
 def _unit_modules(model: nn.Module, spec: UnitsSpec, experts: bool = True) -> set[nn.Module]:
+    chosen = _chosen_unit_modules(model, spec, experts)
+    if spec is not None and (containers := [m for m in chosen if isinstance(m, CONTAINERS)]):
+        raise ConfigValueError(
+            f"units: {type(containers[0]).__name__} modules are never called (no forward), so their parameters would "
+            f"never be bound; name the modules they hold instead")
+    return chosen
+
+
+def _chosen_unit_modules(model: nn.Module, spec: UnitsSpec, experts: bool = True) -> set[nn.Module]:
     if spec is None:
         return default_unit_modules(model, experts)
     if callable(spec) and not isinstance(spec, (list, tuple, set, frozenset)):

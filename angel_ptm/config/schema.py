@@ -7,6 +7,8 @@ that exists is a valid Config, whether it came from YAML, ``--set`` overrides or
 
 from __future__ import annotations
 
+import math
+
 import dataclasses
 import functools
 import typing
@@ -211,7 +213,8 @@ class OptimizerConfig(_Section):
     loss_scale_growth_interval: int = 2000
 
     def validate(self) -> None:
-        self._require_positive("lr", "eps")
+        for name in ("lr", "eps"):  # as torch.optim.AdamW: 0 allowed, a negative or non-finite value refused
+            self._require(name, 0 <= getattr(self, name) < math.inf, ">= 0 and finite")
         self._require("betas", all(0 <= beta < 1 for beta in self.betas), "two numbers each >= 0 and < 1")
         self._require("weight_decay", self.weight_decay >= 0, ">= 0")
         self._require_positive("loss_scale_initial", "loss_scale_growth_interval")

@@ -1,0 +1,288 @@
+"""What a model does besides its units' forward: activation checkpointing of its own (HuggingFace's
+gradient_checkpointing_enable, torch.utils.checkpoint inside a unit), methods other than forward that use
+parameters under no_grad (encoder-decoder generate), and torch's own gradient, hook and parameter APIs. Each
+behaves as in plain PyTorch or is refused with a typed error that says what to do instead."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import angel_ptm
+from angel_ptm.errors import ConfigValueError, ParameterAccessError
+from tests.test_any_model import config, torch_losses
+from tests.test_engine_equivalence import assert_same_losses, run_steps
+
+transformers = pytest.importorskip("transformers")
+transformers.logging.set_verbosity_error()
+
+ON_DISK = {"page_bytes": "8KiB", "device_budget": "160KiB", "host_budget": "160KiB"}
+
+
+def memory(tmp_path, scheduler="planned", placement=None):
+    return dict(placement or ON_DISK, disk_dir=str(tmp_path), scheduler=scheduler)
+
+
+def tiny_llama(checkpointing=None):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32))
+    if checkpointing is not None:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": checkpointing})
+    return model.train()
+
+
+def token_batches(steps=4):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 96, (2, 12), generator=g),) for _ in range(steps)]
+
+
+def lm_loss(model, ids):
+    return model(input_ids=ids, labels=ids).loss
+
+
+class CheckpointedBlock(nn.Module):
+    """torch.utils.checkpoint around part of a unit's forward, on the unit's own parameters: its recomputation in
+    backward runs no unit hook."""
+
+    def __init__(self):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(32, 32) * 0.2)
+        self.w2 = nn.Parameter(torch.randn(32, 32) * 0.2)
+
+    def part(self, h):
+        return torch.nn.functional.linear(torch.nn.functional.linear(h, self.w1).tanh(), self.w2)
+
+    def forward(self, x):
+        return x + checkpoint(self.part, x, use_reentrant=False)
+
+
+class InnerCheckpoint(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(CheckpointedBlock() for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+class DictLayers(nn.Module):
+    """Blocks that are ModuleDicts: never called themselves, so their parts are the units."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.ModuleDict({"a": nn.Linear(32, 32), "b": nn.Linear(32, 32)})
+                                    for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer["b"](layer["a"](x).tanh())
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("scheduler", ["planned", "on_demand"])
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_huggingface_gradient_checkpointing_trains_like_torch(reentrant, scheduler, tmp_path):
+    expected, opt = torch_losses(tiny_llama(reentrant), token_batches(), lm_loss)
+    model = tiny_llama(reentrant)
+    engine = angel_ptm.initialize(model, config(memory(tmp_path, scheduler)))
+    try:
+        actual = run_steps(engine, token_batches(), lm_loss)
+        reference = dict(zip([n for n, _ in model.named_parameters()], opt.param_groups[0]["params"]))
+        state = engine.state_dict()
+    finally:
+        engine.close()
+    assert_same_losses(expected, actual, rel=1e-5)
+    for name, param in reference.items():
+        torch.testing.assert_close(state[name], param.detach(), rtol=1e-4, atol=1e-5, msg=name)
+
+
+@pytest.mark.parametrize("model", [InnerCheckpoint, DictLayers])
+def test_checkpoint_inside_a_unit_and_blocks_that_are_module_dicts_train_like_torch(model, tmp_path):
+    def batches():
+        g = torch.Generator().manual_seed(2)
+        return [(torch.randn(4, 32, generator=g),) for _ in range(4)]
+
+    loss = lambda model, x: model(x)  # noqa: E731
+    expected, _ = torch_losses(model(), batches(), loss)
+    engine = angel_ptm.initialize(model(), config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
+    try:
+        if model is DictLayers:
+            assert [u.name for u in engine.units][1:] == [f"layers.{i}.{p}" for i in range(3) for p in "ab"]
+        assert_same_losses(expected, run_steps(engine, batches(), loss))
+    finally:
+        engine.close()
+
+
+def test_a_container_named_as_a_unit_is_refused(tmp_path):
+    with pytest.raises(ConfigValueError, match="units: ModuleDict modules are never called"):
+        angel_ptm.initialize(DictLayers(), config(memory(tmp_path)), units=[nn.ModuleDict])
+
+
+def test_encoder_decoder_generate_runs_the_encoder_by_itself_and_equals_the_plain_model(tmp_path):
+    def t5():
+        torch.manual_seed(0)
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0)).eval()
+
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(3))
+    expected = t5().generate(input_ids=ids, max_new_tokens=6, do_sample=False)
+    model = t5()
+    engine = angel_ptm.initialize(model, config(memory(tmp_path, "on_demand")))
+    try:
+        with torch.no_grad():
+            assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False), expected)
+        with pytest.raises(ParameterAccessError, match="'shared.weight' used outside"):
+            model.get_encoder()(input_ids=ids)  # with gradients on, the use would need a gradient page
+    finally:
+        engine.close()
+
+
+def test_torch_gradient_apis_between_backward_and_step_raise_instead_of_seeing_nothing(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+    job = config(memory(tmp_path, placement={"page_bytes": "4KiB"}), grad_accum=2)
+    job["optimizer"] = dict(job["optimizer"], overlap_updates=False)  # zero_grad after a backward may drop it
+    engine = angel_ptm.initialize(model, job)
+    x = torch.randn(8, 16)
+    try:
+        model.zero_grad()  # before any backward: nothing is pending, as in torch
+        assert all(p.grad is None for p in model.parameters())
+        engine.backward(engine(x).pow(2).mean())
+        with pytest.raises(ParameterAccessError, match=r"'0\.weight'\.grad read between engine\.backward and "
+                                                       r"engine\.step.*engine\.clip_grad_norm"):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        with pytest.raises(ParameterAccessError, match="engine.zero_grad"):
+            model.zero_grad()
+        engine.backward(engine(x).pow(2).mean())  # a second micro-batch reads and frees .grad inside backward
+        engine.zero_grad()
+        assert model[0].weight.grad is None  # dropped: readable again
+        engine.backward(engine(x).pow(2).mean())
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        assert all(p.grad is None for p in model.parameters())
+    finally:
+        engine.close()
+
+
+def reads_weight_before(linear):
+    linear.register_forward_pre_hook(lambda module, args: (args[0] * module.weight.abs().mean(),))
+    return linear
+
+
+def reads_weight_after(linear):
+    linear.register_forward_hook(lambda module, args, out: out * module.weight.norm())
+    return linear
+
+
+@pytest.mark.filterwarnings("ignore::FutureWarning")
+@pytest.mark.parametrize("hooked", ["weight_norm", "spectral_norm", "pre_hook", "post_hook_after_initialize"])
+def test_forward_hooks_that_read_weights_see_them_bound_in_any_order(hooked, tmp_path):
+    wrap = {"weight_norm": torch.nn.utils.weight_norm, "spectral_norm": torch.nn.utils.spectral_norm,
+            "pre_hook": reads_weight_before}.get(hooked, lambda linear: linear)
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(*(wrap(nn.Linear(32, 32)) for _ in range(2)))
+
+    def batches():
+        g = torch.Generator().manual_seed(4)
+        return [(torch.randn(8, 32, generator=g),) for _ in range(3)]
+
+    loss = lambda model, x: (model(x) - x).pow(2).mean()  # noqa: E731
+    plain = build()
+    if hooked == "post_hook_after_initialize":
+        reads_weight_after(plain[0])
+    expected, _ = torch_losses(plain, batches(), loss)
+    model = build()
+    engine = angel_ptm.initialize(model, config(memory(tmp_path, placement={"page_bytes": "4KiB"})),
+                                  units=[nn.Linear])
+    if hooked == "post_hook_after_initialize":
+        reads_weight_after(model[0])
+    try:
+        assert_same_losses(expected, run_steps(engine, batches(), loss))
+    finally:
+        engine.close()
+
+
+class Complex(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, dtype=torch.cfloat))
+
+    def forward(self, x):
+        return (self.w * x).abs().sum()
+
+
+@pytest.mark.parametrize("case", ["complex", "max_norm", "compiled", "compile_method", "compiled_after"])
+def test_models_the_pages_cannot_keep_are_refused_with_what_to_do(case, tmp_path):
+    torch.manual_seed(0)
+    model = {"complex": Complex(), "max_norm": nn.Sequential(nn.Embedding(10, 4, max_norm=1.0))}.get(
+        case, nn.Sequential(nn.Linear(4, 4)))
+    message = {"complex": r"parameter 'w' is complex .*torch\.view_as_real",
+               "max_norm": r"0: Embedding\(max_norm=1\) rewrites its weight in place"}.get(
+        case, r"compiled as a whole .*compile modules inside its units")
+    if case == "compiled":
+        model = torch.compile(model)
+    elif case == "compile_method":
+        model.compile()
+    with pytest.raises(ConfigValueError, match=message):
+        engine = angel_ptm.initialize(model, config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
+        try:
+            model.compile()  # compiled_after: refused at the next call, before Dynamo traces the hooks
+            engine(torch.randn(2, 4))
+        finally:
+            engine.close()
+
+
+def test_set_lr_takes_what_torch_optimizers_take_and_refuses_the_rest_leaving_the_engine_usable(tmp_path):
+    torch.manual_seed(0)
+    engine = angel_ptm.initialize(nn.Linear(4, 4), config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
+    try:
+        for bad in (-1.0, float("nan"), float("inf"), "0.1", None, True):
+            with pytest.raises(ConfigValueError, match="set_lr: the learning rate must be a number >= 0"):
+                engine.set_lr(bad)
+        engine.set_lr(torch.tensor(1e-3))
+        assert engine.lr == pytest.approx(1e-3) and isinstance(engine.lr, float)
+        engine.set_lr(0)
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()  # usable: nothing failed
+    finally:
+        engine.close()
+
+
+def test_clipping_twice_in_a_step_equals_torch_and_lr_and_eps_zero_are_taken(tmp_path):
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(5))
+    plain = build()
+    opt = torch.optim.AdamW(plain.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    plain(x).pow(2).mean().backward()
+    expected = [float(torch.nn.utils.clip_grad_norm_(plain.parameters(), c)) for c in (0.5, 0.2)]
+    opt.step()
+    model = build()
+    engine = angel_ptm.initialize(model, config(memory(tmp_path, placement={"page_bytes": "4KiB"}), grad_clip=1.0))
+    try:
+        engine.backward(engine(x).pow(2).mean())
+        norms = [engine.clip_grad_norm(c) for c in (0.5, 0.2)]  # the second: the norm after the first clip
+        engine.step()
+        state = engine.state_dict()
+    finally:
+        engine.close()
+    assert norms == pytest.approx(expected, rel=1e-6) and expected[1] < 0.5
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(state[name], param.detach(), rtol=1e-6, atol=1e-7)
+    job = config(memory(tmp_path, placement={"page_bytes": "4KiB"}))
+    job["optimizer"] = dict(job["optimizer"], lr=0.0, eps=0.0)  # as torch.optim.AdamW takes them
+    angel_ptm.initialize(build(), job).close()
+    with pytest.raises(ConfigValueError, match=r"optimizer\.eps: must be >= 0 and finite, got -1"):
+        angel_ptm.initialize(build(), dict(job, optimizer=dict(job["optimizer"], eps=-1.0)))
