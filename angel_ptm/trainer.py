@@ -196,14 +196,15 @@ class Trainer:
                 losses.append(step_loss)
                 trace.event("step", step=step, loss=step_loss, step_s=step_s)
                 stats = engine.memory_stats()
+                log_now = step % tcfg.log_every == 0 or step == tcfg.steps
+                # Bytes moved since the last logged line (log_every > 1: the steps between are counted in it)
                 moved = {pair: stats["moved"][pair] - moved_before.get(pair, 0) for pair in stats["moved"]}
-                moved_before = stats["moved"]
                 experts_moved = {pair: n - experts_before.get(pair, 0)
                                  for pair, n in stats.get("expert_moved", {}).items()}
-                experts_before = stats.get("expert_moved", {})
                 wasted = stats.get("expert_prefetch_wasted", 0) - wasted_before
-                wasted_before = stats.get("expert_prefetch_wasted", 0)
-                log_now = step % tcfg.log_every == 0 or step == tcfg.steps
+                if log_now:
+                    moved_before, experts_before = stats["moved"], stats.get("expert_moved", {})
+                    wasted_before = stats.get("expert_prefetch_wasted", 0)
                 # the whole job's routing: every rank's tokens, summed over ranks (every rank takes part)
                 routed = moe_metrics(model, getattr(engine, "sum_over_ranks", None)) if log_now else {}
                 if metrics is not None and log_now:

@@ -145,3 +145,18 @@ def test_resume_auto_with_no_checkpoint_starts_over_keeping_the_earlier_record(t
     assert losses_logged(tmp_path) == [(i + 1, loss) for i, loss in enumerate(first.losses)]
     assert {name: (tmp_path / f"{name}.1").read_bytes() for name in before} == before
     assert "the earlier metrics.jsonl is kept as metrics.jsonl.1" in caplog.text
+
+
+def test_with_log_every_the_logged_lines_count_every_steps_bytes_moved(tmp_path):
+    every = Trainer(engine_config(tmp_path / "every", "on_demand"), progress=False).run()  # (its moves: no timing)
+    sparse = engine_config(tmp_path / "sparse", "on_demand")
+    sparse = dataclasses.replace(sparse, trainer=dataclasses.replace(sparse.trainer, log_every=4))
+    assert Trainer(sparse, progress=False).run().losses == every.losses
+
+    def total(run):
+        lines = [line for line in read_jsonl(tmp_path / run / "metrics.jsonl") if "loss" in line]
+        return [line["step"] for line in lines], {pair: sum(line["moved"][pair] for line in lines)
+                                                  for pair in lines[0]["moved"]}
+
+    steps, moved = total("sparse")
+    assert steps == [4, 6] and moved == total("every")[1]  # steps 1-3 and 5 are in the lines after them
