@@ -84,10 +84,11 @@ def set_aside(paths: list[Path]) -> None:
                     "%s", path.name, f"{path.name}.{k}")
 
 
-def resume_run(engine: Any, resume: str, checkpoints: Checkpoints) -> tuple[Optional[Path], int]:
+def resume_run(engine: Any, resume: str, checkpoints: Checkpoints) -> tuple[Optional[Path], int, Optional[int]]:
     """Load what `resume` names into the engine: "auto", the newest complete checkpoint of `checkpoints` (none: a
     new run); a path, that checkpoint directory or the newest complete one in a directory of them. Returns the
-    checkpoint and the steps it had taken."""
+    checkpoint, the steps it had taken and the micro-batches of data they had consumed (None from a checkpoint
+    saved before that was recorded)."""
     if resume == "auto":
         found = checkpoints.load_latest(engine)
     else:
@@ -99,11 +100,12 @@ def resume_run(engine: Any, resume: str, checkpoints: Checkpoints) -> tuple[Opti
             if found is None:
                 raise CheckpointError(f"run.resume: no complete checkpoint in {path}", str(path))
     if found is None:
-        return None, 0
+        return None, 0, None
     extra, path = found
     if not isinstance(extra, dict) or "step" not in extra:
         raise CheckpointError(f"run.resume: {path} was not saved by the trainer (no step recorded)", str(path))
-    return path, int(extra["step"])
+    micro = extra.get("micro_batches")
+    return path, int(extra["step"]), None if micro is None else int(micro)
 
 
 def keep_metrics_until(path: Path, step: int) -> None:

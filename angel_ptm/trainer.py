@@ -150,9 +150,11 @@ class Trainer:
             if not can_checkpoint and (cfg.checkpoint.every or resume is not None):
                 raise ConfigValueError("checkpoint.every / run.resume: the engine made by engine_factory has no "
                                        "save_checkpoint/load_checkpoint")
-            resumed_from, done = None, 0  # the checkpoint continued from, and the steps it had taken
+            resumed_from, done, consumed = None, 0, None  # the checkpoint continued from, its steps, micro-batches
             if resume is not None:
-                resumed_from, done = resume_run(engine, resume, checkpoints)
+                resumed_from, done, consumed = resume_run(engine, resume, checkpoints)
+            # The data stream goes on where the checkpoint left it, whatever grad_accum or dp the run has now
+            first_micro = done * micro_per_step if consumed is None else consumed
             if mesh.is_main:  # metrics of the steps done so far are kept (a resumed run appends after them)
                 keep_metrics_until(run_dir / "metrics.jsonl", done)
                 metrics = cleanup.enter_context(open(run_dir / "metrics.jsonl", "a", encoding="utf-8"))
@@ -178,7 +180,8 @@ class Trainer:
                 set_moe_step(model, step - 1)  # gates with a schedule (DTS): the steps done
                 loss_sum = 0.0
                 for micro in range(tcfg.grad_accum):
-                    x, y = train_batches.batch((step - 1) * micro_per_step + mesh.dp_rank * tcfg.grad_accum + micro)
+                    x, y = train_batches.batch(first_micro + (step - 1 - done) * micro_per_step
+                                               + mesh.dp_rank * tcfg.grad_accum + micro)
                     loss = engine(x.to(device), y.to(device))
                     engine.backward(loss / tcfg.grad_accum)
                     loss_sum += loss.item()
@@ -240,7 +243,8 @@ class Trainer:
                 every = cfg.checkpoint.every
                 if stop is not None or (every and (step % every == 0 or step == tcfg.steps)):
                     background = cfg.checkpoint.async_save and stop is None  # a signal's save is the last: waited
-                    saved = checkpoints.save(engine, step, {"step": step}, background=background)
+                    saved = checkpoints.save(engine, step, {"step": step, "micro_batches": first_micro + (
+                        step - done) * micro_per_step}, background=background)
                     last_checkpoint = saved.path if background else saved
                     if progress:
                         bar.write(f"step {step}: checkpoint {last_checkpoint}" + (" (writing)" if background else ""))

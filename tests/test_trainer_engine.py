@@ -160,3 +160,21 @@ def test_with_log_every_the_logged_lines_count_every_steps_bytes_moved(tmp_path)
 
     steps, moved = total("sparse")
     assert steps == [4, 6] and moved == total("every")[1]  # steps 1-3 and 5 are in the lines after them
+
+
+def test_a_run_resumed_with_another_grad_accum_goes_on_with_the_next_micro_batches(tmp_path, monkeypatch):
+    import angel_ptm.trainer as trainer_module
+
+    seen = []
+    batch = trainer_module.BatchSampler.batch
+    monkeypatch.setattr(trainer_module.BatchSampler, "batch", lambda self, k: seen.append(k) or batch(self, k))
+    first = checkpointed(tmp_path / "run", steps=6)
+    first = dataclasses.replace(first, trainer=dataclasses.replace(first.trainer, grad_accum=2))
+    Trainer(first, progress=False).run()  # checkpoints at steps 5 and 6: 12 micro-batches
+    assert seen == list(range(12))
+    seen.clear()
+    (tmp_path / "run" / "checkpoints" / "step-6").rename(tmp_path / "run" / "checkpoints" / "step-6.tmp")
+    again = checkpointed(tmp_path / "run", steps=8)
+    again = dataclasses.replace(again, run=dataclasses.replace(again.run, resume="auto"))
+    assert Trainer(again, progress=False).run().start_step == 6  # from step 5's checkpoint, grad_accum 1 now
+    assert seen == [10, 11, 12]  # not 5, 6, 7 (step * grad_accum): those were trained on before
