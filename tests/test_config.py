@@ -274,7 +274,8 @@ def test_n_head_not_divisible_by_n_kv_head_is_rejected():
         ("model", "n_layer", 0),
         ("data", "batch_size", -1),
         ("data", "val_fraction", 1.0),
-        ("optimizer", "lr", 0),
+        ("optimizer", "lr", -1e-3),  # (0 is allowed, as torch.optim.AdamW allows it)
+        ("optimizer", "eps", float("inf")),
         ("optimizer", "betas", [0.9, 1.0]),
         ("optimizer", "weight_decay", -0.1),
         ("memory", "io_threads", 0),
