@@ -122,6 +122,7 @@ class Engine(StateAccess, EngineViews):
         self._step_ends: collections.deque = collections.deque(maxlen=STEP_CLOCK + 1)  # when the last steps ended
         self._schedule = ConfigSchedule(config)  # applied on step(); set_lr turns it off
         self.binder.attach_config(config.activations, self.scheduler, mem.page_bytes)  # recompute, offload
+        model.load_state_dict = self._load_into_pages  # (the instance's: close() gives the model torch's back)
         # The optimizer (pinning its pages where the estimate resolved), the data-parallel fixed points, the driver
         self.optimizer, self.data_parallel, self.driver = build_step(
             config, self.estimate, model=model, layout=self.layout, pages=self.pages, scheduler=self.scheduler,
@@ -239,10 +240,19 @@ class Engine(StateAccess, EngineViews):
             self.scheduler.close()
             for hook in getattr(self, "_routing_hooks", ()):
                 hook.remove()
+            self.model.__dict__.pop("load_state_dict", None)
             try:
                 self.binder.detach(values)
             finally:
                 self._paging.close()
+
+    def _load_into_pages(self, state_dict, strict: bool = True, assign: bool = False):
+        """`model.load_state_dict(...)` while the engine manages the model: `engine.load_state_dict` (torch's own
+        would copy into parameters that have no values outside their units, after loading some buffers)."""
+        if assign:
+            raise ConfigValueError("load_state_dict(assign=True): the engine's pages hold the parameters, so they "
+                                   "cannot be replaced by the state dict's tensors; load without assign")
+        return self.load_state_dict(state_dict, strict)
 
 
 def initialize(model: nn.Module, config=None, trace: TraceRecorder | None = None, units: UnitsSpec = None,

@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import angel_ptm
-from angel_ptm.errors import ConfigValueError, ParameterAccessError
+from angel_ptm.errors import ConfigValueError, ParameterAccessError, StateDictError
 from tests.test_any_model import config, torch_losses
 from tests.test_engine_equivalence import assert_same_losses, run_steps
 
@@ -286,3 +286,35 @@ def test_clipping_twice_in_a_step_equals_torch_and_lr_and_eps_zero_are_taken(tmp
     angel_ptm.initialize(build(), job).close()
     with pytest.raises(ConfigValueError, match=r"optimizer\.eps: must be >= 0 and finite, got -1"):
         angel_ptm.initialize(build(), dict(job, optimizer=dict(job["optimizer"], eps=-1.0)))
+
+
+def test_model_load_state_dict_while_managed_writes_the_pages_and_training_goes_on_like_torch(tmp_path):
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 2))
+
+    torch.manual_seed(7)
+    pretrained = {k: torch.randn_like(v) if v.is_floating_point() else v for k, v in build().state_dict().items()}
+    pretrained["1.running_var"] = pretrained["1.running_var"].abs()
+    plain = build()
+    plain.load_state_dict(pretrained)
+
+    def batches():
+        g = torch.Generator().manual_seed(6)
+        return [(torch.randn(8, 8, generator=g),) for _ in range(3)]
+
+    loss = lambda model, x: model(x).pow(2).mean()  # noqa: E731
+    expected, _ = torch_losses(plain, batches(), loss)
+    model = build()
+    engine = angel_ptm.initialize(model, config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
+    try:
+        with pytest.raises(StateDictError):
+            model.load_state_dict({"0.weight": pretrained["0.weight"]})  # strict: missing keys, nothing written
+        result = model.load_state_dict(pretrained)
+        assert list(result.missing_keys) == [] and list(result.unexpected_keys) == []
+        with pytest.raises(ConfigValueError, match="assign=True"):
+            model.load_state_dict(pretrained, assign=True)
+        assert_same_losses(expected, run_steps(engine, batches(), loss))
+    finally:
+        engine.close()
+    assert "load_state_dict" not in model.__dict__  # torch's own again
