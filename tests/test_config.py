@@ -361,3 +361,22 @@ def test_checkpoint_async_max_gbps_is_positive_auto_or_null():
     for bad in (0, -1, "fast", [1]):
         with pytest.raises(ConfigError, match="checkpoint.async_max_gbps"):
             load_config({"checkpoint": {"async_max_gbps": bad}})
+
+
+def test_keys_without_effect_in_this_job_are_said_once_and_a_null_lr_schedule_spells_out_nothing(caplog):
+    import dataclasses
+    import logging
+
+    from angel_ptm.lr import schedule_given
+
+    with caplog.at_level(logging.WARNING, logger="angel_ptm"):
+        config = load_config({"optimizer": {"loss_scale": 512}, "trainer": {"dtype": "bfloat16"},
+                              "data": {"token_dtype": "uint32"}})
+        dataclasses.replace(config, run=dataclasses.replace(config.run, name="again"))
+    messages = [r.getMessage() for r in caplog.records]
+    assert messages == ["optimizer.loss_scale 512.0 has no effect: loss scaling is for trainer.dtype float16 only "
+                        "(this job: bfloat16)",
+                        "data.token_dtype uint32 has no effect: it is the element type of a data.kind tokens file "
+                        "(this job reads text)"]
+    assert not schedule_given(load_config({"lr_schedule": None}))
+    assert schedule_given(load_config({"lr_schedule": {"warmup_steps": 3}}))

@@ -167,6 +167,7 @@ def _is_text_field(section: str, name: str) -> bool:
 
 # --- building -------------------------------------------------------------------------------------------------
 def _build_config(raw: Mapping[str, Any]) -> Config:
+    empty = {section for section, settings in raw.items() if settings is None}  # `lr_schedule: null`, `memory:`
     # Check every key before constructing anything, so a typo is reported ahead of any value it hides.
     for section in raw:
         if section not in section_classes():
@@ -186,7 +187,8 @@ def _build_config(raw: Mapping[str, Any]) -> Config:
         if section in raw
     }
     config = Config(**sections)
-    config.given_sections = frozenset(sections)  # what the source spelled out (the engine's lr_schedule rule)
+    # what the source spelled out (the engine's lr_schedule rule); `lr_schedule: null` spells out nothing
+    config.given_sections = frozenset(section for section in sections if section not in empty)
     return config
 
 
