@@ -49,6 +49,7 @@ from angel_ptm.memory.placement import (CREATION_ORDER, Problem, StartPlacement,
 from angel_ptm.memory.disk_dir import check_disk_dir
 from angel_ptm.memory.store import PageKind
 from angel_ptm.models import build_model
+from angel_ptm.optim.no_decay import no_decay_names
 from angel_ptm.parallel.grad_sync import reduction_buffer_bytes
 from angel_ptm.parallel.ownership import (Ownership, gather_capacity, gather_reserve, min_gather_device_pages,
                                           osdp_replicable, with_experts)
@@ -243,6 +244,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
             from angel_ptm.parallel.moe import EPComm, apply_expert_parallel
 
             apply_expert_parallel(model, EPComm.planning(config.parallel.ep))
+    no_decay_names(model, config.optimizer.no_decay)  # a pattern that matches nothing: the engine's error, and ours
     own = ownership or Ownership()
     if layout is None:
         from angel_ptm.parallel.moe import expert_names

@@ -12,8 +12,6 @@ they did; `grads_final` once this step's gradients are settled, agreed over rank
 
 from __future__ import annotations
 
-import fnmatch
-
 import torch
 
 from angel_ptm.errors import ConfigValueError
@@ -21,6 +19,7 @@ from angel_ptm.memory import PageLayout, Tier
 from angel_ptm.optim import PagedAdamW
 from angel_ptm.optim.delayed import DelayedUpdates
 from angel_ptm.optim.loss_scaler import LossScaler
+from angel_ptm.optim.no_decay import no_decay_names
 from angel_ptm.parallel.data_parallel import DataParallel, SingleRank
 
 
@@ -54,20 +53,6 @@ def cast_master_into_parameters(model, scheduler, pages, layout: PageLayout, own
         for param in model.parameters():
             if param.is_floating_point() and param.dtype != compute_dtype:
                 param.data = torch.zeros((), dtype=compute_dtype).expand(param.shape)
-
-
-def no_decay_names(model, patterns) -> frozenset[str]:
-    """The parameter names optimizer.no_decay's patterns match (fnmatch, case-sensitive); a pattern that matches
-    nothing is a ConfigValueError (a misspelt one would otherwise decay what it meant to spare)."""
-    names = [name for name, _ in model.named_parameters()]
-    matched: set[str] = set()
-    for pattern in patterns:
-        hits = {name for name in names if fnmatch.fnmatchcase(name, pattern)}
-        if not hits:
-            raise ConfigValueError(f"optimizer.no_decay: pattern {pattern!r} matches no parameter (names look like "
-                                   f"{names[0]!r})" if names else "optimizer.no_decay: the model has no parameters")
-        matched |= hits
-    return frozenset(matched)
 
 
 def build_step(config, estimate, *, model, layout: PageLayout, pages, scheduler, manager, binder, collectives,

@@ -132,3 +132,12 @@ def test_optimizer_state_dicts_have_torchs_two_groups_both_ways(tmp_path):
 def test_a_pattern_that_matches_no_parameter_is_refused_naming_it(tmp_path):
     with pytest.raises(ConfigValueError, match=r"optimizer.no_decay: pattern '\*\.bais' matches no parameter"):
         angel_ptm.initialize(Net(), job(tmp_path, no_decay=["*.bais"]))
+
+
+def test_the_estimate_refuses_a_pattern_that_matches_nothing_as_the_engine_does():
+    from angel_ptm.estimate import estimate_job
+
+    tiny = {"vocab_size": 64, "seq_len": 16, "n_layer": 1, "n_head": 2, "dim": 32}
+    with pytest.raises(ConfigValueError, match=r"optimizer\.no_decay: pattern '\*\.nothing' matches no parameter"):
+        estimate_job({"optimizer": {"no_decay": ["*.nothing"]}, "model": tiny})
+    estimate_job({"optimizer": {"no_decay": ["*norm*"]}, "model": tiny})
