@@ -336,3 +336,28 @@ def test_the_routing_history_finds_the_experts_its_gates_rarely_route_to():
     assert history.average[3] == 0.625 and history.cold == {2}  # (2 went unrouted twice)
     with pytest.raises(ValueError):
         RoutingHistory(ema=1.0)
+
+
+def test_planned_reads_leave_a_host_slot_for_the_device_pages_an_update_displaces(tmp_path):
+    """bf16 with clipping at the estimate's tightest host: the plan's disk reads of an update group's pages used to
+    fill the host, leaving no slot for the device pages the group displaces (BudgetError in step 2)."""
+    from angel_ptm.models import GPT, GPTConfig
+
+    def model():
+        torch.manual_seed(0)
+        return GPT(GPTConfig(vocab_size=256, seq_len=32, n_layer=2, n_head=2, dim=32))
+
+    job = {"optimizer": {"lr": 1e-3}, "trainer": {"device": "cpu", "dtype": "bfloat16", "grad_clip": 1.0},
+           "memory": {"page_bytes": "64KiB", "device_budget": "320KiB", "host_budget": "256KiB",
+                      "disk_dir": str(tmp_path), "scheduler": "planned"}}
+    engine = angel_ptm.initialize(model(), job)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(4):
+            x, y = (torch.randint(0, 256, (4, 32), generator=g) for _ in range(2))
+            engine.backward(engine(x, y))
+            engine.clip_grad_norm(1.0)
+            engine.step()
+        assert engine.scheduler.plan is not None
+    finally:
+        engine.close()

@@ -32,10 +32,13 @@ class NonBlockingMoves:
             if page.pin_count:
                 return Hop.BLOCKED  # in use where it is: its holder's views must stay valid
             step_to = dst if page.dead and page.state is PageState.DISK else order[here + 1]
-            if self.pools[step_to].free_slots == 0:
+            # A read into the host leaves its last slot free: a page that must come up to the device displaces one
+            # there, which needs a host slot (prefetched reads filling the host deadlocked a tight host tier)
+            reserve = 1 if step_to is Tier.HOST else 0
+            if self.pools[step_to].free_slots <= reserve:
                 if need is not None and not self.make_room_async(step_to, need, keep=page):
                     return Hop.FULL
-                if need is None or self.pools[step_to].free_slots == 0:
+                if need is None or self.pools[step_to].free_slots <= reserve:
                     return Hop.BLOCKED  # the eviction under way frees the slot later (a drop frees it at once)
             if page.dead and page.state is PageState.DISK:
                 self._materialize(page, step_to)
