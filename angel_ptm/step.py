@@ -103,6 +103,7 @@ class StepDriver:
             ownership
         self.grad_accum, self.loss_scaler, self.eager_allowed = grad_accum, loss_scaler, eager_allowed
         self.micro = 0
+        self.eager_done = False
         self.grads_final = False
         self.eager_now = False
         self.last_step_skipped = False
@@ -126,11 +127,14 @@ class StepDriver:
     # ------------------------------------------------------------------ backward
     def backward(self, loss: torch.Tensor) -> None:
         self.micro += 1
-        if self.micro > self.grad_accum and self.eager_allowed and self.optimizer.updated_this_step:
+        if self.micro > self.grad_accum and self.eager_done:
+            # The last micro-batch's backward reduced gradients onto their owners (ZeRO 2-3), updated pages or
+            # landed the delayed update as they became final: another backward's gradients would miss all that
             raise ConfigValueError(
                 f"trainer.grad_accum: backward called {self.micro} times before step(), but trainer.grad_accum "
-                f"is {self.grad_accum} and parameters were already updated at that boundary; set it to the "
-                f"number of micro-batches per step (or optimizer.overlap_updates: false)")
+                f"is {self.grad_accum}, and at that boundary gradients were already "
+                f"{'reduced over the ranks' if self.data_parallel.overlaps else 'applied'}; set it to the number of "
+                f"micro-batches per step")
         last = self.micro == self.grad_accum and self.model.training
         # In the last micro-batch each page's gradients become final at some point of backward: then its group is
         # reduced over the ranks (stages 2-3) and updated once its owner holds the mean (staleness 0, eager), or
@@ -138,6 +142,7 @@ class StepDriver:
         dp = self.data_parallel
         self.eager_now = last and (self.eager_allowed or self.delayed is not None or dp.overlaps)
         if self.eager_now:
+            self.eager_done = True
             if self.eager_allowed and self.delayed is None:
                 self.optimizer.begin_step()
             self.pending = list(self.tensors_per_page)
@@ -289,4 +294,5 @@ class StepDriver:
         """The gradients of this step are dead: the next backward starts a new one."""
         self.binder.start_new_step()
         self.micro = 0
+        self.eager_done = False  # a backward of this step did the last micro-batch's work as gradients became final
         self.grads_final = False

@@ -115,11 +115,14 @@ def experts_as_units(dp: int, zero: int, ep: int) -> bool:
 def default_unit_modules(model: nn.Module, experts: bool = True) -> set[nn.Module]:
     """The children of repeated block lists, outermost lists only; and, with `experts`, every MoE layer's experts
     (inside their block's unit)."""
-    found: set[nn.Module] = set(expert_modules(model)) if experts else set()
+    experts_of = set(expert_modules(model))
+    found: set[nn.Module] = set(experts_of) if experts else set()
 
     def visit(module: nn.Module) -> None:
         if isinstance(module, (nn.ModuleList, nn.Sequential)):
             blocks = [child for child in module.children() if _owns_parameters(child)]
+            if blocks and all(block in experts_of for block in blocks):
+                return  # an MoE layer's experts: units of their own with `experts`, else in the unit around them
             least = 1 if isinstance(module, nn.ModuleList) else 2  # a Sequential of one is a wrapper, not a list
             if len(blocks) >= least and len({type(b) for b in blocks}) == 1:
                 for block in blocks:  # a block that is a container (never called) gives its called parts

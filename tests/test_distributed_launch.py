@@ -136,7 +136,7 @@ def test_a_rank_killed_mid_step_ends_the_other_with_a_collective_error_at_once(t
     assert results[1]["type"] == "exited"  # os._exit without a result
     assert results[0]["type"] == "CollectiveError", results[0]
     assert results[0]["message"].startswith("rank 0 of 2: ")
-    assert "a peer rank died or hung" in results[0]["message"]
+    assert "a peer rank died, hung or took another path" in results[0]["message"]
     assert time.monotonic() - t0 < 60  # seen long before parallel.timeout_s
 
 

@@ -318,3 +318,54 @@ def test_model_load_state_dict_while_managed_writes_the_pages_and_training_goes_
     finally:
         engine.close()
     assert "load_state_dict" not in model.__dict__  # torch's own again
+
+
+@pytest.mark.parametrize("optimizer", [{}, {"staleness": 1}, {"overlap_updates": False}])
+def test_more_backwards_than_grad_accum_are_refused_where_the_last_one_already_acted(optimizer, tmp_path):
+    torch.manual_seed(0)
+    job = config(memory(tmp_path, placement={"page_bytes": "4KiB"}))
+    job["optimizer"] = dict(job["optimizer"], **optimizer)
+    engine = angel_ptm.initialize(nn.Linear(4, 4), job)
+    try:
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        if optimizer.get("overlap_updates") is False:  # nothing acted during backward: they add up, as in torch
+            engine.backward(engine(torch.randn(2, 4)).sum())
+            engine.step()
+        else:
+            with pytest.raises(ConfigValueError, match=r"backward called 2 times before step\(\), but "
+                                                       r"trainer\.grad_accum is 1, .*already applied"):
+                engine.backward(engine(torch.randn(2, 4)).sum())
+    finally:
+        engine.close()
+
+
+class UserExpert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.w2(self.w1(x).relu())
+
+
+class UserMoE(nn.Module):
+    """An MoE layer not ours (a `gate` and an `experts` list), at the top of the model: no block list around it."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate = nn.Linear(8, 4, bias=False)
+        self.experts = nn.ModuleList(UserExpert() for _ in range(4))
+
+    def forward(self, x):
+        choice = self.gate(x).argmax(-1)
+        return x + sum(expert(x) * (choice == i).unsqueeze(-1) for i, expert in enumerate(self.experts))
+
+
+def test_experts_kept_out_of_units_by_default_stay_in_the_unit_around_them():
+    from angel_ptm.units import find_units
+
+    model = nn.Sequential(nn.Linear(8, 8), UserMoE())
+    apart = [u.name for u in find_units(model, None, experts=True)]
+    assert apart == ["<root>"] + [f"1.experts.{i}" for i in range(4)]
+    # ZeRO-3 over ranks that route differently (experts_as_units false): no expert is chosen, none refused
+    assert [u.name for u in find_units(model, None, experts=False)] == ["<root>"]

@@ -106,7 +106,8 @@ class Collectives:
             self.failed = CollectiveError(
                 f"{self.who}: {name} ({what}) failed after "
                 f"{time.perf_counter() - (t0 if since is None else since):.1f} s "
-                f"(parallel.timeout_s {self.mesh.timeout_s:g}): a peer rank died or hung: {detail[:300]}")
+                f"(parallel.timeout_s {self.mesh.timeout_s:g}): a peer rank died, hung or took another path "
+                f"(under ZeRO-3, control flow that differs between ranks): {detail[:300]}")
             if self.on_failure is not None:
                 self.on_failure(self.failed)
             raise self.failed from None
