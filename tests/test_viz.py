@@ -520,3 +520,18 @@ def test_a_resumed_runs_trace_reads_as_one_timeline(tmp_path, second_start, shif
     result = build_report(tmp_path)
     assert "2 segments: the run and its 1 resumption(s)" in result.html_path.read_text()
     assert json.loads(result.chrome_path.read_text())["otherData"]["span_us"] == [0.0, (4.0 + shift) * 1e6]
+
+
+def test_after_a_trace_cut_each_steps_summary_gives_its_bytes_moved_and_in_use(tmp_path):
+    """Past trace.max_bytes the step events carry `moved` and `in_use`: the report's moved bytes and tier usage
+    count them (one point per step), so its totals still cover the whole run."""
+    after = [{"t": 2.6, "event": "mark", "name": "trace truncated", "max_bytes": 4096},
+             {"t": 4.0, "event": "step", "step": 2, "loss": 5.0, "step_s": 1.5, "left_out": {"moved": 3},
+              "moved": {"host->device": 3 * MiB, "device->host": MiB}, "in_use": {"device": 2 * MiB, "host": 0,
+                                                                                   "disk": 0}}]
+    result = build_report(make_run(tmp_path, trace=SMALL_TRACE[:7] + after))
+    assert any("after it the bytes moved and in use are each step's summary" in w for w in result.warnings)
+    page = result.html_path.read_text()
+    # 1 MiB host->device before the cut and 3 MiB after it; the device's peak is the summary's 2 MiB
+    assert "moved in all:</b> host-&gt;device 4.0 MiB, device-&gt;host 1.0 MiB" in page
+    assert "peak device:</b> 2.0 MiB" in page

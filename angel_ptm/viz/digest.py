@@ -141,6 +141,14 @@ class TraceDigest:
     def _step(self, t: float, event: dict[str, Any]) -> None:
         number = event.get("step")
         self.steps.add(t)
+        if self.truncated_at is not None:  # past trace.max_bytes: the step's summary stands for its page events
+            moved, in_use = event.get("moved"), event.get("in_use")
+            if isinstance(moved, dict):
+                for pair, nbytes in moved.items():
+                    if is_number(nbytes) and nbytes > 0:
+                        self.moved.record(t, str(pair), nbytes)
+            if isinstance(in_use, dict):
+                self.usage.record(t, in_use)
         step_s = event.get("step_s")
         if is_number(step_s) and step_s > 0:
             self.step_time.step(t, step_s)

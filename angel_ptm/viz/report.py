@@ -88,8 +88,9 @@ def build_report(run_dir: str | os.PathLike, output: Optional[str | os.PathLike]
     warnings = issues.warnings(trace_file)
     if digest.truncated_at is not None:
         warnings.append(f"{trace_file}: truncated at trace.max_bytes {digest.truncated_at:.1f} s into the run: page "
-                        f"events and intervals after that are not in it, so the bytes moved and the step-time split "
-                        f"here cover the steps before it only ({METRICS_FILE} has every step's)")
+                        f"events and intervals after that are not in it, so the lanes, the residency map and the "
+                        f"step-time split cover the steps before it only; after it the bytes moved and in use are "
+                        f"each step's summary, one point per step ({METRICS_FILE} has every step's)")
     if issues.lines == 0:
         warnings.append(f"{trace_file} is empty: the run wrote no events (it may have stopped before its first step)")
     for lane, count in stats.merged_lanes.items():
