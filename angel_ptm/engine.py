@@ -139,7 +139,11 @@ class Engine(StateAccess, EngineViews):
         refuse_compiled(self.model)  # model.compile() after initialize
         args, kwargs = to_device((args, kwargs), self.device, self.compute_dtype)
         with self.failure.reads(), self.binder.saved_tensor_hooks():
-            return self.model(*args, **kwargs)
+            try:
+                return self.model(*args, **kwargs)
+            except BaseException:
+                self.binder.abort_forward()  # (a KeyboardInterrupt skips torch's always-call forward hooks)
+                raise
 
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch. In the last one (trainer.grad_accum of them per step), with the planned

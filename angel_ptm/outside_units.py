@@ -4,6 +4,7 @@ Outside its unit's forward a parameter is an `UnboundParameter` (guard.py), whos
 - `module.state_dict()`: the module's unbound parameters take copies of their values while it runs;
 - a recomputation the model makes itself in the engine's backward (its own activation checkpointing) and a use
   with no autograd recording (`resolve`).
+And what an interrupted forward or backward leaves outside the units: open units, stray `.grad`s.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ class OutsideUnits:
           the unit's hooks (HuggingFace's gradient checkpointing wraps a layer's `forward`; torch.utils.checkpoint
           inside a unit): each owning unit is bound to copies of its values, as a recomputed unit is, until the
           next such unit or the end of backward (a recomputation's saved tensors hold their copies).
-        - With no autograd recording (torch.no_grad, inference_mode; outside backward): the op gets copies of the
+        - With no autograd recording (torch.no_grad, inference_mode): the op gets copies of the
           values (a method of the model other than its forward: HuggingFace's encoder-decoder `generate` runs the
           encoder by itself, CLIP's `get_text_features`).
         Anything else stays an error: autograd would record a use whose gradient has no page to go to."""
@@ -36,7 +37,7 @@ class OutsideUnits:
                     self.bind_copies(unit)
                     self._lazy_units.append(unit)
             return True
-        if not torch.is_grad_enabled() and not self.in_backward:
+        if not torch.is_grad_enabled():  # (in backward too: a reentrant checkpoint's forward inside a recomputation)
             copies = {}
             for param in params:
                 pages = self.unit_pages[id(self._unit_of[id(param)])]
@@ -68,3 +69,19 @@ class OutsideUnits:
         for param in self._state_dict_bound.pop(id(module), []):
             guard.unbind(param, self._placeholders[id(param)])
 
+    # ------------------------------------------------------------------ interrupted calls
+    def abort_forward(self) -> None:
+        """The model's forward was interrupted where a unit's forward hook could not run (a KeyboardInterrupt,
+        which torch's always-call hooks do not catch): unbind every unit still open and release its pages."""
+        while self._copied_units:
+            self.unbind_unit(self._copied_units[-1])
+        while self._open_units:
+            self.unbind_unit(self._open_units[-1])
+
+    def drop_stray_grads(self) -> None:
+        """zero_grad: a `.grad` autograd left on a parameter that a backward interrupted before the engine's hook
+        took it into the pages (the next backward would add to it) is dropped, as torch's zero_grad drops it."""
+        with torch._C.DisableTorchFunctionSubclass():
+            for param in self.model.parameters():
+                if param.grad is not None:
+                    param.grad = None

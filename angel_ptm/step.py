@@ -55,6 +55,25 @@ def cast_master_into_parameters(model, scheduler, pages, layout: PageLayout, own
                 param.data = torch.zeros((), dtype=compute_dtype).expand(param.shape)
 
 
+NESTED_BACKWARD_NODES = frozenset(("CheckpointFunctionBackward",))  # torch.utils.checkpoint(use_reentrant=True)
+
+
+def runs_nested_backward(loss: torch.Tensor) -> bool:
+    """Whether `loss`'s graph holds a node whose backward runs a backward of its own (a reentrant activation
+    checkpoint, HuggingFace's gradient checkpointing with use_reentrant=True): its parameters' gradients then
+    arrive in several accumulations, so eager updates and reductions cannot take the first as final."""
+    stack, seen = [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or id(node) in seen:
+            continue
+        seen.add(id(node))
+        if type(node).__name__ in NESTED_BACKWARD_NODES:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
 def build_step(config, estimate, *, model, layout: PageLayout, pages, scheduler, manager, binder, collectives,
                ownership, mesh, split, n_units: int):
     """The optimizer, the data-parallel fixed points and the StepDriver of a job, wired: (optimizer, data_parallel,
@@ -141,6 +160,10 @@ class StepDriver:
         # its param page takes the delayed update's master (staleness 1).
         dp = self.data_parallel
         self.eager_now = last and (self.eager_allowed or self.delayed is not None or dp.overlaps)
+        if self.eager_now and runs_nested_backward(loss):
+            # A reentrant checkpoint's backward is a backward of its own, inside this one: a parameter used
+            # inside and outside it gets its gradient in parts, so none is known final before the end
+            self.eager_now = False
         if self.eager_now:
             self.eager_done = True
             if self.eager_allowed and self.delayed is None:
@@ -288,6 +311,7 @@ class StepDriver:
         if self.data_parallel.reductions_open:  # begun during backward: finished alike on every rank, then dropped
             self.finish_grads()
             self.scheduler.discard(self.pages["grad"])
+        self.binder.drop_stray_grads()
         self.start_over()
 
     def start_over(self) -> None:

@@ -369,3 +369,133 @@ def test_experts_kept_out_of_units_by_default_stay_in_the_unit_around_them():
     assert apart == ["<root>"] + [f"1.experts.{i}" for i in range(4)]
     # ZeRO-3 over ranks that route differently (experts_as_units false): no expert is chosen, none refused
     assert [u.name for u in find_units(model, None, experts=False)] == ["<root>"]
+
+
+class ReentrantReuse(nn.Module):
+    """A root parameter used once outside and once inside a reentrant checkpoint: its gradient arrives in two
+    accumulations (the checkpoint's own backward, then the outer one), so neither is final before the end."""
+
+    def __init__(self, nested=False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.nested = nested
+        self.inp = nn.Linear(32, 32)
+        self.layers = nn.ModuleList(nn.ModuleDict({"a": nn.Linear(32, 32), "b": nn.Linear(32, 32)})
+                                    for _ in range(2))
+
+    def inner(self, layer, h):
+        return layer["b"](checkpoint(layer["a"], h, use_reentrant=True).tanh())
+
+    def forward(self, x):
+        x = self.inp(x)
+        x = checkpoint(self.inp, x, use_reentrant=True)
+        for layer in self.layers:
+            x = checkpoint(self.inner, layer, x, use_reentrant=False) if self.nested else layer["b"](layer["a"](x))
+        return x.pow(2).mean()
+
+
+class NestedBlock(nn.Module):
+    """A reentrant checkpoint inside another checkpoint, inside a unit: the inner forward runs under no_grad
+    during the outer one's recomputation in backward."""
+
+    def __init__(self, outer_reentrant):
+        super().__init__()
+        self.a, self.outer_reentrant = nn.Linear(32, 32), outer_reentrant
+
+    def inner(self, h):
+        return self.a(h).tanh()
+
+    def outer(self, h):
+        return checkpoint(self.inner, h, use_reentrant=True) * 2
+
+    def forward(self, x):
+        return x + checkpoint(self.outer, x, use_reentrant=self.outer_reentrant)
+
+
+class NestedCheckpoints(nn.Module):
+    def __init__(self, outer_reentrant):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(32, 32)
+        self.layers = nn.ModuleList(NestedBlock(outer_reentrant) for _ in range(2))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return x.pow(2).mean()
+
+
+MODELS_WITH_REENTRANT = {"reuse": lambda: ReentrantReuse(), "reuse_nested": lambda: ReentrantReuse(True),
+                         "nested_in_unit": lambda: NestedCheckpoints(False),
+                         "nested_reentrant_in_unit": lambda: NestedCheckpoints(True)}
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize("case", list(MODELS_WITH_REENTRANT))
+def test_reentrant_checkpoints_train_like_torch_under_eager_updates(case, tmp_path):
+    def batches():
+        g = torch.Generator().manual_seed(2)
+        return [(torch.randn(6, 32, generator=g),) for _ in range(4)]
+
+    loss = lambda model, x: model(x)  # noqa: E731
+    build = MODELS_WITH_REENTRANT[case]
+    expected, _ = torch_losses(build(), batches(), loss)
+    engine = angel_ptm.initialize(build(), config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
+    try:
+        assert_same_losses(expected, run_steps(engine, batches(), loss))
+    finally:
+        engine.close()
+
+
+class Interrupting(nn.Module):
+    """A forward hook that raises KeyboardInterrupt (Ctrl-C) inside a unit, and a gradient hook that raises in
+    backward, once each, when armed."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(3))
+        self.armed = None
+        self.layers[1].register_forward_hook(self._forward_hook)
+        self.layers[2].weight.register_hook(self._grad_hook)
+
+    def _forward_hook(self, module, args, out):
+        if self.armed == "forward":
+            self.armed = None
+            raise KeyboardInterrupt
+
+    def _grad_hook(self, grad):
+        if self.armed == "backward":
+            self.armed = None
+            raise RuntimeError("a user hook failed")
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x).tanh()
+        return x.pow(2).mean()
+
+
+def test_an_interrupted_forward_or_backward_can_be_dropped_and_training_goes_on_like_torch(tmp_path):
+    """Ctrl-C in a unit's forward skipped torch's always-call hooks, leaving its pages pinned; an error in backward
+    left a .grad the next backward added to (engine.zero_grad() did not drop it)."""
+    def batches():
+        g = torch.Generator().manual_seed(3)
+        return [(torch.randn(4, 16, generator=g),) for _ in range(4)]
+
+    loss = lambda model, x: model(x)  # noqa: E731
+    expected, _ = torch_losses(Interrupting(), batches(), loss)
+    model = Interrupting()
+    job = config(memory(tmp_path, "on_demand", placement={"page_bytes": "4KiB"}))
+    engine = angel_ptm.initialize(model, job)
+    x = torch.randn(4, 16)
+    try:
+        for where, error in (("forward", KeyboardInterrupt), ("backward", RuntimeError)):
+            model.armed = where
+            with pytest.raises(error):
+                engine.backward(engine(x))
+            engine.zero_grad()
+            assert not engine.manager.pinned_ids  # nothing left pinned
+        assert_same_losses(expected, run_steps(engine, batches(), loss))
+    finally:
+        engine.close()
