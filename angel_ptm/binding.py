@@ -185,8 +185,10 @@ class ParamBinder(OutsideUnits):
                 self._handles.append(_register_state_dict_post_hook(module, self._after_state_dict))
         owner = {id(p): u.name for u in reversed(self.units) for p in u.params}
         for name, param in self.model.named_parameters():
-            if param.requires_grad:
-                self._handles.append(param.register_post_accumulate_grad_hook(self._accumulate_grad))
+            if param.requires_grad:  # (kept last of its hooks: a user's added later still sees .grad, guard.py)
+                handle = param.register_post_accumulate_grad_hook(self._accumulate_grad)
+                param.__dict__["_angel_grad_hook"] = handle.id
+                self._handles.append(handle)
             guard.label(param, name, owner.get(id(param), "<root>"))
             guard.manage(param, self)
             guard.unbind(param, self._placeholders[id(param)])

@@ -69,6 +69,8 @@ class Engine(StateAccess, EngineViews):
         self._paging = Paging()  # the tiers, opened in order; closed whole by close() or a failed start
         self.model, self.config = model, config
         self.trace = trace or TraceRecorder(None)
+        if self.trace.enabled and self.trace.max_bytes is None:  # a recorder made without a bound: the config's
+            self.trace.max_bytes = config.trace.max_bytes
         self.failure = Failure()  # why the engine refuses every call, once a step or a collective failed part-way
         mem = config.memory
         # torchrun: the process group from the environment, one GPU per process, this rank's share of the pages

@@ -25,7 +25,7 @@ class ConfigTypeError(ConfigError):
 
 
 class ConfigValueError(ConfigError):
-    """A config value of the right type that is impossible (negative size, lr <= 0, ...)."""
+    """A config value of the right type that is impossible (negative size, lr < 0, ...)."""
 
 
 class DataError(AngelError):
@@ -121,8 +121,9 @@ class ActivationError(AngelError):
     """A saved activation that cannot be given back: read a second time after its activation pages were freed."""
 
 
-class StateDictError(AngelError):
-    """A state dict that does not match the model: missing or unexpected keys, or a shape that differs."""
+class StateDictError(AngelError, RuntimeError):
+    """A state dict that does not match the model: missing or unexpected keys, or a shape that differs. A
+    RuntimeError too, as torch's load_state_dict raises (`except RuntimeError:` fallbacks keep working)."""
 
 
 class EngineFailedError(AngelError):

@@ -13,7 +13,7 @@ from angel_ptm.errors import ChecksumError, EngineFailedError, PageIOError
 class Failure:
     def __init__(self):
         self.reason: str | None = None  # why the engine refuses every call; None while it is sound
-        self.steps_done = 0  # optimizer steps completed, for the reason's text
+        self.steps_done = 0  # optimizer steps completed: the reason's text names the one in progress (1-based)
         self.torn_load: str | None = None  # why the pages hold part of a checkpoint: only a load may follow
 
     def check(self, loading: bool = False) -> None:
@@ -31,7 +31,7 @@ class Failure:
 
     def collective_failed(self, error: Exception) -> None:
         """A collective failed (a peer died or hung): the ranks may be mid-step, and the group is unusable."""
-        self.reason = (f"the engine failed at step {self.steps_done} ({type(error).__name__}: {error}); resume "
+        self.reason = (f"the engine failed in step {self.steps_done + 1} ({type(error).__name__}: {error}); resume "
                        f"every rank from the last checkpoint")
 
     @contextmanager
@@ -41,7 +41,7 @@ class Failure:
         try:
             yield
         except (PageIOError, ChecksumError) as exc:
-            self.reason = (f"the engine failed at step {self.steps_done} reading a page ({type(exc).__name__}: "
+            self.reason = (f"the engine failed in step {self.steps_done + 1} moving a page ({type(exc).__name__}: "
                            f"{exc}); resume from the last checkpoint")
             raise
 
@@ -54,7 +54,7 @@ class Failure:
         except BaseException as exc:
             torn = optimizer.failed_group is not None or (delayed is None and optimizer.updated_this_step)
             if torn or isinstance(exc, (PageIOError, ChecksumError)):
-                self.reason = (f"the engine failed during optimizer step {optimizer.step_count} "
+                self.reason = (f"the engine failed during step {self.steps_done + 1} "
                                f"({type(exc).__name__}: {exc}); pages may hold a half-applied update, so it "
                                f"refuses to go on: resume from the last checkpoint")
             raise

@@ -48,7 +48,12 @@ class UnboundParameter(nn.Parameter):
             if name == "grad" and getattr(func, "__name__", "") == "__get__":
                 _check_grad_readable(args[0])
             with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **(kwargs or {}))
+                result = func(*args, **(kwargs or {}))
+            if name == "register_post_accumulate_grad_hook":  # the engine's hook, which takes .grad, stays last
+                hooks, ours = args[0]._post_accumulate_grad_hooks, args[0].__dict__.get("_angel_grad_hook")
+                if hooks is not None and ours in hooks:
+                    hooks[ours] = hooks.pop(ours)  # (autograd walks the dict's own order, not move_to_end's)
+            return result
         if func is torch.Tensor.__repr__:
             param = args[0]
             return (f"UnboundParameter({param.__dict__.get('_angel_name', '?')}, shape={tuple(param.shape)}, "
@@ -123,6 +128,7 @@ def release(param: nn.Parameter, data: torch.Tensor) -> None:
     param.__dict__.pop("_angel_name", None)
     param.__dict__.pop("_angel_unit", None)
     param.__dict__.pop("_angel_owner", None)
+    param.__dict__.pop("_angel_grad_hook", None)
 
 
 def placeholder(param: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -71,14 +71,23 @@ def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _state_dict_order(model: nn.Module) -> list[str]:
+    """model.state_dict()'s keys in its order (each module's parameters, then its buffers, then its children's),
+    without reading a value."""
+    return [f"{prefix}.{leaf}" if prefix else leaf for prefix, module in model.named_modules(remove_duplicate=False)
+            for leaf in (*module._parameters, *module._buffers)]
+
+
 def load_model_state_dict(engine, state_dict: dict, strict: bool = True) -> IncompatibleKeys:
     """Write `state_dict`'s parameters into their pages (all kinds that hold the weights) and its buffers into the
     model; missing or unexpected keys are a StateDictError when `strict`, a shape that differs always is."""
     model = engine.model
     params, buffers = _parameter_keys(model), _persistent_buffers(model)
     expected = set(params) | set(buffers)
-    missing = sorted(expected - set(state_dict))
-    unexpected = sorted(set(state_dict) - expected)
+    rank = {name: i for i, name in enumerate(_state_dict_order(model))}
+    order = sorted([*params, *buffers], key=lambda name: rank.get(name, len(rank)))
+    missing = [key for key in order if key not in state_dict]  # in the model's order, as torch's
+    unexpected = [key for key in state_dict if key not in expected]
     if strict and (missing or unexpected):
         raise StateDictError(f"load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
                              f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")

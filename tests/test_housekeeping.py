@@ -320,3 +320,25 @@ def test_sigterm_stops_a_run_cleanly_and_leaves_no_page_files(tmp_path):
     assert process.returncode == 128 + signal.SIGTERM
     assert stderr.strip() == "angel-ptm: terminated (SIGTERM)"
     assert list(disk.iterdir()) == []
+
+
+def test_initialize_bounds_a_recorder_made_without_one_by_trace_max_bytes(tmp_path):
+    import torch
+
+    import angel_ptm
+
+    torch.manual_seed(0)
+    trace = TraceRecorder(tmp_path / "trace.jsonl")  # no bound of its own
+    engine = angel_ptm.initialize(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
+                                  {"memory": {"page_bytes": "4KiB", "device_budget": "32KiB", "host_budget": "32KiB",
+                                              "disk_dir": str(tmp_path / "pages")},
+                                   "trainer": {"device": "cpu"}, "trace": {"max_bytes": 4096}}, trace=trace)
+    try:
+        for _ in range(3):
+            engine.backward(engine(torch.randn(2, 64)).sum())
+            engine.step()
+    finally:
+        engine.close()
+        trace.close()
+    events = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert trace.max_bytes == 4096 and any(e.get("name") == "trace truncated" for e in events)

@@ -310,6 +310,11 @@ def test_model_load_state_dict_while_managed_writes_the_pages_and_training_goes_
     try:
         with pytest.raises(StateDictError):
             model.load_state_dict({"0.weight": pretrained["0.weight"]})  # strict: missing keys, nothing written
+        with pytest.raises(RuntimeError):  # what torch raises: `except RuntimeError:` fallbacks keep working
+            model.load_state_dict({"0.weight": pretrained["0.weight"]})
+        partial = {"3.bias": pretrained["3.bias"], "1.num_batches_tracked": torch.tensor(0), "extra": torch.zeros(1)}
+        ours, torchs = model.load_state_dict(partial, strict=False), build().load_state_dict(partial, strict=False)
+        assert ours.missing_keys == torchs.missing_keys and ours.unexpected_keys == torchs.unexpected_keys
         result = model.load_state_dict(pretrained)
         assert list(result.missing_keys) == [] and list(result.unexpected_keys) == []
         with pytest.raises(ConfigValueError, match="assign=True"):
@@ -499,3 +504,29 @@ def test_an_interrupted_forward_or_backward_can_be_dropped_and_training_goes_on_
         assert_same_losses(expected, run_steps(engine, batches(), loss))
     finally:
         engine.close()
+
+
+def test_a_post_accumulate_grad_hook_added_after_initialize_sees_the_gradient_as_in_torch(tmp_path):
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    def watch(model, seen):
+        for name, param in model.named_parameters():
+            param.register_post_accumulate_grad_hook(lambda p, name=name: seen.__setitem__(name, p.grad.clone()))
+
+    x = torch.randn(4, 8)
+    plain, expected = build(), {}
+    watch(plain, expected)
+    plain(x).pow(2).mean().backward()
+    model, seen = build(), {}
+    engine = angel_ptm.initialize(model, config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
+    try:
+        watch(model, seen)  # after the engine's own hook: it still runs last, when it takes .grad into the pages
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+    finally:
+        engine.close()
+    assert set(seen) == set(expected)
+    for name in expected:
+        torch.testing.assert_close(seen[name], expected[name])
