@@ -12,8 +12,10 @@ a ParamBinder that points parameters at pages around each module's forward and b
 from __future__ import annotations
 
 import collections
+import contextlib
 import math
 import statistics
+import threading
 import time
 
 import torch
@@ -21,7 +23,7 @@ from torch import nn
 
 from angel_ptm.binding import ParamBinder
 from angel_ptm.config import Config, load_config
-from angel_ptm.errors import ConfigValueError, EngineClosedError
+from angel_ptm.errors import ConfigValueError, EngineBusyError, EngineClosedError
 from angel_ptm.failure import Failure
 from angel_ptm.estimate import estimate_job
 from angel_ptm.inputs import to_device
@@ -120,6 +122,7 @@ class Engine(StateAccess, EngineViews):
                                   self.device, self.units, access=self.scheduler)
         self.binder.read_values = self.tensors.read_weights
         self._closed = False
+        self._busy_lock, self._busy_thread, self._busy_depth = threading.Lock(), None, 0  # (_one_thread)
         self._steps_done = 0
         self._step_ends: collections.deque = collections.deque(maxlen=STEP_CLOCK + 1)  # when the last steps ended
         self._schedule = ConfigSchedule(config)  # applied on step(); set_lr turns it off
@@ -140,7 +143,7 @@ class Engine(StateAccess, EngineViews):
         self._check_alive()
         refuse_compiled(self.model)  # model.compile() after initialize
         args, kwargs = to_device((args, kwargs), self.device, self.compute_dtype)
-        with self.failure.reads(), self.binder.saved_tensor_hooks():
+        with self._one_thread("forward"), self.failure.reads(), self.binder.saved_tensor_hooks():
             try:
                 return self.model(*args, **kwargs)
             except BaseException:
@@ -152,7 +155,7 @@ class Engine(StateAccess, EngineViews):
         scheduler and no clipping, each page group is updated as soon as all its gradients are in. With fp16 the
         loss is multiplied by the loss scale first (the update divides the gradients by it)."""
         self._check_alive()
-        with self.failure.step(self.optimizer, self.delayed):  # pages updated during backward: all or nothing
+        with self._one_thread("backward"), self.failure.step(self.optimizer, self.delayed):  # (all or nothing)
             self.driver.backward(loss)
 
     def flush(self) -> None:
@@ -188,13 +191,30 @@ class Engine(StateAccess, EngineViews):
         loss scaling, a step whose gradients overflowed is skipped whole and the loss scale adjusted. An error part-way
         (I/O, checksum, disk full) marks the engine failed: every later call raises EngineFailedError."""
         self._check_alive()
-        with self.failure.step(self.optimizer, self.delayed):
+        with self._one_thread("step"), self.failure.step(self.optimizer, self.delayed):
             self.driver.step()
             if self.rebalancer is not None:  # at the step boundary, on every rank
                 self.rebalancer.after_step(self._steps_done + 1)
         self._steps_done = self.failure.steps_done = self._steps_done + 1
         self._schedule.apply(self.optimizer, self._steps_done)
         self._step_ends.append(time.perf_counter())
+
+    @contextlib.contextmanager
+    def _one_thread(self, call: str):
+        """Refuse a call while another thread is inside one (EngineBusyError); the same thread may nest."""
+        me = threading.get_ident()
+        with self._busy_lock:
+            if self._busy_thread not in (None, me):
+                raise EngineBusyError(f"engine.{call}: another thread is inside a forward, backward or step of this "
+                                      f"engine; drive it from one thread, or one call after another")
+            self._busy_thread, self._busy_depth = me, self._busy_depth + 1
+        try:
+            yield
+        finally:
+            with self._busy_lock:
+                self._busy_depth -= 1
+                if self._busy_depth == 0:
+                    self._busy_thread = None
 
     @property
     def step_seconds(self) -> float | None:

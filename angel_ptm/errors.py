@@ -189,3 +189,8 @@ class Terminated(KeyboardInterrupt):
     def __init__(self, signum: int):
         self.signum = int(signum)
         super().__init__(f"terminated by signal {self.signum}")
+
+
+class EngineBusyError(AngelError, RuntimeError):
+    """A thread called the engine while another thread was inside a call of it (forward, backward, step): the
+    engine's paging state belongs to one step at a time; drive it from one thread, or one call after another."""

@@ -530,3 +530,42 @@ def test_a_post_accumulate_grad_hook_added_after_initialize_sees_the_gradient_as
     assert set(seen) == set(expected)
     for name in expected:
         torch.testing.assert_close(seen[name], expected[name])
+
+
+def test_a_second_thread_entering_a_busy_engine_gets_engine_busy_and_nothing_is_left_pinned(tmp_path):
+    import threading
+
+    from angel_ptm.errors import EngineBusyError
+
+    inside, release = threading.Event(), threading.Event()
+
+    class Slow(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(2))
+
+        def forward(self, x):
+            x = self.layers[0](x)
+            if threading.current_thread() is not threading.main_thread():
+                inside.set()
+                release.wait(10)  # the other thread calls in while this forward is under way
+            return self.layers[1](x).sum()
+
+    model = Slow()
+    engine = angel_ptm.initialize(model, config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
+    results = []
+    worker = threading.Thread(target=lambda: results.append(engine(torch.randn(2, 8))))
+    try:
+        worker.start()
+        assert inside.wait(10)
+        with pytest.raises(EngineBusyError, match="another thread is inside"):
+            engine(torch.randn(2, 8))
+        release.set()
+        worker.join(10)
+        engine.backward(results[0])  # one call after another, from either thread, is fine
+        engine.step()
+        assert not engine.manager.pinned_ids
+    finally:
+        release.set()
+        engine.close()
