@@ -7,7 +7,6 @@ that exists is a valid Config, whether it came from YAML, ``--set`` overrides or
 
 from __future__ import annotations
 
-import logging
 import math
 
 import dataclasses
@@ -16,19 +15,11 @@ import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Any, ClassVar, Literal, Optional, Tuple, Union
 
+from angel_ptm.config.combinations import check_combinations
 from angel_ptm.config.coerce import coerce
 from angel_ptm.config.sizes import Budget, ByteSize, show_value
 from angel_ptm.errors import ConfigTypeError, ConfigValueError
 
-log = logging.getLogger("angel_ptm")
-_warned: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    """A config's warning, once per process (a Config is rebuilt by dataclasses.replace as a job is set up)."""
-    if message not in _warned:
-        _warned.add(message)
-        log.warning(message)
 
 PAGE_ALIGNMENT = 4096  # pages are read and written with O_DIRECT, which needs 4 KiB-aligned sizes
 # Upper bounds on the SSD engine's knobs (io/engine.py). A worker thread keeps one transfer of up to 16 MiB in
@@ -497,16 +488,7 @@ class Config:
                 raise ConfigTypeError(
                     f"{name}: expected {section_class.__name__}, got {show_value(section)} ({type(section).__name__})"
                 )
-        if self.parallel.moe_rebalance_every and self.optimizer.staleness:
-            raise ConfigValueError("parallel.moe_rebalance_every: needs optimizer.staleness 0 (experts cannot move "
-                                   "while their delayed update is pending), got staleness 1")
-        # Keys that act only with another setting: said at once, not silently ignored
-        if self.optimizer.loss_scale != "dynamic" and self.trainer.dtype != "float16":
-            _warn_once(f"optimizer.loss_scale {self.optimizer.loss_scale} has no effect: loss scaling is for "
-                       f"trainer.dtype float16 only (this job: {self.trainer.dtype})")
-        if self.data.token_dtype != "uint16" and self.data.kind != "tokens":
-            _warn_once(f"data.token_dtype {self.data.token_dtype} has no effect: it is the element type of a "
-                       f"data.kind tokens file (this job reads {self.data.kind})")
+        check_combinations(self)  # rules across sections (config/combinations.py)
 
 
 @functools.cache

@@ -1,0 +1,31 @@
+"""Config rules across sections: a combination that cannot work is a ConfigValueError; a key that has no effect
+with the rest of the job is said once, in a warning (never silently ignored)."""
+
+from __future__ import annotations
+
+import logging
+
+from angel_ptm.errors import ConfigValueError
+
+log = logging.getLogger("angel_ptm")
+_warned: set[str] = set()
+
+
+def check_combinations(config) -> None:
+    if config.parallel.moe_rebalance_every and config.optimizer.staleness:
+        raise ConfigValueError("parallel.moe_rebalance_every: needs optimizer.staleness 0 (experts cannot move "
+                               "while their delayed update is pending), got staleness 1")
+    # Keys that act only with another setting: said at once, not silently ignored
+    if config.optimizer.loss_scale != "dynamic" and config.trainer.dtype != "float16":
+        _warn_once(f"optimizer.loss_scale {config.optimizer.loss_scale} has no effect: loss scaling is for "
+                   f"trainer.dtype float16 only (this job: {config.trainer.dtype})")
+    if config.data.token_dtype != "uint16" and config.data.kind != "tokens":
+        _warn_once(f"data.token_dtype {config.data.token_dtype} has no effect: it is the element type of a "
+                   f"data.kind tokens file (this job reads {config.data.kind})")
+
+
+def _warn_once(message: str) -> None:
+    """A config's warning, once per process (a Config is rebuilt by dataclasses.replace as a job is set up)."""
+    if message not in _warned:
+        _warned.add(message)
+        log.warning(message)
