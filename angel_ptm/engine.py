@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import itertools
 import math
 import statistics
 import threading
@@ -103,7 +104,7 @@ class Engine(StateAccess, EngineViews):
         self._min_device_pages = max(self.estimate.largest_layer_pages, self.estimate.gather_pages,
                                      self.estimate.expert_gather_pages)
         open_paging(self._paging, config, self.layout, self.kinds, own, self.estimate, self.mesh, self.device,
-                    self.trace, id(self))
+                    self.trace, next(_ENGINE_NUMBERS))
         self.budgets, self.manager, self.pages = self._paging.budgets, self._paging.manager, self._paging.pages
         # The front door of the step's page accesses: the binder, the optimizer and the gatherer go through it.
         self.scheduler = Scheduler(self.manager, planned=mem.scheduler == "planned", lookahead=mem.lookahead,
@@ -279,6 +280,9 @@ class Engine(StateAccess, EngineViews):
             raise ConfigValueError("load_state_dict(assign=True): the engine's pages hold the parameters, so they "
                                    "cannot be replaced by the state dict's tensors; load without assign")
         return self.load_state_dict(state_dict, strict)
+
+
+_ENGINE_NUMBERS = itertools.count(1)  # names each engine's page directory in this process (never reused, as ids are)
 
 
 def initialize(model: nn.Module, config=None, trace: TraceRecorder | None = None, units: UnitsSpec = None,

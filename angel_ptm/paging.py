@@ -13,6 +13,7 @@ import contextlib
 import os
 import shutil
 import tempfile
+import weakref
 from dataclasses import dataclass
 
 from angel_ptm.io import create_engine
@@ -35,9 +36,12 @@ class Paging:
     own_disk_dir: bool = False
     page_dir: str | None = None  # this engine's slot files, under disk_dir (disk_dir/rank<R> with several ranks)
     rank_dir: bool = False
+    dropped: weakref.finalize | None = None  # removes the page files of an engine dropped without close()
 
     def close(self) -> None:
         """Stop the manager and the SSD engine and remove this engine's page files (idempotent, partial-safe)."""
+        if self.dropped is not None:
+            self.dropped.detach()
         if self.manager is not None:
             self.manager.close(remove_files=True)
         if self.io is not None:
@@ -69,6 +73,9 @@ def open_paging(paging: Paging, config, layout, kinds, ownership, estimate, mesh
     paging.rank_dir = mesh.distributed
     paging.page_dir = page_dir(os.path.join(paging.disk_dir, f"rank{mesh.rank}") if mesh.distributed
                                else paging.disk_dir, owner)
+    # An engine dropped without close(): its page files go when its paging is collected (or at exit)
+    paging.dropped = weakref.finalize(paging, _remove_page_dirs, paging.page_dir, paging.rank_dir,
+                                      paging.disk_dir if paging.own_disk_dir else None)
     disk = DiskTier(paging.page_dir, page_bytes, budgets.disk, paging.io) if budgets.disk else None
     paging.manager = manager = PageManager(
         BufferPool(Tier.DEVICE, page_bytes, budgets.device, device),
@@ -87,6 +94,15 @@ def open_paging(paging: Paging, config, layout, kinds, ownership, estimate, mesh
                            estimate.gather_copy_pages, keep_free)
     paging.pages = PageStore.create(manager, layout, kinds, ownership, iter(tiers),
                                     PageTensors(manager, layout, {}).dtype)
+
+
+def _remove_page_dirs(page_dir: str, rank_dir: bool, own_disk_dir: str | None) -> None:
+    shutil.rmtree(page_dir, ignore_errors=True)
+    if rank_dir:
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(page_dir))
+    if own_disk_dir:
+        shutil.rmtree(own_disk_dir, ignore_errors=True)
 
 
 def choose_disk_dir(paging: Paging, disk_dir: str | None) -> str:

@@ -342,3 +342,31 @@ def test_initialize_bounds_a_recorder_made_without_one_by_trace_max_bytes(tmp_pa
         trace.close()
     events = [json.loads(line) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
     assert trace.max_bytes == 4096 and any(e.get("name") == "trace truncated" for e in events)
+
+
+def test_an_engine_dropped_without_close_is_collected_with_its_files_and_page_directory(tmp_path):
+    import gc
+    import weakref
+
+    import torch
+
+    import angel_ptm
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    job = {"memory": {"page_bytes": "4KiB", "device_budget": "16KiB", "host_budget": "16KiB",
+                      "disk_dir": str(tmp_path)}, "trainer": {"device": "cpu"}}
+    gc.collect()
+    before = fds()
+    for _ in range(3):
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 32))
+        engine = angel_ptm.initialize(model, job)
+        engine.backward(engine(torch.randn(2, 32)).sum())
+        engine.step()
+        dropped = weakref.ref(engine)
+        assert list(tmp_path.glob("pages-*"))
+        del engine, model
+        gc.collect()
+        assert dropped() is None  # (autograd's grad hooks, held in C++, no longer keep it alive)
+    assert not list(tmp_path.glob("pages-*")) and fds() <= before

@@ -11,6 +11,7 @@ import errno as errno_mod
 import logging
 import os
 import sys
+import weakref
 
 import torch
 
@@ -99,6 +100,13 @@ def aligned_empty(nbytes: int, device: str | torch.device = "cpu", huge: bool | 
     return buffer
 
 
+def _close_fd(fd: int) -> None:
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
 class SlotFile:
     """Slots of `slot_bytes` in one file; slot i lives at offset i * slot_bytes."""
 
@@ -108,6 +116,8 @@ class SlotFile:
         self.path, self.slot_bytes, self.engine = path, slot_bytes, engine
         self.fd, self.direct = open_direct(path)
         self.n_slots = 0
+        # An engine dropped without close(): its file descriptor is closed when this object is collected
+        self._finalizer = weakref.finalize(self, _close_fd, self.fd)
 
     def grow(self, n_slots: int) -> None:
         """Reserve disk space for `n_slots` slots in total (never shrinks)."""
@@ -142,6 +152,7 @@ class SlotFile:
 
     def close(self, remove: bool = False) -> None:
         if self.fd >= 0:
+            self._finalizer.detach()
             os.close(self.fd)
             self.fd = -1
         if remove and os.path.exists(self.path):
