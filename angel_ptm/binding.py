@@ -130,7 +130,7 @@ class ParamBinder(OutsideUnits):
         self._copied_units: list[PagingUnit] = []  # units nested in a recomputed one, bound to copies
         self.in_backward = False  # inside the engine's backward (StepDriver.backward): a unit run then is recomputed
         self._post_hook_ids: dict[int, int] = {}  # id(unit) -> its unbinding forward hook's id
-        self._lazy_units: list[PagingUnit] = []  # units bound to copies by `resolve` in this backward
+        self._lazy: dict[int, tuple] = {}  # id(unit) -> (unit, ids of its parameters still to get a gradient)
         self.grads_pending = False  # a backward's gradients are in the grad pages, waiting for step() or zero_grad()
         self._unit_of: dict[int, PagingUnit] = {}  # id(param) -> the unit that binds it (attach)
         self._node_pins: list[Page] = []
@@ -243,9 +243,8 @@ class ParamBinder(OutsideUnits):
             return
         if torch.is_grad_enabled() and not self._hooks_on and self.in_backward:
             # The model recomputes this unit in backward itself (torch.utils.checkpoint around the unit:
-            # HuggingFace's gradient_checkpointing_enable()): it reads copies, as activations.checkpoint does
-            self.bind_copies(unit)
-            self._copied_units.append(unit)
+            # HuggingFace's gradient_checkpointing_enable()): it reads copies, kept until its gradients are in
+            self.bind_lazy(unit)
             return
         if torch.is_grad_enabled() and not self._hooks_on:
             raise ParameterAccessError(
@@ -324,9 +323,10 @@ class ParamBinder(OutsideUnits):
         self.activation_bytes += nbytes
         self._activation_high = max(self._activation_high, self.activation_bytes)
 
-    def bind_copies(self, unit: PagingUnit) -> None:
+    def bind_copies(self, unit: PagingUnit, nested: bool = True) -> None:
         """Bind `unit`'s parameters to copies of their values, brought from their pages for a recomputation (its
-        saved tensors then view no page: the pages may move before backward reads them)."""
+        saved tensors then view no page: the pages may move before backward reads them). `nested`: the units
+        inside it bind copies too while it is bound (activations.checkpoint's recomputation)."""
         pages = self.unit_pages[id(unit)]
         self.param_access.acquire(pages, Tier.DEVICE, label=f"recompute:{unit.name}", read_only=True)
         try:  # (unseen by a selective recomputation's op log, which holds the forward's own ops only)
@@ -335,10 +335,10 @@ class ParamBinder(OutsideUnits):
                     guard.bind(param, self._param_view(self.slots[id(param)]).clone())
         finally:
             self.param_access.release(pages)
-        self._recomputing += 1  # the units nested in it bind copies too (bind_unit)
+        self._recomputing += nested  # the units nested in it bind copies too (bind_unit)
 
-    def unbind_copies(self, unit: PagingUnit) -> None:
-        self._recomputing -= 1
+    def unbind_copies(self, unit: PagingUnit, nested: bool = True) -> None:
+        self._recomputing -= nested
         for param in unit.params:
             guard.unbind(param, self._placeholders[id(param)])
 
@@ -441,6 +441,8 @@ class ParamBinder(OutsideUnits):
         slot = self.slots[id(param)]
         self._write_grad(slot, param.grad.reshape(-1))
         param.grad = None
+        if self._lazy:
+            self.lazy_grad_in(param)
         if self.on_grad_ready is not None and slot.name not in self.held_grads:
             self.on_grad_ready(slot)
 

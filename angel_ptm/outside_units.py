@@ -22,8 +22,7 @@ class OutsideUnits:
         """Unbound `params` used outside their units' forward (guard.manage).
         - In the engine's backward with gradients on, the model recomputes some forward itself without running
           the unit's hooks (HuggingFace's gradient checkpointing wraps a layer's `forward`; torch.utils.checkpoint
-          inside a unit): each owning unit is bound to copies of its values, as a recomputed unit is, until the
-          next such unit or the end of backward (a recomputation's saved tensors hold their copies).
+          inside a unit): each owning unit is bound to copies of its values (`bind_lazy`).
         - With no autograd recording (torch.no_grad, inference_mode): the op gets copies of the
           values (a method of the model other than its forward: HuggingFace's encoder-decoder `generate` runs the
           encoder by itself, CLIP's `get_text_features`).
@@ -32,10 +31,7 @@ class OutsideUnits:
             return None
         if self.in_backward and torch.is_grad_enabled():
             for unit in dict.fromkeys(self._unit_of[id(p)] for p in params):
-                if unit not in self._lazy_units:
-                    self.release_lazy()
-                    self.bind_copies(unit)
-                    self._lazy_units.append(unit)
+                self.bind_lazy(unit)
             return True
         if not torch.is_grad_enabled():  # (in backward too: a reentrant checkpoint's forward inside a recomputation)
             copies = {}
@@ -50,10 +46,30 @@ class OutsideUnits:
             return copies
         return None
 
+    def bind_lazy(self, unit) -> None:
+        """Bind `unit` to copies of its values for the model's own recomputation in backward, until each of its
+        trainable parameters has its gradient of this backward (or backward ends): a reentrant checkpoint's own
+        backward, after the recomputed forward is over, reads the parameters autograd saved, which must still hold
+        their values then."""
+        if id(unit) not in self._lazy:
+            self.bind_copies(unit, nested=False)
+            self._lazy[id(unit)] = (unit, {id(p) for p in unit.params if p.requires_grad})
+
+    def lazy_grad_in(self, param: nn.Parameter) -> None:
+        """`param`'s gradient is in: its lazily bound unit is unbound once all of its are."""
+        unit = self._unit_of.get(id(param))
+        entry = self._lazy.get(id(unit)) if unit is not None else None
+        if entry is not None:
+            entry[1].discard(id(param))
+            if not entry[1]:
+                del self._lazy[id(unit)]
+                self.unbind_copies(unit, nested=False)
+
     def release_lazy(self) -> None:
-        """Unbind the units `resolve` bound to copies in backward (their recomputation is over)."""
-        while self._lazy_units:
-            self.unbind_copies(self._lazy_units.pop())
+        """Unbind the units still bound to copies for the model's own recomputation (the end of backward)."""
+        while self._lazy:
+            unit, _ = self._lazy.popitem()[1]
+            self.unbind_copies(unit, nested=False)
 
     # ------------------------------------------------------------------ state dicts
     def _before_state_dict(self, module: nn.Module, _prefix, _keep_vars) -> None:

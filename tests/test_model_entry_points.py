@@ -273,7 +273,26 @@ class NestedCheckpoints(nn.Module):
         return x.pow(2).mean()
 
 
-MODELS_WITH_REENTRANT = {"reuse": lambda: ReentrantReuse(), "reuse_nested": lambda: ReentrantReuse(True),
+class ReentrantAroundUnits(nn.Module):
+    """Each unit under a reentrant checkpoint: its recomputation runs the unit's hooks, and its own backward reads
+    the parameters autograd saved after that recomputed forward is over."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Linear(32, 32)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.LayerNorm(32), nn.Linear(32, 48), nn.GELU(), nn.Linear(48, 32))
+                                    for _ in range(2))
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=True)
+        return h.pow(2).mean()
+
+
+MODELS_WITH_REENTRANT = {"around_units": ReentrantAroundUnits,
+                         "reuse": lambda: ReentrantReuse(), "reuse_nested": lambda: ReentrantReuse(True),
                          "nested_in_unit": lambda: NestedCheckpoints(False),
                          "nested_reentrant_in_unit": lambda: NestedCheckpoints(True)}
 
