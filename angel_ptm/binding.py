@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import logging
-import weakref
 from contextlib import contextmanager
 from typing import Callable
 
@@ -33,7 +32,7 @@ from angel_ptm.activations import ActivationPages, PackedActivation, Recomputati
 from angel_ptm.activations.recompute import checkpoint_modes
 from angel_ptm.errors import ParameterAccessError
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
-from angel_ptm.outside_units import OutsideUnits
+from angel_ptm.outside_units import OutsideUnits, weakly
 from angel_ptm.units import PagingUnit, unit_pages
 
 log = logging.getLogger("angel_ptm")
@@ -91,19 +90,6 @@ class _Saved:
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor, self.storage = tensor, tensor.untyped_storage().data_ptr()
-
-
-def _weakly(method):
-    """`method` (bound) called through a weak reference to its object: autograd keeps a parameter's hooks in C++,
-    where the garbage collector cannot see the cycle parameter -> hook -> binder -> model -> parameter, so a strong
-    hook would keep an engine dropped without close() alive for good."""
-    ref, func = weakref.ref(method.__self__), method.__func__
-
-    def hook(*args):
-        owner = ref()
-        if owner is not None:
-            func(owner, *args)
-    return hook
 
 
 class ParamBinder(OutsideUnits):
@@ -200,7 +186,7 @@ class ParamBinder(OutsideUnits):
         owner = {id(p): u.name for u in reversed(self.units) for p in u.params}
         for name, param in self.model.named_parameters():
             if param.requires_grad:  # (kept last of its hooks: a user's added later still sees .grad, guard.py)
-                handle = param.register_post_accumulate_grad_hook(_weakly(self._accumulate_grad))
+                handle = param.register_post_accumulate_grad_hook(weakly(self._accumulate_grad))
                 param.__dict__["_angel_grad_hook"] = handle.id
                 self._handles.append(handle)
             guard.label(param, name, owner.get(id(param), "<root>"))

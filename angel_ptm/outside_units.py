@@ -9,12 +9,27 @@ And what an interrupted forward or backward leaves outside the units: open units
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from angel_ptm import guard
 from angel_ptm.memory import Tier
+
+
+def weakly(method):
+    """`method` (bound) called through a weak reference to its object: autograd keeps a parameter's hooks in C++,
+    where the garbage collector cannot see the cycle parameter -> hook -> binder -> model -> parameter, so a strong
+    hook would keep an engine dropped without close() alive for good."""
+    ref, func = weakref.ref(method.__self__), method.__func__
+
+    def hook(*args):
+        owner = ref()
+        if owner is not None:
+            func(owner, *args)
+    return hook
 
 
 class OutsideUnits:
