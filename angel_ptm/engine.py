@@ -79,6 +79,7 @@ class Engine(StateAccess, EngineViews):
         # torchrun: the process group from the environment, one GPU per process, this rank's share of the pages
         self.mesh, self.device, self.ownership, self.collectives = join(config, self.trace,
                                                                         self.failure.collective_failed)
+        self.failure.distributed = self.mesh.distributed
         # parallel.tp > 1: this rank's shards of the split layers (the built-in plan unless the user applied one)
         # and parallel.ep > 1: this rank's experts, whose pages are rank-local (never sharded, gathered or reduced)
         self.split = split_model(model, self.mesh, self.trace, self.failure.collective_failed)
@@ -144,7 +145,8 @@ class Engine(StateAccess, EngineViews):
         self._check_alive()
         refuse_compiled(self.model)  # model.compile() after initialize
         args, kwargs = to_device((args, kwargs), self.device, self.compute_dtype)
-        with self._one_thread("forward"), self.failure.reads(), self.binder.saved_tensor_hooks():
+        with self._one_thread("forward"), self.failure.in_step("forward"), self.failure.reads(), \
+                self.binder.saved_tensor_hooks():
             try:
                 return self.model(*args, **kwargs)
             except BaseException:
@@ -156,7 +158,8 @@ class Engine(StateAccess, EngineViews):
         scheduler and no clipping, each page group is updated as soon as all its gradients are in. With fp16 the
         loss is multiplied by the loss scale first (the update divides the gradients by it)."""
         self._check_alive()
-        with self._one_thread("backward"), self.failure.step(self.optimizer, self.delayed):  # (all or nothing)
+        with self._one_thread("backward"), self.failure.in_step("backward"), \
+                self.failure.step(self.optimizer, self.delayed):  # (all or nothing)
             self.driver.backward(loss)
 
     def flush(self) -> None:
@@ -197,6 +200,7 @@ class Engine(StateAccess, EngineViews):
             if self.rebalancer is not None:  # at the step boundary, on every rank
                 self.rebalancer.after_step(self._steps_done + 1)
         self._steps_done = self.failure.steps_done = self._steps_done + 1
+        self.failure.step_ended()
         self._schedule.apply(self.optimizer, self._steps_done)
         self._step_ends.append(time.perf_counter())
 
@@ -256,6 +260,7 @@ class Engine(StateAccess, EngineViews):
         if self._closed:
             return
         self._closed = True
+        self.failure.closing()
         values = None  # the weights the model keeps: none from a failed engine, or when the last update fails
         try:
             if self.failure.reason is None and self.failure.torn_load is None:

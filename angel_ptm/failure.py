@@ -8,6 +8,8 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 from angel_ptm.errors import ChecksumError, EngineFailedError, PageIOError
+from angel_ptm.parallel.collectives import issued_count
+from angel_ptm.parallel.mesh import mark_out_of_step
 
 
 class Failure:
@@ -15,6 +17,15 @@ class Failure:
         self.reason: str | None = None  # why the engine refuses every call; None while it is sound
         self.steps_done = 0  # optimizer steps completed: the reason's text names the one in progress (1-based)
         self.torn_load: str | None = None  # why the pages hold part of a checkpoint: only a load may follow
+        self.distributed = False  # several ranks: a failure leaves the process group's collectives out of step
+        self._issued_at: int | None = None  # collectives issued in this process when this step began (None: between)
+        self._raised_in_step: str | None = None  # an error out of this step's forward or backward, which may retry
+
+    def fail(self, reason: str) -> None:
+        """The engine refuses every call from now on; with several ranks the process group is not used again."""
+        self.reason = reason
+        if self.distributed:
+            mark_out_of_step(reason)
 
     def check(self, loading: bool = False) -> None:
         """Raise EngineFailedError if the engine refuses to go on; `loading`: the call is a checkpoint load, which
@@ -31,8 +42,8 @@ class Failure:
 
     def collective_failed(self, error: Exception) -> None:
         """A collective failed (a peer died or hung): the ranks may be mid-step, and the group is unusable."""
-        self.reason = (f"the engine failed in step {self.steps_done + 1} ({type(error).__name__}: {error}); resume "
-                       f"every rank from the last checkpoint")
+        self.fail(f"the engine failed in step {self.steps_done + 1} ({type(error).__name__}: {error}); resume "
+                  f"every rank from the last checkpoint")
 
     @contextmanager
     def reads(self):
@@ -41,8 +52,8 @@ class Failure:
         try:
             yield
         except (PageIOError, ChecksumError) as exc:
-            self.reason = (f"the engine failed in step {self.steps_done + 1} moving a page ({type(exc).__name__}: "
-                           f"{exc}); resume from the last checkpoint")
+            self.fail(f"the engine failed in step {self.steps_done + 1} moving a page ({type(exc).__name__}: {exc}); "
+                      f"resume from the last checkpoint")
             raise
 
     @contextmanager
@@ -54,7 +65,41 @@ class Failure:
         except BaseException as exc:
             torn = optimizer.failed_group is not None or (delayed is None and optimizer.updated_this_step)
             if torn or isinstance(exc, (PageIOError, ChecksumError)):
-                self.reason = (f"the engine failed during step {self.steps_done + 1} "
-                               f"({type(exc).__name__}: {exc}); pages may hold a half-applied update, so it "
-                               f"refuses to go on: resume from the last checkpoint")
+                self.fail(f"the engine failed during step {self.steps_done + 1} ({type(exc).__name__}: {exc}); "
+                          f"pages may hold a half-applied update, so it refuses to go on: resume from the last "
+                          f"checkpoint")
             raise
+
+    @contextmanager
+    def in_step(self, call: str):
+        """A forward or backward of a multi-rank engine. An error out of it (a rank-local one: the model, a hook, the
+        data) once this rank issued collectives in this step leaves its peers waiting on collectives it will issue
+        again, or not at all: the engine fails for good on this rank, and its peers end with a CollectiveError
+        within parallel.timeout_s. Before this rank's first collective of the step it may retry the micro-batch (the
+        peers' collectives wait for its); closing the engine instead ends the process group's use (`closing`)."""
+        if not self.distributed:
+            yield
+            return
+        if self._issued_at is None:
+            self._issued_at = issued_count()
+        try:
+            yield
+        except BaseException as exc:
+            if self.reason is None and issued_count() != self._issued_at:
+                self.fail(f"the engine failed in step {self.steps_done + 1}: {type(exc).__name__} in this rank's "
+                          f"{call} ({str(exc)[:200]}) after the step had issued collectives, so the ranks' "
+                          f"collectives are out of step; resume every rank from the last checkpoint")
+            elif self.reason is None:
+                self._raised_in_step = f"{type(exc).__name__} in this rank's {call} ({str(exc)[:200]})"
+            raise
+
+    def closing(self) -> None:
+        """The engine closes. After an error in a step it did not finish, its peers wait on this rank's collectives
+        of that step: the process group is not used again (a new engine would be refused, not aborted by gloo)."""
+        if self.distributed and self._raised_in_step is not None and self.reason is None:
+            mark_out_of_step(f"closed in step {self.steps_done + 1} after {self._raised_in_step}, which the other "
+                             f"ranks went on with")
+
+    def step_ended(self) -> None:
+        """The step's collectives are all matched (its sequence check passed): the next one starts afresh."""
+        self._issued_at = self._raised_in_step = None

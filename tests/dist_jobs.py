@@ -389,3 +389,79 @@ def die_while_saving(rank: int, world: int, spec: dict, tmp: str) -> dict:
     finally:
         seconds = time.perf_counter() - t0
     return {"seconds": seconds}
+
+
+def rank_local_failures(rank: int, world: int, spec: dict, tmp: str) -> dict:
+    """On one process group, in order: (1) rank 1's forward raises before the step issued any collective (ZeRO-2
+    forwards issue none): it retries and every rank trains on alike; (2) engines dropped without close() leave no
+    waiter thread; (3) rank 1's backward raises late, after its reductions began: both ranks end with typed
+    errors (no gloo abort), and a later engine on the same process group is refused on both."""
+    import gc
+    import threading
+
+    from angel_ptm.parallel.collectives import issued_count
+
+    build, _, loss_fn = CASES[spec["model"]]
+    batches = micro_batches(spec["model"], 3 * world)
+    out: dict = {}
+    engine = angel_ptm.initialize(build(), config_of(spec, world, os.path.join(tmp, "recover")))
+    failed_once = []
+
+    def fail_first_forward(module, args):
+        if rank == 1 and not failed_once:
+            failed_once.append(issued_count())
+            raise RuntimeError("rank-local failure in forward")
+
+    hook = engine.model.register_forward_pre_hook(fail_first_forward)
+    for step in range(2):
+        batch = batches[step * world + rank]
+        try:
+            loss = loss_fn(engine, *batch)
+        except RuntimeError:
+            loss = loss_fn(engine, *batch)
+        engine.backward(loss)
+        engine.step()
+    hook.remove()
+    model = engine.model
+    engine.close()
+    out["retried"] = bool(failed_once)
+    out["recovered_digest"] = digests(model.state_dict())
+    del engine, model
+    for i in range(2):
+        dropped = angel_ptm.initialize(build(), config_of(spec, world, os.path.join(tmp, f"dropped{i}")))
+        dropped.backward(loss_fn(dropped, *batches[rank]))
+        dropped.step()
+        del dropped
+    gc.collect()
+    out["waiters_left"] = [t.name for t in threading.enumerate() if t.name.startswith("angel-ptm-reductions")]
+    engine = angel_ptm.initialize(build(), config_of(spec, world, os.path.join(tmp, "fatal")))
+    model = engine.model
+    first = next(module for module in model.modules() if isinstance(module, nn.Linear))
+
+    def fail_late(module, args, output):  # the first layer's gradient comes last in backward
+        def boom(grad):
+            raise RuntimeError("rank-local failure in backward")
+        output.register_hook(boom)
+
+    handle = first.register_forward_hook(fail_late) if rank == 1 else None
+    try:
+        for step in range(2):
+            engine.backward(loss_fn(engine, *batches[step * world + rank]))
+            engine.step()
+        out["fatal_step"] = "no error"
+    except Exception as exc:  # noqa: BLE001 - the test asserts on it
+        out["fatal_step"] = f"{type(exc).__name__}: {exc}"
+    if handle is not None:
+        handle.remove()
+    try:
+        loss_fn(engine, *batches[rank])
+        out["after"] = "no error"
+    except Exception as exc:  # noqa: BLE001
+        out["after"] = f"{type(exc).__name__}"
+    engine.close()
+    try:
+        angel_ptm.initialize(build(), config_of(spec, world, os.path.join(tmp, "again")))
+        out["new_engine"] = "started"
+    except Exception as exc:  # noqa: BLE001
+        out["new_engine"] = f"{type(exc).__name__}: {exc}"
+    return out

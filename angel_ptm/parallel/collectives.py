@@ -20,6 +20,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 import zlib
 from typing import Any, Sequence
 
@@ -27,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from angel_ptm.errors import CollectiveError
-from angel_ptm.parallel.mesh import Group, Mesh, new_groups_like
+from angel_ptm.parallel.mesh import Group, Mesh, mark_out_of_step, new_groups_like
 from angel_ptm.trace.recorder import TraceRecorder
 
 SUM, MAX, MIN = dist.ReduceOp.SUM, dist.ReduceOp.MAX, dist.ReduceOp.MIN
@@ -83,6 +84,8 @@ class Collectives:
         self._reductions = 0  # pairwise reductions issued, likewise
         self._spare: dict = {}  # (numel, dtype, device) -> buffers a reduction may receive into
         self._jobs: dict = {}  # channel -> its background waiter's queue, once one is needed
+        # an engine dropped without close() still stops its waiters (they hold only their queues, not this object)
+        self._stop_waiters = weakref.finalize(self, _stop_waiters, self._jobs)
         self.gathers_observed = False  # all_gather's handles answer done() truly (a thread waits for them)
         self._reduction_sequence = 0  # reductions keep a digest of their own (reduce_scatter's docstring)
         self._reductions_since_check = 0
@@ -99,6 +102,9 @@ class Collectives:
                                f"activations are not traced")
         t0 = time.perf_counter()
         start = self.trace.now() if self.trace.enabled else 0.0
+        if name != "wait":
+            with _ISSUED_LOCK:
+                _ISSUED[0] += 1
         try:
             result = fn(*args, **kwargs)
         except (RuntimeError, ValueError) as exc:  # DistBackendError and gloo's errors are RuntimeErrors
@@ -108,6 +114,7 @@ class Collectives:
                 f"{time.perf_counter() - (t0 if since is None else since):.1f} s "
                 f"(parallel.timeout_s {self.mesh.timeout_s:g}): a peer rank died, hung or took another path "
                 f"(under ZeRO-3, control flow that differs between ranks): {detail[:300]}")
+            mark_out_of_step(str(self.failed))
             if self.on_failure is not None:
                 self.on_failure(self.failed)
             raise self.failed from None
@@ -148,6 +155,7 @@ class Collectives:
                 f"{self.who}: ranks {differ} issued other collectives than rank 0 before "
                 f"{what} (collectives per rank {counts}); data exchanged since the last check may be wrong, so "
                 f"no rank trains on")
+            mark_out_of_step(str(self.failed))
             if self.on_failure is not None:
                 self.on_failure(self.failed)
             raise self.failed
@@ -243,9 +251,7 @@ class Collectives:
     def close(self) -> None:
         """Stop the background waiters once they have finished what they were given (the process group stays: its
         owner, torchrun's script or the trainer, destroys it)."""
-        for jobs in self._jobs.values():
-            jobs.put(None)
-        self._jobs = {}
+        _stop_waiters(self._jobs)
 
     def _waiter(self, channel: str) -> "queue.SimpleQueue[Pending | None]":
         """The queue of the thread that waits for `channel`'s background collectives in the order they were issued
@@ -410,9 +416,26 @@ class Pending:
             raise error
 
 
+_ISSUED = [0]  # collectives this process issued, over every group (issued_count)
+_ISSUED_LOCK = threading.Lock()
+
+
+def issued_count() -> int:
+    """Collectives this process has issued so far, over every group: an engine compares it with its value when the
+    step began to know whether a rank-local error left its peers waiting on collectives of this step."""
+    return _ISSUED[0]
+
+
+def _stop_waiters(jobs: dict) -> None:
+    for waiter in jobs.values():
+        waiter.put(None)
+    jobs.clear()
+
+
 def _wait_in_order(jobs: "queue.SimpleQueue[Pending | None]") -> None:
     while True:
         pending = jobs.get()
         if pending is None:
             return
         pending._complete()
+        del pending  # holding the last one while waiting for the next would keep its collectives (and engine) alive

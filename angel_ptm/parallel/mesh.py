@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from angel_ptm.errors import DistributedError
+from angel_ptm.errors import CollectiveError, DistributedError
 
 
 @dataclass(frozen=True)
@@ -131,12 +131,28 @@ def _destroy_at_exit() -> None:
             pass
 
 
+_OUT_OF_STEP: dict = {}  # default process group -> why its ranks' collectives are out of step (used never again)
+
+
+def mark_out_of_step(reason: str) -> None:
+    """This process's collectives no longer match its peers' (a collective failed, or a rank-local error ended a
+    step part-way): any later collective on the process group could take a peer's data of another size, which
+    gloo answers by aborting the process. A later engine on the same group is refused instead (init_mesh)."""
+    if dist.is_available() and dist.is_initialized():
+        _OUT_OF_STEP.setdefault(dist.group.WORLD, reason)
+
+
 def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
     """The mesh of this process; initializes the default process group from the environment when a launcher
     (torchrun) started several processes and nobody initialized it yet. Idempotent."""
     if dist.is_available() and dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
         backend = str(dist.get_backend())
+        if dist.group.WORLD in _OUT_OF_STEP:
+            raise CollectiveError(f"rank {rank}: the process group's collectives are out of step since an earlier "
+                                  f"engine failed ({_OUT_OF_STEP[dist.group.WORLD][:300]}); it cannot carry another "
+                                  f"engine's: start every rank anew (torchrun restarts them) and resume from the "
+                                  f"last checkpoint")
         if "LOCAL_RANK" in os.environ:  # otherwise the script chose its GPU itself
             _use_local_gpu(device_type, _env_int("LOCAL_RANK", 0))
     else:
