@@ -141,3 +141,15 @@ def test_the_estimate_refuses_a_pattern_that_matches_nothing_as_the_engine_does(
     with pytest.raises(ConfigValueError, match=r"optimizer\.no_decay: pattern '\*\.nothing' matches no parameter"):
         estimate_job({"optimizer": {"no_decay": ["*.nothing"]}, "model": tiny})
     estimate_job({"optimizer": {"no_decay": ["*norm*"]}, "model": tiny})
+
+
+def test_patterns_given_on_the_command_line_need_no_quotes():
+    """`--set optimizer.no_decay=[*.bias]`: YAML reads a leading `*` as an alias; the patterns field takes the
+    bracketed items as text (quoted ones too). Elsewhere an invalid value is still an error."""
+    from angel_ptm.config import load_config
+    from angel_ptm.errors import ConfigError
+
+    config = load_config(None, overrides=["optimizer.no_decay=[*.bias, 'norm*', *_norm.weight]"])
+    assert config.optimizer.no_decay == ("*.bias", "norm*", "*_norm.weight")
+    with pytest.raises(ConfigError, match="value is not valid YAML"):
+        load_config(None, overrides=["run.name=[*x]"])

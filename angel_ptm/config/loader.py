@@ -14,7 +14,7 @@ import os
 import tempfile
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Optional, Tuple, Union
 
 import yaml
 
@@ -147,7 +147,9 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
     try:
         value = yaml.safe_load(value_text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"override {override!r}: value is not valid YAML{_yaml_location(exc)}") from None
+        value = _patterns_list(section, name, value_text)  # `[*.bias]`: YAML reads `*` as an alias
+        if value is None:
+            raise ConfigError(f"override {override!r}: value is not valid YAML{_yaml_location(exc)}") from None
     if _is_text_field(section, name) and isinstance(value, (bool, int, float)):
         # `--set run.name=2024` means the text "2024", not a number YAML happened to see in it.
         value = value_text.strip()
@@ -158,6 +160,18 @@ def _apply_override(raw: dict[str, Any], override: str) -> None:
         settings[name][sub] = value
         return
     _section_settings(raw, section)[name] = value
+
+
+def _patterns_list(section: str, name: str, text: str) -> list[str] | None:
+    """`[*.bias, norm*]` for a field of text patterns (optimizer.no_decay), which YAML refuses (a leading `*` names
+    an alias): the bracketed items as plain text, each unquoted; None for any other field or shape."""
+    if field_types(section_classes()[section])[name] != Tuple[str, ...]:
+        return None
+    text = text.strip()
+    if not (text.startswith("[") and text.endswith("]")) or any(c in text[1:-1] for c in "[]{}"):
+        return None
+    items = [item.strip().strip("'\"") for item in text[1:-1].split(",")]
+    return [item for item in items if item]
 
 
 def _is_text_field(section: str, name: str) -> bool:
