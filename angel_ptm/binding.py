@@ -32,28 +32,11 @@ from angel_ptm.activations import ActivationPages, PackedActivation, Recomputati
 from angel_ptm.activations.recompute import checkpoint_modes
 from angel_ptm.errors import ParameterAccessError
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
-from angel_ptm.outside_units import OutsideUnits, weakly
+from angel_ptm.outside_units import OutsideUnits, keep, unpack_orphan, weakly, weakly_returning
+from angel_ptm.saved_tensors import PackedGathered, PackedPageTensor, Saved
 from angel_ptm.units import PagingUnit, unit_pages
 
 log = logging.getLogger("angel_ptm")
-
-
-class PackedPageTensor:
-    """A saved tensor that lives in a page: enough to rebuild the same view after the page moved."""
-
-    __slots__ = ("page", "offset", "size", "stride", "dtype")
-
-    def __init__(self, page: Page, offset: int, size, stride, dtype):
-        self.page, self.offset, self.size, self.stride, self.dtype = page, offset, size, stride, dtype
-
-
-class PackedGathered:
-    """A saved tensor that lives in the gathered copy of a parameter spanning pages: gathered again when unpacked."""
-
-    __slots__ = ("slot", "offset", "size", "stride")
-
-    def __init__(self, slot: TensorSlot, offset: int, size, stride):
-        self.slot, self.offset, self.size, self.stride = slot, offset, size, stride
 
 
 def _padding_ranges(layout: PageLayout) -> list[list[tuple[int, int]]]:
@@ -80,16 +63,6 @@ def _register_state_dict_post_hook(module: nn.Module, hook):
     """`register_state_dict_post_hook` where torch has it (2.5+), its private predecessor before."""
     register = getattr(module, "register_state_dict_post_hook", None) or module._register_state_dict_hook
     return register(lambda *args: hook(*args))  # a plain function: torch marks the hook with an attribute
-
-
-class _Saved:
-    """A saved activation (not in a page), counted while autograd holds it: its storage once, however many
-    tensors autograd saves that view it (a layer's input saved by each of three projections, a transposed view)."""
-
-    __slots__ = ("tensor", "storage")
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor, self.storage = tensor, tensor.untyped_storage().data_ptr()
 
 
 class ParamBinder(OutsideUnits):
@@ -333,7 +306,10 @@ class ParamBinder(OutsideUnits):
     def saved_tensor_hooks(self):
         outer, self._hooks_on = self._hooks_on, True
         try:
-            with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            # (weakly: a graph the model keeps, say a loss it stores on itself, holds these hooks in C++, where
+            # the collector cannot see the cycle to the engine)
+            with torch.autograd.graph.saved_tensors_hooks(weakly_returning(self._pack, keep),
+                                                          weakly_returning(self._unpack, unpack_orphan)):
                 yield
         finally:
             self._hooks_on = outer
@@ -359,7 +335,7 @@ class ParamBinder(OutsideUnits):
             packed = self.offload.pack(tensor)
             if packed is not None:
                 return packed
-        saved = _Saved(tensor)
+        saved = Saved(tensor)
         count = self._saved_storages.get(saved.storage)
         if count is None:
             self.activation_bytes += tensor.untyped_storage().nbytes()
@@ -370,7 +346,7 @@ class ParamBinder(OutsideUnits):
         return saved
 
     def _unpack(self, packed):
-        if isinstance(packed, _Saved):
+        if isinstance(packed, Saved):
             count = self._saved_storages.get(packed.storage)
             if count is not None:  # the last save of its storage read: backward uses it, then autograd frees it
                 count[0] -= 1

@@ -11,6 +11,8 @@ AccumulateGrad reads its sizes and clones gradients contiguously because of the 
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
@@ -59,7 +61,7 @@ class UnboundParameter(nn.Parameter):
             return (f"UnboundParameter({param.__dict__.get('_angel_name', '?')}, shape={tuple(param.shape)}, "
                     f"dtype={param.dtype}: values in pages, unit {param.__dict__.get('_angel_unit', '?')!r})")
         unbound = list(dict.fromkeys(a for a in _tensors(args, kwargs) if type(a) is UnboundParameter))
-        owner = unbound[0].__dict__.get("_angel_owner") if unbound else None
+        owner = _owner(unbound[0]) if unbound else None
         resolved = owner.resolve(unbound) if owner is not None else None
         if resolved is True:  # bound now (a recomputation in backward): the op runs on their values
             return func(*args, **(kwargs or {}))
@@ -88,11 +90,18 @@ def manage(param: nn.Parameter, owner) -> None:
     - while `owner.grads_pending` (between a backward and the step, outside backward) reading `param.grad` is an
       error: the gradient is in the grad pages, not in `.grad`, and torch's own clipping or zero_grad would see
       None and silently do nothing."""
-    param.__dict__["_angel_owner"] = owner
+    # (weakly: a graph the model keeps, say a loss it stores on itself, holds its leaves from C++, where the
+    # collector cannot see the cycle parameter -> binder -> model -> graph)
+    param.__dict__["_angel_owner"] = weakref.ref(owner)
+
+
+def _owner(param):
+    ref = param.__dict__.get("_angel_owner")
+    return ref() if ref is not None else None
 
 
 def _check_grad_readable(param) -> None:
-    owner = param.__dict__.get("_angel_owner")
+    owner = _owner(param)
     if owner is not None and owner.grads_pending and not owner.in_backward:
         name = param.__dict__.get("_angel_name", "?")
         raise ParameterAccessError(

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils._python_dispatch import _disable_current_modes
 
 from angel_ptm import guard
+from angel_ptm.errors import EngineClosedError
 from angel_ptm.memory import Tier
 
 
@@ -30,6 +31,34 @@ def weakly(method):
         if owner is not None:
             func(owner, *args)
     return hook
+
+
+def weakly_returning(method, gone):
+    """`weakly`, returning the method's result; `gone(*args)` answers once the object was collected (a plain
+    function, one put in the method's place, is called as it is)."""
+    if not hasattr(method, "__self__"):
+        return method
+    ref, func = weakref.ref(method.__self__), method.__func__
+
+    def hook(*args):
+        owner = ref()
+        return gone(*args) if owner is None else func(owner, *args)
+    return hook
+
+
+def keep(tensor):
+    """Packing a saved tensor once the engine is gone: the tensor itself."""
+    return tensor
+
+
+def unpack_orphan(packed):
+    """Unpacking once the engine is gone: a saved activation is still there; a parameter saved as its page is not."""
+    if isinstance(packed, torch.Tensor):
+        return packed
+    if isinstance(getattr(packed, "tensor", None), torch.Tensor):
+        return packed.tensor
+    raise EngineClosedError("backward through a graph whose engine is gone (dropped or closed): the parameters it "
+                            "saved lived in the engine's pages")
 
 
 class OutsideUnits:

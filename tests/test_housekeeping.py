@@ -370,3 +370,34 @@ def test_an_engine_dropped_without_close_is_collected_with_its_files_and_page_di
         gc.collect()
         assert dropped() is None  # (autograd's grad hooks, held in C++, no longer keep it alive)
     assert not list(tmp_path.glob("pages-*")) and fds() <= before
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_an_engine_is_collected_though_its_model_kept_a_graph(tmp_path, backward):
+    """A GPT-MoE keeps its aux loss on itself (a tensor with the forward's graph): autograd holds that graph's
+    leaves and saved tensors from C++, where the collector cannot see a cycle back to the engine. Dropped with its
+    model, after a forward alone or a whole step, the engine is collected all the same."""
+    import gc
+    import weakref
+
+    import torch
+
+    import angel_ptm
+    from angel_ptm.models import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=32,
+                          moe={"experts": 4, "top_k": 2, "gate": "switch", "capacity_factor": 0.5}))
+    engine = angel_ptm.initialize(model, {"memory": {"page_bytes": "4KiB", "device_budget": "256KiB",
+                                                     "host_budget": "1MiB", "disk_dir": str(tmp_path)},
+                                          "trainer": {"device": "cpu", "grad_clip": 0}})
+    ids = torch.randint(0, 64, (4, 16))
+    loss = engine(ids, ids)
+    if backward:
+        engine.backward(loss)
+        engine.step()
+    assert model.layers[0].feed_forward.aux_loss.grad_fn is not None
+    dropped = weakref.ref(engine)
+    del engine, model, loss
+    gc.collect()
+    assert dropped() is None and not list(tmp_path.glob("pages-*"))

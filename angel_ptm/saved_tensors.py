@@ -1,0 +1,46 @@
+"""What the binder's saved-tensor hooks keep for autograd (binding.ParamBinder._pack): a parameter saved as the
+page it lives in, or the gathered copy of one spanning pages, or an activation as itself (counted). None of them
+holds the engine: a graph the model keeps without a backward holds them from C++, where no collector sees a cycle."""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from angel_ptm.memory import Page, TensorSlot
+
+
+class PackedPageTensor:
+    """A saved tensor that lives in a page: enough to rebuild the same view after the page moved."""
+
+    __slots__ = ("_page", "offset", "size", "stride", "dtype")
+
+    def __init__(self, page: Page, offset: int, size, stride, dtype):
+        # (weakly: a graph kept without a backward would keep the page, its manager and so the engine alive)
+        self._page, self.offset, self.size, self.stride, self.dtype = weakref.ref(page), offset, size, stride, dtype
+
+    @property
+    def page(self) -> Page:
+        return self._page()
+
+
+class PackedGathered:
+    """A saved tensor that lives in the gathered copy of a parameter spanning pages: gathered again when unpacked."""
+
+    __slots__ = ("slot", "offset", "size", "stride")
+
+    def __init__(self, slot: TensorSlot, offset: int, size, stride):
+        self.slot, self.offset, self.size, self.stride = slot, offset, size, stride
+
+
+class Saved:
+    """A saved activation (not in a page), counted while autograd holds it: its storage once, however many
+    tensors autograd saves that view it (a layer's input saved by each of three projections, a transposed view)."""
+
+    __slots__ = ("tensor", "storage")
+
+    def __init__(self, tensor: torch.Tensor):
+        # detached: a node's saved output holding its own grad_fn is a cycle in C++ that no collector sees, which a
+        # node backward never runs (a forward without backward, a branch off the loss) would keep, graph and engine
+        self.tensor, self.storage = tensor.detach(), tensor.untyped_storage().data_ptr()
