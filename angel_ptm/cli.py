@@ -180,6 +180,10 @@ def resume_config(args: argparse.Namespace):
     source = args.config or run_dir / "config.yaml"
     if not Path(source).is_file():
         raise ConfigValueError(f"--resume: {source} not found; give the run's CONFIG")
+    moved = [o for o in args.overrides if o.partition("=")[0].strip() == "run.dir"]
+    if moved:
+        raise ConfigValueError(f"--resume {args.resume}: the resumed run continues in its own directory; "
+                               f"{moved[0]!r} would start another (train without --resume, or drop it)")
     config = load_config(source, args.overrides)
     checkpoints = config.checkpoint.dir or str(run_dir / "checkpoints")
     return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(run_dir), resume=checkpoints))

@@ -42,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from angel_ptm.checkpoint.directory import Checkpoints
-from angel_ptm.config import Config, format_bytes, save_config
+from angel_ptm.config import Config, format_bytes, save_config, with_absolute_paths
 from angel_ptm.data import BatchSampler, load_tokens, split_train_val
 from angel_ptm.errors import ConfigValueError, DataError, Terminated
 from angel_ptm.lr import lr_at
@@ -120,6 +120,7 @@ class Trainer:
         checkpoints = Checkpoints(cfg.checkpoint.dir or run_dir / "checkpoints", keep=cfg.checkpoint.keep)
         if cfg.memory.disk_dir is None:  # page files live in the run directory unless the job says otherwise
             cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, disk_dir=str(run_dir / "pages")))
+        cfg = with_absolute_paths(cfg)  # (config.yaml resumes from any directory)
         if mesh.is_main:
             save_config(cfg, run_dir / "config.yaml")
 

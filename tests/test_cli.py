@@ -140,3 +140,27 @@ def test_train_reads_a_config_file_and_applies_overrides_on_top(capsys, tmp_path
     assert cli.main(argv) == 0
     saved = load_config(run_dir / "config.yaml")
     assert saved.trainer.steps == 1 and saved.trainer.eval_every == 0 and saved.model.dim == 32
+
+
+def test_a_run_started_with_relative_paths_resumes_from_any_directory(capsys, tmp_path, monkeypatch):
+    """config.yaml holds the paths as the run read them (absolute): `--resume RUN_DIR` from another directory finds
+    the run's data and checkpoints; `--set run.dir=...` with --resume (another directory) is refused, not ignored;
+    a seed torch cannot take is a one-line error."""
+    pytest.importorskip("angel_ptm.engine")
+    project, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    project.mkdir()
+    elsewhere.mkdir()
+    (project / "data.txt").write_text("hello paging world\n" * 400)
+    monkeypatch.chdir(project)
+    job = [*TINY, "data.path=data.txt", "trainer.eval_every=0", "trainer.steps=2", "checkpoint.every=2",
+           "checkpoint.dir=ckpts", "run.dir=runs/a"]
+    assert cli.main(["train", "--no-progress", *set_args(*job)]) == 0
+    run_dir = project / "runs" / "a"
+    saved = load_config(run_dir / "config.yaml")
+    assert (saved.data.path, saved.checkpoint.dir) == (str(project / "data.txt"), str(project / "ckpts"))
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert cli.main(["train", "--no-progress", "--resume", str(run_dir), *set_args("trainer.steps=3")]) == 0
+    assert "(step 2)" in capsys.readouterr().out
+    run_error(capsys, ["train", "--resume", str(run_dir), *set_args("run.dir=other")], "--resume", "'run.dir=other'")
+    run_error(capsys, ["train", *set_args("trainer.seed=18446744073709551616")], "trainer.seed: must be >= 0 and < 2**64")

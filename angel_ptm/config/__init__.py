@@ -4,7 +4,7 @@
     save_config(cfg, run_dir / "config.yaml")
 """
 
-from angel_ptm.config.loader import config_to_dict, load_config, save_config
+from angel_ptm.config.loader import config_to_dict, load_config, save_config, with_absolute_paths
 from angel_ptm.config.schema import (
     Config,
     DataConfig,
@@ -37,4 +37,5 @@ __all__ = [
     "load_config",
     "parse_bytes",
     "save_config",
+    "with_absolute_paths",
 ]

@@ -55,6 +55,19 @@ def config_to_dict(cfg: Config) -> dict[str, dict[str, Any]]:
     }
 
 
+def with_absolute_paths(cfg: Config) -> Config:
+    """The config with its relative paths (data.path, checkpoint.dir, memory.disk_dir, run.dir, run.resume) made
+    absolute from the current directory, as they are read: a run's config.yaml then resumes from anywhere."""
+    def absolute(value: Optional[str], keep: tuple = ()) -> Optional[str]:
+        return value if value is None or value in keep else str(Path(value).expanduser().absolute())
+
+    return dataclasses.replace(
+        cfg, data=dataclasses.replace(cfg.data, path=absolute(cfg.data.path)),
+        checkpoint=dataclasses.replace(cfg.checkpoint, dir=absolute(cfg.checkpoint.dir)),
+        memory=dataclasses.replace(cfg.memory, disk_dir=absolute(cfg.memory.disk_dir)),
+        run=dataclasses.replace(cfg.run, dir=absolute(cfg.run.dir), resume=absolute(cfg.run.resume, ("auto",))))
+
+
 def save_config(cfg: Config, path: Union[str, os.PathLike]) -> None:
     """Write the Config as YAML, atomically: a reader (or a crash) sees the old file or the new one, never half."""
     path = Path(path)

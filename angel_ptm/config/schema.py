@@ -307,7 +307,7 @@ class TrainerConfig(_Section):
         if self.grad_clip is not None:
             self._require("grad_clip", self.grad_clip >= 0, ">= 0 or null")
         self._require("eval_every", self.eval_every >= 0, ">= 0")
-        self._require("seed", self.seed >= 0, ">= 0")
+        self._require("seed", 0 <= self.seed < 2**64, ">= 0 and < 2**64")  # (torch.manual_seed's range)
 
 
 @dataclass
