@@ -43,8 +43,16 @@ def test_viz_of_a_data_parallel_run_writes_one_chrome_trace_with_the_ranks_on_on
     steps = [(e["pid"], e["ts"], e["s"]) for e in events if e["ph"] == "i" and e["name"] == "step 2"]
     assert steps == [(1, 4e6, "p"), (2, 4.25e6, "p")]  # a rank's marks span its own lanes only
     assert trace["otherData"]["span_us"] == [0.0, 4.25e6]
-    # each rank's own trace is still written beside it, and the index links the merged one
-    assert (run / "trace.rank1.chrome.json").exists() and 'href="all.json"' in (run / "report.html").read_text()
+    # each rank's own trace is written beside it, and the index links the merged one
+    assert (tmp_path / "all.rank1.json").exists() and 'href="all.json"' in (run / "report.html").read_text()
+    # with both outputs given elsewhere, nothing is written into the run directory
+    before = sorted(p.name for p in run.iterdir())
+    out = tmp_path / "out"
+    out.mkdir()
+    assert cli.main(["viz", str(run), "-o", str(out / "v.html"), "--chrome-trace", str(out / "v.json")]) == 0
+    assert sorted(p.name for p in run.iterdir()) == before
+    assert sorted(p.name for p in out.iterdir()) == ["v.html", "v.json", "v.rank0.html", "v.rank0.json",
+                                                      "v.rank1.html", "v.rank1.json"]
 
 
 def test_rank_traces_without_a_start_mark_are_merged_from_their_own_zero_with_a_warning(caplog, tmp_path):

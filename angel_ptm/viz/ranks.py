@@ -57,12 +57,14 @@ def build_rank_reports(run_dir: str | os.PathLike, output: Optional[str | os.Pat
     if not traces:
         raise RunDirError(f"no trace.rank<R>.jsonl in {run_dir}")
     index = Path(output) if output is not None else run_dir / REPORT_FILE
+    merged = Path(chrome_trace) if chrome_trace is not None else run_dir / CHROME_FILE
+    # each rank's files beside the index and the merged trace (given paths move them out of the run directory)
+    per_rank = ((lambda rank: run_dir / f"trace.rank{rank}.chrome.json") if chrome_trace is None
+                else (lambda rank: merged.with_name(f"{merged.stem}.rank{rank}{merged.suffix}")))
     results = []
     for rank, name in traces.items():
         results.append(build_report(run_dir, index.with_name(f"{index.stem}.rank{rank}{index.suffix}"),
-                                    run_dir / f"trace.rank{rank}.chrome.json", trace_file=name,
-                                    title=f" (rank {rank} of {len(traces)})"))
-    merged = Path(chrome_trace) if chrome_trace is not None else run_dir / CHROME_FILE
+                                    per_rank(rank), trace_file=name, title=f" (rank {rank} of {len(traces)})"))
     starts = {rank: _start_time(run_dir / name) for rank, name in traces.items()}
     warnings = []
     if None in starts.values():
