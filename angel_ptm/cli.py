@@ -218,7 +218,9 @@ def run_estimate(args: argparse.Namespace) -> int:
     from angel_ptm.memory import compute_device
     from angel_ptm.parallel import Ownership
 
-    config = load_job_config(args)
+    from angel_ptm.config.combinations import engine_config_for_trainer
+
+    config = engine_config_for_trainer(load_job_config(args))  # (the job as the trainer runs its engine)
     gpu_memory = None if args.gpu_memory is None else parse_bytes(args.gpu_memory, "--gpu-memory")
     if gpu_memory is not None and args.device == "cpu":
         raise ConfigValueError("--gpu-memory is the memory of a GPU: use it with --device cuda, not cpu")

@@ -47,11 +47,9 @@ def lr_at(
 
 def schedule_given(config) -> bool:
     """Whether a config spells out an lr_schedule (the engine applies it then): the section was in its source (a
-    dict, YAML file or --set), or, for a Config built in code, differs from the defaults."""
+    dict, YAML file or --set), or it differs from the defaults (set in code, on a Config loaded or built there)."""
     given = getattr(config, "given_sections", None)
-    if given is not None:
-        return "lr_schedule" in given
-    return config.lr_schedule != type(config.lr_schedule)()
+    return (given is not None and "lr_schedule" in given) or config.lr_schedule != type(config.lr_schedule)()
 
 
 class ConfigSchedule:

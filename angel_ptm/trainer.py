@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from angel_ptm.checkpoint.directory import Checkpoints
 from angel_ptm.config import Config, format_bytes, save_config, with_absolute_paths
+from angel_ptm.config.combinations import engine_config_for_trainer
 from angel_ptm.data import BatchSampler, load_tokens, split_train_val
 from angel_ptm.errors import ConfigValueError, DataError, Terminated
 from angel_ptm.lr import lr_at
@@ -272,7 +273,7 @@ class Trainer:
             from angel_ptm.engine import initialize  # imported here: the trainer must import without the engine
 
             factory = initialize
-        return factory(model, cfg, trace=trace)
+        return factory(model, engine_config_for_trainer(cfg), trace=trace)
 
 
 class Evaluator:

@@ -380,3 +380,23 @@ def test_keys_without_effect_in_this_job_are_said_once_and_a_null_lr_schedule_sp
                         "(this job reads text)"]
     assert not schedule_given(load_config({"lr_schedule": None}))
     assert schedule_given(load_config({"lr_schedule": {"warmup_steps": 3}}))
+    # a schedule set in code on a loaded config (given_sections says the source had none) is spelled out too
+    loaded = load_config({"optimizer": {"lr": 0.01}})
+    assert not schedule_given(loaded)
+    loaded.lr_schedule = type(loaded.lr_schedule)(warmup_steps=4, decay="constant")
+    assert schedule_given(loaded)
+
+
+def test_async_save_without_periodic_checkpoints_is_said_and_reserves_nothing(caplog):
+    import logging
+
+    from angel_ptm.config import combinations
+    from angel_ptm.config.combinations import engine_config_for_trainer
+
+    combinations._warned.clear()  # (said once per process: another test may have said it)
+    config = load_config({"checkpoint": {"async_save": True, "every": 0}})
+    with caplog.at_level(logging.WARNING, logger="angel_ptm"):
+        assert engine_config_for_trainer(config).checkpoint.async_save is False
+    assert any("checkpoint.async_save has no effect: checkpoint.every is 0" in r.getMessage() for r in caplog.records)
+    kept = load_config({"checkpoint": {"async_save": True, "every": 5}})
+    assert engine_config_for_trainer(kept) is kept

@@ -24,6 +24,18 @@ def check_combinations(config) -> None:
                    f"data.kind tokens file (this job reads {config.data.kind})")
 
 
+def engine_config_for_trainer(config):
+    """The config the trainer gives its engine: a key that acts only through the trainer's loop and has nothing to
+    act on is said once and left out of the engine's (its estimate reserves nothing for it)."""
+    import dataclasses
+
+    if config.checkpoint.async_save and not config.checkpoint.every:
+        _warn_once("checkpoint.async_save has no effect: checkpoint.every is 0, so the trainer writes no checkpoint "
+                   "beside training (a signal's save is waited for)")
+        return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, async_save=False))
+    return config
+
+
 def _warn_once(message: str) -> None:
     """A config's warning, once per process (a Config is rebuilt by dataclasses.replace as a job is set up)."""
     if message not in _warned:
