@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import math
 import os
 import signal
@@ -155,6 +156,10 @@ class Trainer:
             resumed_from, done, consumed = None, 0, None  # the checkpoint continued from, its steps, micro-batches
             if resume is not None:
                 resumed_from, done, consumed = resume_run(engine, resume, checkpoints)
+                if done >= tcfg.steps and mesh.is_main:
+                    logging.getLogger("angel_ptm").warning(
+                        f"trainer.steps {tcfg.steps}: the checkpoint resumed from is at step {done}, so there is "
+                        f"nothing to train; raise trainer.steps (--set trainer.steps=N) to go on")
             # The data stream goes on where the checkpoint left it, whatever grad_accum or dp the run has now
             first_micro = done * micro_per_step if consumed is None else consumed
             if mesh.is_main:  # metrics of the steps done so far are kept (a resumed run appends after them)

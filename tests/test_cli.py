@@ -142,7 +142,7 @@ def test_train_reads_a_config_file_and_applies_overrides_on_top(capsys, tmp_path
     assert saved.trainer.steps == 1 and saved.trainer.eval_every == 0 and saved.model.dim == 32
 
 
-def test_a_run_started_with_relative_paths_resumes_from_any_directory(capsys, tmp_path, monkeypatch):
+def test_a_run_started_with_relative_paths_resumes_from_any_directory(capsys, caplog, tmp_path, monkeypatch):
     """config.yaml holds the paths as the run read them (absolute): `--resume RUN_DIR` from another directory finds
     the run's data and checkpoints; `--set run.dir=...` with --resume (another directory) is refused, not ignored;
     a seed torch cannot take is a one-line error."""
@@ -162,5 +162,8 @@ def test_a_run_started_with_relative_paths_resumes_from_any_directory(capsys, tm
     capsys.readouterr()
     assert cli.main(["train", "--no-progress", "--resume", str(run_dir), *set_args("trainer.steps=3")]) == 0
     assert "(step 2)" in capsys.readouterr().out
+    with caplog.at_level("WARNING", logger="angel_ptm"):  # resumed at its last step: said, not silently nothing
+        assert cli.main(["train", "--no-progress", "--resume", str(run_dir), *set_args("trainer.steps=3")]) == 0
+    assert any("nothing to train" in r.getMessage() for r in caplog.records)
     run_error(capsys, ["train", "--resume", str(run_dir), *set_args("run.dir=other")], "--resume", "'run.dir=other'")
     run_error(capsys, ["train", *set_args("trainer.seed=18446744073709551616")], "trainer.seed: must be >= 0 and < 2**64")
