@@ -167,6 +167,16 @@ class ParamBinder(OutsideUnits):
             guard.unbind(param, self._placeholders[id(param)])
         self._unit_of = {id(p): u for u in reversed(self.units) for p in u.params}
 
+    def unit_of_page(self) -> list[str | None]:
+        """Per page index, the name of the unit whose parameters are on it (the first one's where several share it)."""
+        units = [None] * self.layout.n_pages
+        for key, slot in self.slots.items():
+            unit = self._unit_of.get(key)
+            for seg in slot.segments:
+                if units[seg.page] is None and unit is not None:
+                    units[seg.page] = unit.name
+        return units
+
     def detach(self, values: Callable[[TensorSlot], torch.Tensor] | None = None) -> None:
         """Remove every hook; with `values`, give each parameter its values as an ordinary tensor for good."""
         for handle in self._handles:

@@ -12,10 +12,13 @@ they did; `grads_final` once this step's gradients are settled, agreed over rank
 
 from __future__ import annotations
 
+import collections
+
 import torch
 
 from angel_ptm.errors import ConfigValueError
 from angel_ptm.memory import PageLayout, Tier
+from angel_ptm.memory.placement import update_batch_groups
 from angel_ptm.optim import PagedAdamW
 from angel_ptm.optim.delayed import DelayedUpdates
 from angel_ptm.optim.loss_scaler import LossScaler
@@ -87,6 +90,10 @@ def build_step(config, estimate, *, model, layout: PageLayout, pages, scheduler,
     optimizer = PagedAdamW(scheduler, layout, pages, opt.lr, opt.betas, opt.eps, opt.weight_decay, update_tier,
                            write_params=staleness == 0, updates=ownership.updated,
                            no_decay=no_decay_names(model, opt.no_decay))
+    tier = estimate.tiers[estimate.update_tier]  # one access updates a few of a unit's groups where there is room
+    optimizer.batch_groups = update_batch_groups((tier.budget - tier.needed) // config.memory.page_bytes,
+                                                 len(optimizer.group_kinds))
+    optimizer.batch_key = binder.unit_of_page()
     data_parallel = SingleRank() if collectives is None else DataParallel(
         collectives, ownership, manager, scheduler, layout, pages, update_tier, estimate.gather_groups,
         estimate.largest_unit_groups, config.parallel.osdp)
@@ -129,6 +136,8 @@ class StepDriver:
         self.pending: list[int] = []
         self.ready: set[str] = set()
         self.final_order: list[int] = []  # page indices in the order their gradients became final (last backward)
+        self._batches: dict = {}  # unit -> its final page groups waiting for their update (_update_soon)
+        self._unit_groups = collections.Counter(optimizer.batch_key[i] for i in optimizer.local_indices)
         # Distinct tensors on each page: every last micro-batch counts them down as their gradients become final.
         self.tensors_per_page = [len(set(names)) for names in optimizer.slot_names_on_page]
         self._updates_here = set(optimizer.local_indices)  # the page groups this rank's optimizer updates
@@ -176,8 +185,10 @@ class StepDriver:
         try:
             (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
             if self.eager_now:
+                self._flush_updates()
                 self._update_landed()
         finally:
+            self._batches = {}  # (after an error: groups not updated, as any the backward did not reach)
             if self.eager_now:
                 dp.end_backward()
             self.eager_now = False
@@ -197,9 +208,25 @@ class StepDriver:
                 if self.delayed is not None:
                     self.delayed.publish(index)
                 elif self.eager_allowed and not self.data_parallel.overlaps:
-                    self.optimizer.update_group(index)
+                    self._update_soon(index)
                 self.data_parallel.page_final(index)
         self._update_landed()
+
+    def _update_soon(self, index: int) -> None:
+        """Page group `index` is final: updated with others of its unit, one access for a batch of them
+        (PagedAdamW.batches), once the batch is full or holds all the unit's groups (so in the same place whatever
+        other units, say experts routed or not, became final meanwhile), the rest when backward ends."""
+        key = self.optimizer.batch_key[index]
+        batch = self._batches.setdefault(key, [])
+        batch.append(index)
+        if len(batch) == min(self.optimizer.batch_groups, self._unit_groups[key]):
+            del self._batches[key]
+            self.optimizer.update_groups(batch)
+
+    def _flush_updates(self) -> None:
+        batches, self._batches = self._batches, {}
+        for batch in batches.values():  # (in the order each unit's first group became final)
+            self.optimizer.update_groups(batch)
 
     def _update_landed(self) -> None:
         """Page groups whose reduction landed (their owner holds the mean gradient): this rank's page of each is

@@ -62,6 +62,12 @@ def update_tier(device: torch.device, device_slots: int, host_slots: int, n_stat
     return "host" if host_slots >= group else "device"
 
 
+def update_batch_groups(spare_slots: int, group: int = UPDATE_GROUP, most: int = 16) -> int:
+    """The most page groups one optimizer access updates (PagedAdamW.batches): one, or more where the update tier
+    has `spare_slots` beyond what the job needs there (half of them, `group` pages a group), at most `most`."""
+    return max(1, min(most, 1 + max(0, spare_slots) // (2 * group)))
+
+
 @dataclass
 class StartPlacement:
     """Where pages rest once all are created, per tier (pages), and what creating them needs of the host."""

@@ -4,7 +4,8 @@ The arithmetic is torch.optim.AdamW's single-tensor path, op for op, so results 
 is zero in every kind and stays zero. Gradients must be settled first (ParamBinder.settle_grads: which tensors got
 none; their regions are skipped, and a page none of whose tensors got one is left alone); the step
 leaves them as they are: the binder overwrites them with the next step's first gradient. The pages are acquired on
-`update_tier` (the device when a group fits there, else the host), so an update never needs more than four slots.
+`update_tier` (the device when a group fits there, else the host), so an update needs four slots (one group), or
+a few groups' worth where the tier has room to spare (`batches`).
 
 Mixed precision (a "master" kind in `pages`): the update reads the fp32 master, the bf16/fp16 gradient and the fp32
 moments, and writes master, moments and the bf16/fp16 parameter copy in one pass (five slots per update).
@@ -61,6 +62,9 @@ class PagedAdamW:
         self.write_params = write_params
         self.group_kinds = (("param",) if write_params else ()) + ("grad", "exp_avg", "exp_avg_sq") + \
             (("master",) if self.mixed else ())
+        # `batches`: up to batch_groups page groups of one unit (batch_key[index]) updated by one access, fewer
+        # accesses to schedule; 1 unless the update tier has room to spare (memory.placement.update_batch_groups)
+        self.batch_groups, self.batch_key = 1, [None] * layout.n_pages
 
     def _scratch(self, like: torch.Tensor, slot: int = 0) -> torch.Tensor:
         key = (like.device, like.dtype, slot)
@@ -116,10 +120,21 @@ class PagedAdamW:
         if order is not None and sorted(order) != self.local_indices:
             raise ValueError(f"order must list each of the {len(self.local_indices)} page groups this rank updates once")
         self.begin_step(without_grad)
-        for index in indices:
-            if index not in self._updated:
-                self.update_group(index, without_grad)
+        for batch in self.batches([index for index in indices if index not in self._updated]):
+            self.update_groups(batch, without_grad)
         self.end_step()
+
+    def batches(self, indices: list[int]) -> list[list[int]]:
+        """`indices` in runs updated by one access each: consecutive ones of the same unit (`batch_key`), at most
+        `batch_groups` long (a run never mixes units: an expert not routed leaves the others' accesses alike)."""
+        runs: list[list[int]] = []
+        for index in indices:
+            run = runs[-1] if runs else None
+            if run is not None and len(run) < self.batch_groups and self.batch_key[index] == self.batch_key[run[-1]]:
+                run.append(index)
+            else:
+                runs.append([index])
+        return runs
 
     def end_step(self) -> None:
         """Close the open step (every page group of it updated, or deliberately left as it is). Tensors that had a
@@ -166,26 +181,44 @@ class PagedAdamW:
     def update_group(self, index: int, without_grad: frozenset[str] | set[str] = frozenset()) -> None:
         """Update page group `index` (param, grad, exp_avg, exp_avg_sq of page `index`) for the open step. The
         scheduler calls this as soon as every gradient on the page is final, so updates overlap backward."""
+        self.update_groups([index], without_grad)
+
+    def update_groups(self, indices: list[int], without_grad: frozenset[str] | set[str] = frozenset()) -> None:
+        """Update page groups `indices` with one access of all their pages (`batches`: one unit's, a few)."""
         self.begin_step()
-        if index in self._updated:
-            raise ValueError(f"page group {index} was already updated in optimizer step {self.step_count}")
-        self._updated.add(index)
+        for index in indices:
+            if index in self._updated:
+                raise ValueError(f"page group {index} was already updated in optimizer step {self.step_count}")
+        self._updated.update(indices)
         try:
-            self._update_group(index, without_grad)
+            self._update_groups(indices, without_grad)
         except BaseException:
-            self.failed_group = index  # step counts, moments and weights of this group may be half-written
+            self.failed_group = indices[0]  # step counts, moments and weights of these groups may be half-written
             raise
 
-    def _update_group(self, index: int, without_grad: frozenset[str] | set[str]) -> None:
+    def _update_groups(self, indices: list[int], without_grad: frozenset[str] | set[str]) -> None:
+        # no gradient reached a page: nothing to update, and its grad page stays dead
+        indices = [i for i in indices if not all(name in without_grad for name, _, _ in self._slots_on_page[i])]
+        if not indices:
+            return
+        for index in indices:
+            for name, _, _ in self._slots_on_page[index]:  # a tensor spanning pages counts its step once
+                if name not in without_grad and name not in self._stepped:
+                    self._stepped.add(name)
+                    self.slot_steps[name] += 1
+        groups = [{kind: self.pages[kind][index] for kind in self.group_kinds} for index in indices]
+        self.access.acquire([page for group in groups for page in group.values()], self.update_tier,
+                            label="opt:update")
+        for index, group in zip(indices, groups):
+            self._update_pages(index, group, without_grad)
+        self.access.release([page for group in groups for kind, page in group.items() if kind != "grad"],
+                            dirty=True)
+        grads = [group["grad"] for group in groups]
+        self.access.release(grads)
+        self.access.discard(grads)  # the gradients are applied: their pages are dead until the next backward
+
+    def _update_pages(self, index: int, group: dict, without_grad: frozenset[str] | set[str]) -> None:
         slots = self._slots_on_page[index]
-        if all(name in without_grad for name, _, _ in slots):
-            return  # no gradient reached this page: nothing to update, and its grad page stays dead
-        for name, _, _ in slots:  # a tensor spanning pages counts its step once
-            if name not in without_grad and name not in self._stepped:
-                self._stepped.add(name)
-                self.slot_steps[name] += 1
-        group = {kind: self.pages[kind][index] for kind in self.group_kinds}
-        self.access.acquire(list(group.values()), self.update_tier, label="opt:update")
         dtype = self.page_dtypes[index]
         if dtype.is_floating_point:
             page_numel, state_dtype = self.layout.page_numel(index), self.layout.state_dtype(index)
@@ -204,9 +237,6 @@ class PagedAdamW:
                         part = slice(offset, offset + numel)
                         self._update(master[part], grad[part], exp_avg[part], exp_avg_sq[part],
                                      self.slot_steps[name], None if copy is None else copy[part], self._decay(name))
-        self.access.release([page for kind, page in group.items() if kind != "grad"], dirty=True)
-        self.access.release([group["grad"]])
-        self.access.discard([group["grad"]])  # the gradient is applied: its page is dead until the next backward
 
     def _decay(self, name: str) -> float:
         """Tensor `name`'s weight decay: 0 for optimizer.no_decay's, the group's otherwise."""
