@@ -174,9 +174,18 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
     group = groups[0]
     opt = engine.optimizer
     shards = _shards(engine)
+    # Every entry checked before anything is written: a refused state dict leaves the pages as they were
+    writes, steps_of = [], {}
     for name, param, key in named:
         entry = state_dict.get("state", {}).get(key, {})
-        steps = int(float(entry["step"])) if "step" in entry else 0
+        if not isinstance(entry, dict):
+            raise StateDictError(f"load_optimizer_state_dict: state[{key}] ('{name}') is a "
+                                 f"{type(entry).__name__}, not a dict of step, exp_avg, exp_avg_sq")
+        try:
+            steps = int(float(entry["step"])) if "step" in entry else 0
+        except (TypeError, ValueError):
+            raise StateDictError(f"load_optimizer_state_dict: state[{key}].step ('{name}') is "
+                                 f"{entry['step']!r}, not a number") from None
         if not param.requires_grad:  # frozen at initialize: no optimizer pages
             if steps:
                 raise StateDictError(f"load_optimizer_state_dict: state[{key}] is for '{name}', "
@@ -187,15 +196,29 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
             value = entry.get(kind)
             if value is None:
                 value = torch.zeros(shape, dtype=torch.float32)
+            elif not isinstance(value, torch.Tensor):
+                raise StateDictError(f"load_optimizer_state_dict: state[{key}].{kind} ('{name}') is a "
+                                     f"{type(value).__name__}, not a tensor")
             elif tuple(value.shape) != shape:
                 raise StateDictError(f"load_optimizer_state_dict: state[{key}].{kind} "
                                      f"('{name}') has shape {tuple(value.shape)}, the parameter's is {shape}")
+            writes.append((kind, name, value))
+        steps_of[name] = steps
+    try:
+        hyper = (float(group["lr"]), tuple(float(b) for b in group["betas"]), float(group["eps"]),
+                 float(group["weight_decay"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise StateDictError(f"load_optimizer_state_dict: param_groups[0] lacks a number for lr, betas, eps or "
+                             f"weight_decay ({type(exc).__name__}: {exc})") from None
+    try:
+        for kind, name, value in writes:
             engine.write_state(kind, name, _local(shards, name, value))
-        opt.slot_steps[name] = steps
+    except BaseException as exc:
+        engine.failure.load_failed("(an optimizer state dict)", exc)  # some moments written, others not
+        raise
+    opt.slot_steps.update(steps_of)
     opt.step_count = max(opt.slot_steps.values(), default=0)
-    opt.lr = float(group["lr"])
-    opt.betas = tuple(float(b) for b in group["betas"])
-    opt.eps, opt.weight_decay = float(group["eps"]), float(group["weight_decay"])
+    opt.lr, opt.betas, opt.eps, opt.weight_decay = hyper
 
 
 class StateAccess:

@@ -290,3 +290,39 @@ def test_a_second_thread_entering_a_busy_engine_gets_engine_busy_and_nothing_is_
     finally:
         release.set()
         engine.close()
+
+
+def test_a_refused_optimizer_state_dict_writes_nothing(tmp_path):
+    """A torch AdamW state dict whose last entry is wrong (shape, type) is refused before any moment or step count
+    is written: the engine trains on exactly as if it had not been offered."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+    xs = [torch.randn(4, 8, generator=torch.Generator().manual_seed(i)) for i in range(4)]
+    reference = angel_ptm.initialize(build(), config(memory(tmp_path / "a")))
+    engine = angel_ptm.initialize(build(), config(memory(tmp_path / "b")))
+    try:
+        for e in (reference, engine):
+            e.backward(e(xs[0]).square().mean())
+            e.step()
+        model = build()
+        opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+        model(xs[1]).square().mean().backward()
+        opt.step()
+        bad = opt.state_dict()
+        bad["state"][3] = dict(bad["state"][3], exp_avg=torch.zeros(7))
+        with pytest.raises(StateDictError, match=r"state\[3\].exp_avg \('2.bias'\) has shape \(7,\)"):
+            engine.load_optimizer_state_dict(bad)
+        bad["state"][3] = dict(bad["state"][3], exp_avg="zeros")
+        with pytest.raises(StateDictError, match=r"state\[3\].exp_avg \('2.bias'\) is a str, not a tensor"):
+            engine.load_optimizer_state_dict(bad)
+        assert engine.optimizer_state_dict()["state"][0]["step"] == 1
+        losses = [[e(x).square().mean() for e in (reference, engine)] for x in xs[2:3]][0]
+        for e, loss in zip((reference, engine), losses):
+            e.backward(loss)
+            e.step()
+        assert torch.equal(reference.parameter("0.weight"), engine.parameter("0.weight"))
+    finally:
+        reference.close()
+        engine.close()
