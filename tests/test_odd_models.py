@@ -155,3 +155,42 @@ def test_a_model_an_open_engine_manages_is_refused_by_a_second_initialize(tmp_pa
     finally:
         engine.close()
     angel_ptm.initialize(model, config(tmp_path / "c")).close()  # once it is closed, a new engine may take it
+
+
+def test_the_estimates_trace_leaves_a_module_registered_twice_as_it_was(tmp_path):
+    """example_inputs' trace on fake tensors swaps the parameters for fakes and back: a block registered in two
+    places (one block applied three times) gets its own parameters back, and the engine trains it as without."""
+    from angel_ptm.config import load_config
+    from angel_ptm.estimate import estimate_job
+
+    class SameThrice(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(0)
+            block = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+            self.emb, self.blocks = nn.Linear(16, 16), nn.ModuleList([block, block, block])
+
+        def forward(self, x):
+            x = self.emb(x)
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    job = {"memory": {"page_bytes": "4KiB", "disk_dir": str(tmp_path)}, "trainer": {"device": "cpu"}}
+    example = (torch.empty(4, 16, device="meta"),)
+    model = SameThrice()
+    before = {name: p for name, p in model.named_parameters()}
+    estimate_job(load_config(job), model, example_inputs=example, device=torch.device("cpu"))
+    assert all(p is before[name] for name, p in model.named_parameters())
+    x = torch.randn(4, 16)
+    losses = []
+    for given in (None, example):
+        engine = angel_ptm.initialize(SameThrice(), job, example_inputs=given)
+        try:
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        finally:
+            engine.close()
+    assert losses[0] == losses[1]

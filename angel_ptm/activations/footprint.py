@@ -209,8 +209,28 @@ def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Mo
         stack.enter_context(producers)
         stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t))
         stack.enter_context(torch.enable_grad())
+        stack.callback(_restore, _tensors_of(model))  # (torch's restore misses a module registered twice)
         torch.func.functional_call(model, state, fake_args, fake_kwargs, strict=False, tie_weights=True)
     return TracedActivations(units, root, tops)
+
+
+def _tensors_of(model: nn.Module) -> list:
+    """Every (module, dict, name, tensor) of the model's parameters and buffers, shared modules once each."""
+    seen, out = set(), []
+    for module in model.modules(remove_duplicate=False):
+        if id(module) in seen:
+            continue
+        seen.add(id(module))
+        for table in (module._parameters, module._buffers):
+            out.extend((table, name, tensor) for name, tensor in table.items())
+    return out
+
+
+def _restore(tensors: list) -> None:
+    """Put back the model's own parameters and buffers, whatever the trace left in their place."""
+    for table, name, tensor in tensors:
+        if table.get(name) is not tensor:
+            table[name] = tensor
 
 
 @contextmanager
