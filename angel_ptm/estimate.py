@@ -326,9 +326,12 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
                                    else " reserved up front")
                                 + (f" by each of {local_world_size} ranks)" if local_world_size > 1 else ")")))
     # 2. the largest unit on the device, and (when pages live on disk) the host slots its pages rise through
-    if largest * page_bytes > budgets["device"]:
-        problems.append(Problem("device", largest * page_bytes, budgets["device"],
-                                f"unit '{largest_name}' ({largest} pages of {format_bytes(page_bytes)})"))
+    # (activations.offload: the activation page being filled sits on the device beside the unit's pages)
+    open_page = 1 if offload != "none" else 0
+    if (largest + open_page) * page_bytes > budgets["device"]:
+        problems.append(Problem("device", (largest + open_page) * page_bytes, budgets["device"],
+                                f"unit '{largest_name}' ({largest} pages of {format_bytes(page_bytes)})"
+                                + (" and the activation page being filled (activations.offload)" if open_page else "")))
     expert_pages, expert_layer = 0, ""
     if own.sharded_local("param"):  # ZeRO-3 with ep < dp: a layer's expert groups all on the device at once
         from angel_ptm.parallel.zero import expert_groups
@@ -388,6 +391,14 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if offload == "disk" and not budgets["disk"]:
         problems.append(Problem("disk", paged, 0, "activations.offload disk's activation pages (memory.disk_budget "
                                                    "is 0: no disk tier)"))
+    # The activation pages the disk takes (all of them with offload disk; with offload host, what the host cannot)
+    # Beside the states' page files, which reserve a slot per page where the budget has that many (else all of it)
+    act_on_disk = paged if offload == "disk" else max(0, paged - max(0, host_spare)) if offload == "host" else 0
+    files = sum(counts.values()) * page_bytes
+    if budgets["disk"] and act_on_disk and budgets["disk"] < files + act_on_disk:
+        problems.append(Problem("disk", files + act_on_disk, budgets["disk"],
+                                f"the states' page files ({format_bytes(files)}: a slot for every page) and "
+                                f"activations.offload's activation pages ({format_bytes(act_on_disk)})"))
     if host_ram > ram_available:
         problems.append(Problem("host", host_ram, ram_available,
                                 "the page pools" + ("" if device.type == "cuda" else " and activations")
@@ -403,10 +414,10 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     gathered = min(gather_groups * (own.dp - 1), remote_pages) if own.gathers else 0
     peaks = expected_peaks(counts, slots, start, update, kinds, gathered)
     needed = {
-        "device": max(largest, gather_min, group if update == "device" else 0) * page_bytes,
+        "device": max(largest + open_page, gather_min, group if update == "device" else 0) * page_bytes,
         "host": max(start.host_needed, group if update == "host" else 0, staging,
                     1 if needed_on_disk else 0) * page_bytes,
-        "disk": needed_on_disk,
+        "disk": files + act_on_disk if budgets["disk"] and act_on_disk else needed_on_disk,
     }
     available = {"device": gpu_free, "host": None, "disk": disk_free}
     tiers = {

@@ -443,3 +443,42 @@ def test_a_unit_inside_a_recomputed_one_is_recomputed_with_it():
     assert checkpoint_modes(units, "full") == ["none", "full", "none", "none"]
     assert checkpoint_modes(units, "none", unit_modes={"FeedForward": "full"}) == ["none", "none", "full", "full"]
     assert checkpoint_modes(units, "full", types=("FeedForward",)) == ["none", "none", "full", "full"]
+
+
+def test_the_estimate_counts_the_open_activation_page_and_the_activation_pages_on_disk(tmp_path):
+    """activations.offload: the page being filled sits on the device beside the largest unit's pages, and an
+    explicit disk budget holds the activation pages beside the states' page files. The smallest budgets the
+    estimate accepts run; one page less of either is refused at start, not in the first forward."""
+    from angel_ptm.estimate import estimate_job
+    from angel_ptm.models import build_model
+
+    page = 8192
+
+    def job(offload, device_pages, disk=None):
+        return {"model": {"dim": 64, "n_layer": 2, "n_head": 4, "seq_len": 32, "vocab_size": 96},
+                "data": {"batch_size": 2}, "trainer": {"device": "cpu", "grad_clip": 0.0},
+                "memory": {"page_bytes": page, "device_budget": device_pages * page, "disk_dir": str(tmp_path),
+                           "host_budget": "64MiB" if disk is None else 4 * page,
+                           **({} if disk is None else {"disk_budget": disk})},
+                "activations": {"offload": offload, "offload_min_bytes": 1024}}
+
+    def fits(config):
+        return estimate_job(load_config(config), device=torch.device("cpu")).fits
+
+    largest = estimate_job(load_config(job("host", 1000)), device=torch.device("cpu")).largest_layer_pages
+    assert fits(job("none", largest)) and not fits(job("host", largest)) and fits(job("host", largest + 1))
+    roomy = estimate_job(load_config(job("disk", 1000, disk="1GiB")), device=torch.device("cpu"))
+    disk_needed = roomy.tiers["disk"].needed
+    assert disk_needed >= roomy.activation_page_bytes > 0
+    assert not fits(job("disk", 1000, disk=disk_needed - page))
+    for config in (job("host", largest + 1), job("disk", 1000, disk=disk_needed)):
+        assert fits(config)
+        model = build_model(load_config(config).model)
+        engine = angel_ptm.initialize(model, config)
+        try:
+            x = torch.randint(0, 96, (2, 32))
+            for _ in range(2):
+                engine.backward(engine(x, x))
+                engine.step()
+        finally:
+            engine.close()
