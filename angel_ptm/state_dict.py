@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from angel_ptm.errors import StateDictError
+from angel_ptm.expert_state import ExpertView
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
 MOMENTS = ("exp_avg", "exp_avg_sq")
@@ -37,6 +38,11 @@ def model_state_dict(engine) -> dict[str, torch.Tensor]:
             name = names[id(param)]
             if key in state and name in shards:
                 state[key] = _whole(engine, shards[name], state[key], f"state_dict {key}")
+    view = ExpertView.of(engine)  # expert parallelism: every rank's experts, named as in the unsplit model
+    if view is not None:
+        values = view.gather({view.global_of[k]: v for k, v in state.items() if k in view.global_of},
+                             "state_dict experts")
+        state = {k: values[k] if k in values else state[k] for k in view.order(list(state))}
     return state
 
 
@@ -86,7 +92,14 @@ def load_model_state_dict(engine, state_dict: dict, strict: bool = True) -> Inco
     expected = set(params) | set(buffers)
     rank = {name: i for i, name in enumerate(_state_dict_order(model))}
     order = sorted([*params, *buffers], key=lambda name: rank.get(name, len(rank)))
+    view = ExpertView.of(engine)  # expert parallelism: the unsplit model's names in, this rank's experts taken
+    if view is not None:
+        absent = [k for k in view.order(order) if k in view.every and k not in state_dict]  # alike on every rank
+        state_dict = {view.local_of.get(k, k): v for k, v in state_dict.items()
+                      if k in view.local_of or k not in view.every}
     missing = [key for key in order if key not in state_dict]  # in the model's order, as torch's
+    if view is not None:
+        missing = [key for key in missing if key not in view.global_of] + absent
     unexpected = [key for key in state_dict if key not in expected]
     if strict and (missing or unexpected):
         raise StateDictError(f"load_state_dict: missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
@@ -131,14 +144,25 @@ def optimizer_state_dict(engine) -> dict:
     shards = _shards(engine)
     state, groups, index = {}, [], 0
     beta1, beta2 = opt.betas
+
+    def entry(name: str) -> dict | None:
+        steps = opt.slot_steps[name]  # (tp peers step the same tensors: one rank's count holds for all)
+        if not steps:
+            return None
+        return {"step": torch.tensor(float(steps)), **{
+            kind: (_whole(engine, shards[name], engine.state(kind, name), f"optimizer state {kind} {name}")
+                   if name in shards else engine.state(kind, name)) for kind in MOMENTS}}
+
+    view = ExpertView.of(engine)  # expert parallelism: numbered over the unsplit model's parameters
+    others = {} if view is None else view.gather(
+        {view.global_of[name]: entry(name) for name in view.global_of}, "optimizer_state_dict experts")
     for g, members in enumerate(_grouped(engine)):
         params = []
-        for name, _param in members:
-            steps = opt.slot_steps[name]  # (tp peers step the same tensors: one rank's count holds for all)
-            if steps:
-                state[index] = {"step": torch.tensor(float(steps)), **{
-                    kind: (_whole(engine, shards[name], engine.state(kind, name), f"optimizer state {kind} {name}")
-                           if name in shards else engine.state(kind, name)) for kind in MOMENTS}}
+        names = [name for name, _ in members]
+        for name in (names if view is None else view.order(names)):
+            value = others[name] if name in others else entry(name)
+            if value is not None:
+                state[index] = value
             params.append(index)
             index += 1
         groups.append({"lr": opt.lr, "betas": (beta1, beta2), "eps": opt.eps,
@@ -158,6 +182,12 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
         raise StateDictError(f"load_optimizer_state_dict: expected {len(grouped)} param group"
                              f"{'s (optimizer.no_decay: decayed, then not)' if len(grouped) > 1 else ''}, got "
                              f"{len(groups) if isinstance(groups, list) else groups!r}")
+    view = ExpertView.of(engine)  # expert parallelism: numbered over the unsplit model's parameters
+    if view is not None:  # (another rank's expert: None, its entry skipped)
+        params_of = dict(engine.model.named_parameters())
+        grouped = [[(view.local_of[n], params_of[view.local_of[n]]) if n in view.local_of else
+                    (n, params_of[n]) if n not in view.every else (None, None)
+                    for n in view.order([name for name, _ in members])] for members in grouped]
     for g, (group, members) in enumerate(zip(groups, grouped)):
         if len(group.get("params", ())) != len(members):
             raise StateDictError(f"load_optimizer_state_dict: param_groups[{g}] has {len(group.get('params', ()))} "
@@ -170,7 +200,7 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
             raise StateDictError(f"load_optimizer_state_dict: param_groups[{g}].weight_decay is "
                                  f"{group['weight_decay']}; the optimizer.no_decay group's is 0")
     named = [(name, param, key) for group, members in zip(groups, grouped)
-             for (name, param), key in zip(members, group["params"])]
+             for (name, param), key in zip(members, group["params"]) if name is not None]
     group = groups[0]
     opt = engine.optimizer
     shards = _shards(engine)

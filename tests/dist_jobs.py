@@ -365,7 +365,11 @@ def resume(rank: int, world: int, spec: dict, tmp: str) -> list:
     try:
         second.load_state_dict(model_state)
         second.load_optimizer_state_dict(optimizer_state)
-        return [step(second, s) for s in range(steps, 2 * steps)]
+        losses = [step(second, s) for s in range(steps, 2 * steps)]
+        if not spec.get("keys"):
+            return losses
+        return {"losses": losses, "keys": list(model_state), "numbered": len(optimizer_state["state"]),
+                "experts": digests({k: v for k, v in model_state.items() if ".experts." in k})}
     finally:
         second.close()
 

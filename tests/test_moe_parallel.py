@@ -486,3 +486,17 @@ def test_the_estimate_of_an_ep_job_counts_one_ranks_experts_and_their_sharded_st
     small = dict(cfg, memory={"page_bytes": "4KiB", "device_budget": (layer_pages - 1) * 4096})
     with pytest.raises(BudgetError, match="MoE layer 'layers.[01].feed_forward'"):
         estimate_job(small, ownership=Ownership(0, 4, 3)).check()
+
+
+def test_under_ep_state_dicts_hold_the_unsplit_model_and_load_back_on_every_rank(tmp_path):
+    """engine.state_dict() and optimizer_state_dict() under ep 2 are the unsplit model's (every expert under its
+    index in the unsplit layer, AdamW's numbering over its parameters), the same on both ranks; loaded into fresh
+    ep-2 engines (each rank takes its experts) they train on as one rank does from its own state dicts."""
+    from dist_jobs import resume
+
+    spec = job("resume-ep2", zero=3, ep=2, model="gpt-moe", steps=3, memory=ROOM, keys=True)
+    two = values(spawn(2, resume, (spec, str(tmp_path)), tmp_path))
+    assert two[0] == two[1]  # the same whole state dicts on both ranks (experts named as unsplit), the same losses
+    alone = resume(0, 1, dict(spec, ep=1, accum=2), str(tmp_path))
+    assert two[0]["keys"] == alone["keys"] and two[0]["numbered"] == alone["numbered"]
+    assert two[0]["losses"] == pytest.approx(alone["losses"], rel=1e-5)
