@@ -104,3 +104,28 @@ def test_a_huggingface_models_export_loads_with_from_pretrained(tmp_path):
     loaded = transformers.GPT2LMHeadModel.from_pretrained(out).eval()
     with torch.no_grad():
         assert torch.allclose(loaded(ids).logits, expected, atol=1e-5)
+
+
+def test_an_export_of_a_corrupt_checkpoint_fails_and_leaves_no_partial_file(tmp_path, capsys):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from angel_ptm import cli
+
+    build, _, loss_fn = CASES["gpt"]
+    engine = angel_ptm.initialize(build(), config(tmp_path, "a"))
+    try:
+        step(engine, loss_fn, batches("gpt", 1)[0])
+        engine.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        engine.close()
+    # one bit flipped in the param item written last: the tensors before it export, then its checksum fails
+    items = FileSystemReader(tmp_path / "ckpt").read_metadata().storage_data
+    last = max((info for key, info in items.items() if key.fqn.startswith("param.")),
+               key=lambda info: (info.relative_path, info.offset))
+    path = tmp_path / "ckpt" / last.relative_path
+    data = bytearray(path.read_bytes())
+    data[last.offset + last.length // 2] ^= 1
+    path.write_bytes(bytes(data))
+    assert cli.main(["export", str(tmp_path / "ckpt"), "-o", str(tmp_path / "out" / "model.safetensors")]) == 2
+    assert capsys.readouterr().err.startswith("angel-ptm: error: ")
+    assert list((tmp_path / "out").iterdir()) == []

@@ -107,6 +107,9 @@ def export_weights(checkpoint: str | os.PathLike, output: str | os.PathLike, dty
     except OSError as err:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"export: cannot write {err.filename or output}: {err.strerror}", str(output)) from None
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # (a corrupt checkpoint, Ctrl-C: no partial file left behind)
+        raise
     finally:
         reader.close()
     return {"tensors": len(plan), "bytes": output.stat().st_size, "path": output, "config": config is not None}
