@@ -30,7 +30,7 @@ from angel_ptm.estimate import estimate_job
 from angel_ptm.inputs import to_device
 from angel_ptm.lr import ConfigSchedule
 from angel_ptm.memory import build_layout
-from angel_ptm.memory.materialize import buffers_onto
+from angel_ptm.memory.materialize import buffers_back, buffers_onto
 from angel_ptm.memory.placement import CREATION_ORDER, compute_dtype, creation_order
 from angel_ptm.model_checks import refuse_compiled, refuse_unsupported
 from angel_ptm.page_tensors import PageTensors
@@ -118,7 +118,7 @@ class Engine(StateAccess, EngineViews):
         self.meta_init = self.tensors.fill_from(model)
         if "master" in self.pages:
             cast_master_into_parameters(model, self.scheduler, self.pages, self.layout, own, self.compute_dtype)
-        buffers_onto(model, self.device, self.compute_dtype)  # (meta ones computed there: GPT's RoPE tables)
+        self._buffers_cast = buffers_onto(model, self.device, self.compute_dtype)  # (meta ones computed there)
 
         self.binder = ParamBinder(model, self.layout, self.manager, self.pages["param"], self.pages["grad"],
                                   self.device, self.units, access=self.scheduler)
@@ -275,6 +275,7 @@ class Engine(StateAccess, EngineViews):
             self.model.__dict__.pop("load_state_dict", None)
             try:
                 self.binder.detach(values)
+                buffers_back(self.model, self._buffers_cast)  # (beside the CPU fp32 weights it keeps)
             finally:
                 self._paging.close()
 

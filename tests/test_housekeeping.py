@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import pytest
 
@@ -247,7 +248,8 @@ class FixedClockRecorder(TraceRecorder):
 
 def record_steps(path: Path, max_bytes: int | None, steps: int = 3) -> list[dict]:
     """Per step: ten pages moved host->device, a compute interval, the step event."""
-    trace = FixedClockRecorder(path, max_bytes=max_bytes)
+    with mock.patch("time.time", return_value=1_700_000_000.5):  # the start mark's unix_s: a known length too
+        trace = FixedClockRecorder(path, max_bytes=max_bytes)
     for step in range(1, steps + 1):
         for i in range(10):
             trace.event("moved", page=f"param:{i}", kind="param", src="host", dst="device", nbytes=4096,

@@ -132,13 +132,13 @@ def test_the_torch_update_path_matches_torch_bit_for_bit(dtype):
 def test_bf16_updates_pages_during_backward():
     engine = angel_ptm.initialize(gpt(), config("bfloat16"))
     updated_in_backward = []
-    original = engine.optimizer.update_group
+    original = engine.optimizer.update_groups
 
-    def record(index, *args):
+    def record(indices, *args):
         updated_in_backward.append(engine._eager_now)
-        original(index, *args)
+        original(indices, *args)
 
-    engine.optimizer.update_group = record
+    engine.optimizer.update_groups = record
     try:
         train(engine, batches(2))
         assert updated_in_backward and all(updated_in_backward)

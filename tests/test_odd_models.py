@@ -103,12 +103,16 @@ def test_batch_norm_under_bf16_keeps_its_running_statistics_in_bf16_as_model_to_
             engine.backward(loss)
             engine.step()
             losses.append(loss.item())
+        bn, ref = model.net[1], plain.net[1]
+        assert bn.running_mean.dtype == torch.bfloat16 and bn.num_batches_tracked.dtype == torch.int64
+        assert torch.equal(bn.running_mean, ref.running_mean) and torch.equal(bn.running_var, ref.running_var)
     finally:
         engine.close()
-    bn, ref = model.net[1], plain.net[1]
-    assert bn.running_mean.dtype == torch.bfloat16 and bn.num_batches_tracked.dtype == torch.int64
-    assert torch.equal(bn.running_mean, ref.running_mean) and torch.equal(bn.running_var, ref.running_var)
     assert losses == expected
+    # closed, the model keeps fp32 weights and its buffers in their own dtypes again: usable as a plain fp32 model
+    assert bn.running_mean.dtype == torch.float32 and bn.num_batches_tracked.dtype == torch.int64
+    assert torch.equal(bn.running_var, ref.running_var.float())
+    model(batches[0])
 
 
 def test_a_sparse_embedding_is_refused_at_initialize_naming_it(tmp_path):

@@ -222,16 +222,30 @@ def buffers_onto(model: nn.Module, device: torch.device, compute_dtype: torch.dt
     """Every buffer of `model` on `device`: those on the meta device computed there first. `compute_dtype` (mixed
     precision): the floating buffers of a module with floating parameters of its own (batch norm's running
     statistics) in that dtype too, as its parameters are, the way `model.to(dtype)` leaves them (torch's kernels
-    take them in the parameters' dtype); a module without parameters keeps its buffers' dtypes (RoPE tables)."""
+    take them in the parameters' dtype); a module without parameters keeps its buffers' dtypes (RoPE tables).
+    Returns the dtypes the cast buffers had, for `buffers_back`."""
     materialize_buffers(model, device)
+    cast_from = {}
     for name, module in model.named_modules():
         cast = compute_dtype is not None and any(p.is_floating_point() for p in module.parameters(recurse=False))
         for key, buffer in module._buffers.items():
             if buffer is None:
                 continue
             dtype = compute_dtype if cast and buffer.is_floating_point() else buffer.dtype
+            if dtype != buffer.dtype:
+                cast_from[(id(module), key)] = buffer.dtype
             if buffer.device != device or buffer.dtype != dtype:
                 module._buffers[key] = buffer.to(device, dtype)
+    return cast_from
+
+
+def buffers_back(model: nn.Module, cast_from: dict) -> None:
+    """The engine closes: the model's buffers on the CPU beside its parameters, those `buffers_onto` cast to the
+    compute dtype back in their own (fp32 running statistics beside the fp32 weights the model keeps)."""
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None:
+                module._buffers[key] = buffer.to("cpu", cast_from.get((id(module), key), buffer.dtype))
 
 
 def materialize_buffers(model: nn.Module, device: torch.device) -> None:
