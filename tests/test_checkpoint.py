@@ -246,6 +246,21 @@ def test_another_models_checkpoint_is_refused_naming_the_tensors(tmp_path):
             other.load_checkpoint(tmp_path / "ckpt")
     finally:
         other.close()
+    # a larger model's checkpoint (a layer this one lacks) is refused too, not loaded in part
+    def layers(n):
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(n)])
+
+    larger = angel_ptm.initialize(layers(3), config(tmp_path, "c"))
+    larger.save_checkpoint(tmp_path / "larger")
+    larger.close()
+    smaller = angel_ptm.initialize(layers(2), config(tmp_path, "d"))
+    try:
+        with pytest.raises(CheckpointError, match=r"does not fit this model: 'param\.2\.weight' is none of this "
+                                                  r"model's"):
+            smaller.load_checkpoint(tmp_path / "larger")
+    finally:
+        smaller.close()
 
 
 # --- faults -------------------------------------------------------------------------------------------------------

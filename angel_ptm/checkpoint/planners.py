@@ -100,6 +100,27 @@ def global_fqn(engine, kind: str, name: str) -> str:
     return f"{kind}.{engine.expert_names.get(name, name)}"
 
 
+def unexpected_tensors(engine, md) -> list[str]:
+    """The checkpoint's parameters and optimizer states (`<kind>.<name>`) of tensors this model does not have: a
+    larger model's blocks, an untied head of a model that ties it (torch's strict load refuses them too). Another
+    rank's experts of a layer this model splits over ep ranks are its own (their tensors by name)."""
+    names = {engine.expert_names.get(slot.name, slot.name) for slot in engine.layout.slots}
+    expert_tensors = {_expert_pattern(name) for name in engine.expert_names.values()}
+    out = []
+    for fqn, saved in md.items():
+        kind, dot, name = fqn.partition(".")
+        if dot and kind in SAVED_KINDS and isinstance(saved, TensorStorageMetadata) and name not in names \
+                and _expert_pattern(name) not in expert_tensors:
+            out.append(fqn)
+    return out
+
+
+def _expert_pattern(name: str) -> str:
+    """`layers.0.feed_forward.experts.3.w1.weight` -> `layers.0.feed_forward.experts.*.w1.weight`."""
+    head, sep, tail = name.partition(".experts.")
+    return f"{head}{sep}*.{tail.partition('.')[2]}" if sep else name
+
+
 def held_pages(engine, kind: str) -> list[tuple[int, Page]]:
     """(index, page) of every page of `kind` this rank holds as its own."""
     return [(i, p) for i, p in enumerate(engine.pages.get(kind, ())) if p is not None and p.home is None]
@@ -328,6 +349,7 @@ class PageLoadPlanner(LoadPlanner):
                     chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(run.sizes))
                     for item in create_read_items_for_chunk_list(source, saved, [chunk]):
                         items.append(replace(item, dest_index=MetadataIndex(fqn, torch.Size(offsets))))
+        problems += [f"'{fqn}' is none of this model's" for fqn in unexpected_tensors(engine, md)]
         if problems:
             unique = list(dict.fromkeys(problems))
             more = f" (and {len(unique) - 4} more)" if len(unique) > 4 else ""
