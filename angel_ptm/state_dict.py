@@ -77,6 +77,14 @@ def _persistent_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
+def _extra_states(model: nn.Module) -> dict[str, nn.Module]:
+    """`<module>._extra_state` -> its module, for each module that overrides get_extra_state (torch's state dict
+    holds what it returns; set_extra_state takes it back)."""
+    return {f"{prefix}._extra_state" if prefix else "_extra_state": module
+            for prefix, module in model.named_modules()
+            if type(module).get_extra_state is not nn.Module.get_extra_state}
+
+
 def _state_dict_order(model: nn.Module) -> list[str]:
     """model.state_dict()'s keys in its order (each module's parameters, then its buffers, then its children's),
     without reading a value."""
@@ -88,10 +96,10 @@ def load_model_state_dict(engine, state_dict: dict, strict: bool = True) -> Inco
     """Write `state_dict`'s parameters into their pages (all kinds that hold the weights) and its buffers into the
     model; missing or unexpected keys are a StateDictError when `strict`, a shape that differs always is."""
     model = engine.model
-    params, buffers = _parameter_keys(model), _persistent_buffers(model)
-    expected = set(params) | set(buffers)
+    params, buffers, extra = _parameter_keys(model), _persistent_buffers(model), _extra_states(model)
+    expected = set(params) | set(buffers) | set(extra)
     rank = {name: i for i, name in enumerate(_state_dict_order(model))}
-    order = sorted([*params, *buffers], key=lambda name: rank.get(name, len(rank)))
+    order = sorted([*params, *buffers], key=lambda name: rank.get(name, len(rank))) + list(extra)
     view = ExpertView.of(engine)  # expert parallelism: the unsplit model's names in, this rank's experts taken
     if view is not None:
         absent = [k for k in view.order(order) if k in view.every and k not in state_dict]  # alike on every rank
@@ -110,6 +118,8 @@ def load_model_state_dict(engine, state_dict: dict, strict: bool = True) -> Inco
         target = params.get(key, buffers.get(key))
         if target is None:
             continue
+        if not isinstance(value, torch.Tensor):
+            raise StateDictError(f"load_state_dict: '{key}' is a {type(value).__name__}, not a tensor")
         shape = _expected_shape(shards, names[id(target)], target) if key in params else tuple(target.shape)
         if tuple(value.shape) != shape:
             raise StateDictError(f"load_state_dict: '{key}' has shape {tuple(value.shape)}, the model's is {shape}"
@@ -124,6 +134,9 @@ def load_model_state_dict(engine, state_dict: dict, strict: bool = True) -> Inco
         for key, buffer in buffers.items():
             if key in state_dict:
                 buffer.copy_(state_dict[key])
+    for key, module in extra.items():
+        if key in state_dict:
+            module.set_extra_state(state_dict[key])
     engine.parameters_written()
     return IncompatibleKeys(missing, unexpected)
 

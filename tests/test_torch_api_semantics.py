@@ -326,3 +326,38 @@ def test_a_refused_optimizer_state_dict_writes_nothing(tmp_path):
     finally:
         reference.close()
         engine.close()
+
+
+def test_a_modules_extra_state_round_trips_through_the_engines_state_dict(tmp_path):
+    """A module with get_extra_state / set_extra_state: its `_extra_state` is in the engine's state dict, as in
+    torch's, and loading that state dict back sets it (it used to be an unexpected key); a value that is no tensor
+    where a parameter goes is a StateDictError naming it."""
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin, self.seen = nn.Linear(4, 4), 0
+
+        def forward(self, x):
+            self.seen += 1
+            return self.lin(x)
+
+        def get_extra_state(self):
+            return {"seen": self.seen}
+
+        def set_extra_state(self, state):
+            self.seen = state["seen"]
+
+    model = Counted()
+    engine = angel_ptm.initialize(model, config(memory(tmp_path)))
+    try:
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()
+        state = engine.state_dict()
+        assert state["_extra_state"] == {"seen": 1} and list(state) == list(Counted().state_dict())
+        model.seen = 7
+        engine.load_state_dict(state)
+        assert model.seen == 1
+        with pytest.raises(StateDictError, match="'lin.weight' is a list, not a tensor"):
+            engine.load_state_dict(dict(state, **{"lin.weight": [1.0]}))
+    finally:
+        engine.close()
