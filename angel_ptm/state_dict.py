@@ -296,7 +296,16 @@ class StateAccess:
     def state_dict(self) -> dict[str, torch.Tensor]:
         """`model.state_dict()`'s keys with the real values, on the CPU (angel_ptm/state_dict.py)."""
         self._check_alive(reading=True)
+        self._run_pending_update()
         return model_state_dict(self)
+
+    def _run_pending_update(self) -> None:
+        """staleness 1: the pending update runs now, as save_checkpoint runs it (its result does not depend on
+        when it runs; the weights the model computes with change at the next step, as they would)."""
+        delayed = self.delayed
+        if not self._closed and delayed is not None and delayed.pending:
+            with self.failure.step(self.optimizer, delayed):
+                delayed.finish()
 
     def load_state_dict(self, state_dict: dict, strict: bool = True):
         """Write a `model.state_dict()` into the pages (and the model's buffers); as `nn.Module.load_state_dict`."""
@@ -307,6 +316,7 @@ class StateAccess:
     def optimizer_state_dict(self) -> dict:
         """The AdamW state in `torch.optim.AdamW.state_dict()`'s format, for `model.parameters()` in order."""
         self._check_alive(reading=True)
+        self._run_pending_update()
         return optimizer_state_dict(self)
 
     def load_optimizer_state_dict(self, state_dict: dict) -> None:

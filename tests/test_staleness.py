@@ -169,3 +169,32 @@ def test_estimate_counts_master_pages_for_fp32_with_staleness_1():
 
     assert "master" not in creation_order(load_config({"optimizer": {"staleness": 0}}))
     assert "master" in creation_order(load_config({"optimizer": {"staleness": 1}}))
+
+
+def test_state_dicts_hold_the_pending_update_and_leave_the_run_as_it_was(tmp_path):
+    """staleness 1: state_dict() and optimizer_state_dict() run the pending update first, as save_checkpoint does
+    (update t, not only t-1, and step t), and the run goes on with the losses it has without them."""
+    build, batches_of, loss_fn = CASES["mlp"]
+    batches = batches_of()[:5]
+    config = {"optimizer": dict(HP, staleness=1), "trainer": {"device": "cpu", "grad_clip": 0},
+              "memory": dict(PLACEMENTS["device"], disk_dir=str(tmp_path))}
+    runs = []
+    for read in (False, True):
+        engine = angel_ptm.initialize(build(), config)
+        try:
+            losses = []
+            for i, batch in enumerate(batches):
+                loss = loss_fn(engine, *batch)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+                if read and i == 2:
+                    state, optimizer = engine.state_dict(), engine.optimizer_state_dict()
+                    assert {s["step"].item() for s in optimizer["state"].values()} == {3}
+            runs.append(losses)
+        finally:
+            engine.close()
+    assert runs[0] == runs[1]
+    _, master = train_delayed_reference(build(), batches[:3], loss_fn, flush=True)
+    for (name, value), expected in zip(state.items(), master):
+        assert torch.equal(value, expected), name
