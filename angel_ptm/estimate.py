@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from angel_ptm.activations.source import (ActivationSource, activation_bytes, activation_page_bytes,
-                                          activation_suggestion)
+                                          activation_suggestion, offload_problems)
 from angel_ptm.config import Config, format_bytes, load_config
 from angel_ptm.errors import ConfigValueError
 from angel_ptm.memory import PageLayout, build_layout, compute_device
@@ -383,22 +383,9 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
                                 + ("the given GPU memory" if gpu_memory is not None else "free GPU memory")
                                 + (activation_suggestion(acts, gpu_free - pools["device"] - buffers)
                                    if activation else "")))
-    host_spare = budgets["host"] - max(0, states_bytes - budgets["device"])
-    if offload == "host" and paged and not budgets["disk"] and host_spare < paged:
-        problems.append(Problem("host", paged, max(0, host_spare),
-                                "activations.offload host's activation pages beside the states the host holds "
-                                "(no disk tier to spill to)"))
-    if offload == "disk" and not budgets["disk"]:
-        problems.append(Problem("disk", paged, 0, "activations.offload disk's activation pages (memory.disk_budget "
-                                                   "is 0: no disk tier)"))
-    # The activation pages the disk takes (all of them with offload disk; with offload host, what the host cannot)
-    # Beside the states' page files, which reserve a slot per page where the budget has that many (else all of it)
-    act_on_disk = paged if offload == "disk" else max(0, paged - max(0, host_spare)) if offload == "host" else 0
-    files = sum(counts.values()) * page_bytes
-    if budgets["disk"] and act_on_disk and budgets["disk"] < files + act_on_disk:
-        problems.append(Problem("disk", files + act_on_disk, budgets["disk"],
-                                f"the states' page files ({format_bytes(files)}: a slot for every page) and "
-                                f"activations.offload's activation pages ({format_bytes(act_on_disk)})"))
+    act_problems, act_on_disk = offload_problems(offload, paged, budgets, states_bytes,
+                                                 sum(counts.values()) * page_bytes)
+    problems += act_problems
     if host_ram > ram_available:
         problems.append(Problem("host", host_ram, ram_available,
                                 "the page pools" + ("" if device.type == "cuda" else " and activations")
@@ -417,7 +404,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         "device": max(largest + open_page, gather_min, group if update == "device" else 0) * page_bytes,
         "host": max(start.host_needed, group if update == "host" else 0, staging,
                     1 if needed_on_disk else 0) * page_bytes,
-        "disk": files + act_on_disk if budgets["disk"] and act_on_disk else needed_on_disk,
+        "disk": sum(counts.values()) * page_bytes + act_on_disk if act_on_disk else needed_on_disk,
     }
     available = {"device": gpu_free, "host": None, "disk": disk_free}
     tiers = {

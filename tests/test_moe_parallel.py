@@ -489,11 +489,9 @@ def test_the_estimate_of_an_ep_job_counts_one_ranks_experts_and_their_sharded_st
 
 
 def test_under_ep_state_dicts_hold_the_unsplit_model_and_load_back_on_every_rank(tmp_path):
-    """engine.state_dict() and optimizer_state_dict() under ep 2 are the unsplit model's (every expert under its
-    index in the unsplit layer, AdamW's numbering over its parameters), the same on both ranks; loaded into fresh
-    ep-2 engines (each rank takes its experts) they train on as one rank does from its own state dicts."""
+    """State dicts under ep 2 are the unsplit model's, alike on both ranks; loaded back, each rank takes its experts
+    and they train on as one rank does from its own."""
     from dist_jobs import resume
-
     spec = job("resume-ep2", zero=3, ep=2, model="gpt-moe", steps=3, memory=ROOM, keys=True)
     two = values(spawn(2, resume, (spec, str(tmp_path)), tmp_path))
     assert two[0] == two[1]  # the same whole state dicts on both ranks (experts named as unsplit), the same losses

@@ -13,7 +13,7 @@ from torch import nn
 from angel_ptm.activations.recompute import checkpoint_modes
 from angel_ptm.config import Config, format_bytes
 from angel_ptm.errors import ConfigValueError
-from angel_ptm.memory.placement import compute_dtype
+from angel_ptm.memory.placement import Problem, compute_dtype
 from angel_ptm.models import GPT
 from angel_ptm.models.gpt import ActivationFootprint, Block, activation_footprint
 from angel_ptm.units import find_units
@@ -149,3 +149,27 @@ def activation_suggestion(acts: ActivationSource, room: int) -> str:
     if not fits:
         return "; no activations setting fits: a smaller data.batch_size or model.seq_len"
     return "; these fit: " + ", ".join(fits)
+
+
+def offload_problems(offload: str, paged: int, budgets: dict, states_bytes: int, files: int) -> tuple[list, int]:
+    """What activations.offload's pages (`paged` bytes of room) need of the host and disk budgets (the estimate's
+    rules): without a disk tier, the host beside the states it holds; on disk, a disk budget beside the states'
+    page files (`files`: a slot for every page, which they reserve where the budget has that many). The problems,
+    and the activation bytes the disk takes (all of them with offload disk; with offload host, what the host
+    cannot hold; 0 without a disk tier)."""
+    problems = []
+    host_spare = budgets["host"] - max(0, states_bytes - budgets["device"])
+    if offload == "host" and paged and not budgets["disk"] and host_spare < paged:
+        problems.append(Problem("host", paged, max(0, host_spare),
+                                "activations.offload host's activation pages beside the states the host holds "
+                                "(no disk tier to spill to)"))
+    if offload == "disk" and not budgets["disk"]:
+        problems.append(Problem("disk", paged, 0, "activations.offload disk's activation pages (memory.disk_budget "
+                                                   "is 0: no disk tier)"))
+    on_disk = paged if offload == "disk" else max(0, paged - max(0, host_spare)) if offload == "host" else 0
+    on_disk = on_disk if budgets["disk"] else 0
+    if on_disk and budgets["disk"] < files + on_disk:
+        problems.append(Problem("disk", files + on_disk, budgets["disk"],
+                                f"the states' page files ({format_bytes(files)}: a slot for every page) and "
+                                f"activations.offload's activation pages ({format_bytes(on_disk)})"))
+    return problems, on_disk
