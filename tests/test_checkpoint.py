@@ -235,32 +235,27 @@ def test_save_refuses_an_existing_directory_and_a_half_done_step(tmp_path):
 
 
 def test_another_models_checkpoint_is_refused_naming_the_tensors(tmp_path):
-    engine = angel_ptm.initialize(CASES["mlp"][0](), config(tmp_path, "a"))
-    engine.save_checkpoint(tmp_path / "ckpt")
-    engine.close()
-    other = angel_ptm.initialize(nn.Sequential(nn.Linear(24, 7), nn.Linear(7, 3), nn.Linear(3, 3), nn.Linear(3, 3)),
-                                 config(tmp_path, "b"))
-    try:
-        with pytest.raises(CheckpointError, match=r"does not fit this model: 'param\.0\.weight' has shape \(64, 24\), "
-                                                  r"the model's \(7, 24\).*no 'param\.1\.weight'"):
-            other.load_checkpoint(tmp_path / "ckpt")
-    finally:
-        other.close()
-    # a larger model's checkpoint (a layer this one lacks) is refused too, not loaded in part
+    def refused(name, saved, loading, match):
+        engine = angel_ptm.initialize(saved, config(tmp_path, f"{name}-saved"))
+        engine.save_checkpoint(tmp_path / name)
+        engine.close()
+        other = angel_ptm.initialize(loading, config(tmp_path, f"{name}-loading"))
+        try:
+            with pytest.raises(CheckpointError, match=match):
+                other.load_checkpoint(tmp_path / name)
+        finally:
+            other.close()
+
     def layers(n):
         torch.manual_seed(0)
         return nn.Sequential(*[nn.Linear(8, 8) for _ in range(n)])
 
-    larger = angel_ptm.initialize(layers(3), config(tmp_path, "c"))
-    larger.save_checkpoint(tmp_path / "larger")
-    larger.close()
-    smaller = angel_ptm.initialize(layers(2), config(tmp_path, "d"))
-    try:
-        with pytest.raises(CheckpointError, match=r"does not fit this model: 'param\.2\.weight' is none of this "
-                                                  r"model's"):
-            smaller.load_checkpoint(tmp_path / "larger")
-    finally:
-        smaller.close()
+    refused("other", CASES["mlp"][0](), nn.Sequential(nn.Linear(24, 7), nn.Linear(7, 3), nn.Linear(3, 3),
+                                                      nn.Linear(3, 3)),
+            r"does not fit this model: 'param\.0\.weight' has shape \(64, 24\), the model's \(7, 24\).*"
+            r"no 'param\.1\.weight'")
+    # a larger model's checkpoint (a layer this one lacks) is refused too, not loaded in part
+    refused("larger", layers(3), layers(2), r"does not fit this model: 'param\.2\.weight' is none of this model's")
 
 
 # --- faults -------------------------------------------------------------------------------------------------------
