@@ -28,6 +28,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from angel_ptm.activations.offload import reaches_far
 from angel_ptm.activations.recompute import MODES, saved_ops
 from angel_ptm.errors import ConfigValueError
 from angel_ptm.models.gpt import ActivationFootprint
@@ -64,6 +65,7 @@ class TracedActivations:
     units: list[UnitActivations]
     root: dict[int, int]
     modules: list = dataclasses.field(default_factory=list)  # each unit's module
+    unpaged: set = dataclasses.field(default_factory=set)  # storages saved as views the offloader leaves be
 
     def footprint(self, checkpoint="none", offload: bool = False, offload_min_bytes: int = 0) -> ActivationFootprint:
         """`checkpoint`: one mode for every unit, or a mode per unit (in `units`' order)."""
@@ -72,25 +74,26 @@ class TracedActivations:
             raise ConfigValueError(f'activations.checkpoint: "none", "full" or "selective" for each of '
                                    f'{len(self.units)} units, got {checkpoint!r}')
 
-        def paged(nbytes: int) -> bool:
-            return offload and nbytes >= max(1, offload_min_bytes)
+        def paged(key: int, nbytes: int) -> bool:
+            return offload and nbytes >= max(1, offload_min_bytes) and key not in self.unpaged
 
-        def split(sizes) -> tuple[int, int]:
-            on_pages = sum(n for n in sizes if paged(n))
-            return sum(sizes) - on_pages, on_pages
+        def split(items) -> tuple[int, int]:  # (storage key, bytes) pairs
+            items = list(items)
+            on_pages = sum(n for key, n in items if paged(key, n))
+            return sum(n for _, n in items) - on_pages, on_pages
 
-        root_device, root_paged = split(self.root.values())
-        root_sizes = list(self.root.values())
+        root_device, root_paged = split(self.root.items())
+        root_sizes = list(self.root.items())
         kept, boundaries_paged, peak = 0, 0, 0
         counted = set(self.root)  # a storage is kept once however many units take it (a shared attention mask)
         for unit, checkpoint in zip(self.units, modes):
             if checkpoint == "none":  # autograd keeps what it saved, as the root's
-                device, in_pages = split(unit.saved.values())
+                device, in_pages = split(unit.saved.items())
                 kept += device
                 boundaries_paged += in_pages
                 counted.update(unit.saved)
                 continue
-            boundary = [n for key, n in unit.boundary.items() if key not in counted]
+            boundary = [(key, n) for key, n in unit.boundary.items() if key not in counted]
             counted.update(unit.boundary)
             boundary_device, boundary_paged = split(boundary)
             inside = unit.selective if checkpoint == "selective" else 0
@@ -147,6 +150,7 @@ def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Mo
             and not any(id(a) in outer for a in _ancestors(model, name))]
     units = [UnitActivations() for _ in tops]
     root: dict[int, int] = {}
+    unpaged: set[int] = set()
     seen: set[int] = set()
     current: list[UnitActivations | None] = [None]
     params: set[int] = set()
@@ -170,6 +174,8 @@ def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Mo
         key = _storage_key(tensor)
         if key not in params and key not in seen:
             seen.add(key)
+            if reaches_far(tensor):
+                unpaged.add(key)
             producers.alive.append(tensor)
             (current[0].saved if current[0] is not None else root)[key] = tensor.untyped_storage().nbytes()
         return tensor
@@ -211,7 +217,7 @@ def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Mo
         stack.enter_context(torch.enable_grad())
         stack.callback(_restore, _tensors_of(model))  # (torch's restore misses a module registered twice)
         torch.func.functional_call(model, state, fake_args, fake_kwargs, strict=False, tie_weights=True)
-    return TracedActivations(units, root, tops)
+    return TracedActivations(units, root, tops, unpaged)
 
 
 def _tensors_of(model: nn.Module) -> list:

@@ -74,6 +74,12 @@ def _span(tensor: torch.Tensor) -> int:
     return 1 + sum((size - 1) * stride for size, stride in zip(tensor.size(), tensor.stride()))
 
 
+def reaches_far(tensor: torch.Tensor) -> bool:
+    """A view reaching over far more of its storage than itself (one of q/k/v split from a fused projection):
+    autograd keeps it where it is, unpaged (the estimate's trace asks the same)."""
+    return _span(tensor) > 2 * tensor.numel()
+
+
 class ActivationPages:
     def __init__(self, scheduler, device: torch.device, page_bytes: int, min_bytes: int, write_behind: bool):
         self.scheduler, self.device, self.page_bytes = scheduler, device, page_bytes
@@ -98,7 +104,7 @@ class ActivationPages:
         if tensor.device != self.device or tensor.layout is not torch.strided:
             return None
         span = _span(tensor) * tensor.element_size()
-        if span < self.min_bytes or span > 2 * tensor.numel() * tensor.element_size():
+        if span < self.min_bytes or reaches_far(tensor):
             return None  # small, or a view reaching over far more than itself: autograd keeps it
         self._settle()
         storage = tensor.untyped_storage()
