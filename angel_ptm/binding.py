@@ -32,7 +32,7 @@ from angel_ptm.activations import ActivationPages, PackedActivation, Recomputati
 from angel_ptm.activations.recompute import checkpoint_modes
 from angel_ptm.errors import ParameterAccessError
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
-from angel_ptm.outside_units import OutsideUnits, keep, unpack_orphan, weakly, weakly_returning
+from angel_ptm.outside_units import OutsideUnits, keep, unpack_orphan, weakly
 from angel_ptm.saved_tensors import PackedGathered, PackedPageTensor, Saved
 from angel_ptm.units import PagingUnit, unit_pages
 
@@ -318,8 +318,8 @@ class ParamBinder(OutsideUnits):
         try:
             # (weakly: a graph the model keeps, say a loss it stores on itself, holds these hooks in C++, where
             # the collector cannot see the cycle to the engine)
-            with torch.autograd.graph.saved_tensors_hooks(weakly_returning(self._pack, keep),
-                                                          weakly_returning(self._unpack, unpack_orphan)):
+            with torch.autograd.graph.saved_tensors_hooks(weakly(self._pack, keep),
+                                                          weakly(self._unpack, unpack_orphan)):
                 yield
         finally:
             self._hooks_on = outer

@@ -20,22 +20,12 @@ from angel_ptm.errors import EngineClosedError
 from angel_ptm.memory import Tier
 
 
-def weakly(method):
-    """`method` (bound) called through a weak reference to its object: autograd keeps a parameter's hooks in C++,
-    where the garbage collector cannot see the cycle parameter -> hook -> binder -> model -> parameter, so a strong
-    hook would keep an engine dropped without close() alive for good."""
-    ref, func = weakref.ref(method.__self__), method.__func__
-
-    def hook(*args):
-        owner = ref()
-        if owner is not None:
-            func(owner, *args)
-    return hook
-
-
-def weakly_returning(method, gone):
-    """`weakly`, returning the method's result; `gone(*args)` answers once the object was collected (a plain
-    function, one put in the method's place, is called as it is)."""
+def weakly(method, gone=lambda *args: None):
+    """`method` (bound) called through a weak reference to its object, returning its result; `gone(*args)` answers
+    once the object was collected (a plain function, one put in the method's place, is called as it is). Autograd
+    keeps a parameter's hooks and saved-tensor hooks in C++, where the garbage collector cannot see the cycle
+    parameter -> hook -> binder -> model -> parameter: a strong hook would keep an engine dropped without close()
+    alive for good."""
     if not hasattr(method, "__self__"):
         return method
     ref, func = weakref.ref(method.__self__), method.__func__
