@@ -25,7 +25,8 @@ class ExpertView:
         self.collectives = collectives
         self.global_of = dict(names)  # this rank's expert names -> the unsplit model's
         self.local_of = {g: n for n, g in names.items()}
-        # every rank's expert names (unsplit), each rank's in its own order: one small gather, once
+        # every rank's expert names (unsplit), each rank's in its own order: one small gather per state dict (the
+        # experts a rank holds change when parallel.moe_rebalance_every moves them)
         self.everyone: list[list[str]] = collectives.all_gather_object(
             [names[n] for n in names], "expert names for state dicts")
         self.every = {g for names_ in self.everyone for g in names_}
@@ -35,10 +36,7 @@ class ExpertView:
         ep = getattr(engine.split, "ep", None)
         if ep is None or ep.collectives is None or not engine.expert_names:
             return None
-        view = getattr(engine, "_expert_view", None)
-        if view is None:
-            view = engine._expert_view = cls(ep.collectives, engine.expert_names)
-        return view
+        return cls(ep.collectives, engine.expert_names)
 
     def order(self, local_names: list[str]) -> list[str]:
         """`local_names` in the unsplit model's order: each MoE layer's experts (at the place of this rank's first
