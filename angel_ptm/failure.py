@@ -72,11 +72,12 @@ class Failure:
 
     @contextmanager
     def in_step(self, call: str):
-        """A forward or backward of a multi-rank engine. An error out of it (a rank-local one: the model, a hook, the
-        data) once this rank issued collectives in this step leaves its peers waiting on collectives it will issue
-        again, or not at all: the engine fails for good on this rank, and its peers end with a CollectiveError
-        within parallel.timeout_s. Before this rank's first collective of the step it may retry the micro-batch (the
-        peers' collectives wait for its); closing the engine instead ends the process group's use (`closing`)."""
+        """A forward or backward of a multi-rank engine. An error out of a backward, or out of a forward once this
+        rank issued collectives in this step (a rank-local one: the model, a hook, the data), leaves its peers
+        waiting on collectives it will issue again, or not at all: the engine fails for good on this rank, and its
+        peers end with a CollectiveError within parallel.timeout_s. A forward that raised before this rank's first
+        collective of the step may be retried (the peers' collectives wait for its); closing the engine instead ends
+        the process group's use (`closing`)."""
         if not self.distributed:
             yield
             return
@@ -85,10 +86,13 @@ class Failure:
         try:
             yield
         except BaseException as exc:
-            if self.reason is None and issued_count() != self._issued_at:
+            # (a backward that raised has written some gradients and begun its reductions' bookkeeping: a retry
+            # would neither add up alone nor issue what its peers' backward did)
+            if self.reason is None and (call == "backward" or issued_count() != self._issued_at):
                 self.fail(f"the engine failed in step {self.steps_done + 1}: {type(exc).__name__} in this rank's "
-                          f"{call} ({str(exc)[:200]}) after the step had issued collectives, so the ranks' "
-                          f"collectives are out of step; resume every rank from the last checkpoint")
+                          f"{call} ({str(exc)[:200]})"
+                          + (" after the step had issued collectives" if call != "backward" else "")
+                          + ", so the ranks' collectives are out of step; resume every rank from the last checkpoint")
             elif self.reason is None:
                 self._raised_in_step = f"{type(exc).__name__} in this rank's {call} ({str(exc)[:200]})"
             raise

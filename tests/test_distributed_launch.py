@@ -205,17 +205,17 @@ def test_viz_of_a_torchrun_run_shows_every_rank_side_by_side(launched):
 
 
 def test_a_rank_local_error_in_a_step_ends_every_rank_with_a_typed_error_and_nothing_else(tmp_path):
-    """Before its first collective of the step a rank may retry (ranks stay in step); a rank that gives up instead
-    (closes) leaves its peer a CollectiveError, and neither issues another collective on that process group (gloo
-    would abort the process on a mismatched one): a new engine is refused on both. Dropped engines leave no
-    waiter thread."""
+    """A forward that raised before the rank's first collective of the step may be retried (ranks stay in step); an
+    error out of a backward fails that rank's engine and leaves its peer a CollectiveError, and neither issues
+    another collective on that process group (gloo would abort the process on a mismatched one): a new engine is
+    refused on both. Dropped engines leave no waiter thread."""
     results = values(spawn(2, rank_local_failures, (job("local", zero=2, timeout_s=20), str(tmp_path)), tmp_path,
                            timeout_s=150))
     assert results[1]["retried"] and results[0]["recovered_digest"] == results[1]["recovered_digest"]
     assert results[0]["waiters_left"] == results[1]["waiters_left"] == []
     assert results[1]["fatal_step"].startswith("RuntimeError: rank-local failure in backward"), results[1]
     assert results[0]["fatal_step"].startswith("CollectiveError: rank 0 of 2: "), results[0]
-    # rank 1 raised before its first collective of the step: it could retry; its peer failed
-    assert results[0]["after"] == "EngineFailedError" and results[1]["after"] == "no error", results
+    # an error out of a backward fails that rank's engine (its gradients are part-written), and its peer's
+    assert results[0]["after"] == results[1]["after"] == "EngineFailedError", results
     for result in results:
         assert result["new_engine"].startswith("CollectiveError: rank ") and "out of step" in result["new_engine"]
