@@ -374,11 +374,13 @@ def test_an_engine_dropped_without_close_is_collected_with_its_files_and_page_di
     assert not list(tmp_path.glob("pages-*")) and fds() <= before
 
 
-@pytest.mark.parametrize("backward", [False, True])
-def test_an_engine_is_collected_though_its_model_kept_a_graph(tmp_path, backward):
+@pytest.mark.parametrize("backward, checkpoint", [(False, "none"), (True, "none"), (False, "full"),
+                                                  (False, "selective")])
+def test_an_engine_is_collected_though_its_model_kept_a_graph(tmp_path, backward, checkpoint):
     """A GPT-MoE keeps its aux loss on itself (a tensor with the forward's graph): autograd holds that graph's
     leaves and saved tensors from C++, where the collector cannot see a cycle back to the engine. Dropped with its
-    model, after a forward alone or a whole step, the engine is collected all the same."""
+    model, after a forward alone or a whole step, the engine is collected all the same, also when the graph holds
+    activations.checkpoint's recomputation (torch's checkpoint keeps it from C++ too)."""
     import gc
     import weakref
 
@@ -392,7 +394,8 @@ def test_an_engine_is_collected_though_its_model_kept_a_graph(tmp_path, backward
                           moe={"experts": 4, "top_k": 2, "gate": "switch", "capacity_factor": 0.5}))
     engine = angel_ptm.initialize(model, {"memory": {"page_bytes": "4KiB", "device_budget": "256KiB",
                                                      "host_budget": "1MiB", "disk_dir": str(tmp_path)},
-                                          "trainer": {"device": "cpu", "grad_clip": 0}})
+                                          "trainer": {"device": "cpu", "grad_clip": 0},
+                                          "activations": {"checkpoint": checkpoint}})
     ids = torch.randint(0, 64, (4, 16))
     loss = engine(ids, ids)
     if backward:

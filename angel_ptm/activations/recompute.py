@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from collections import deque
 from contextlib import nullcontext
 from typing import Callable, TypeVar
@@ -32,7 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from angel_ptm.errors import ConfigValueError
+from angel_ptm.errors import ConfigValueError, EngineClosedError
 
 
 @functools.cache
@@ -194,8 +195,22 @@ class _Recompute:
     rebuilt counted."""
 
     def __init__(self, owner: "Recomputation", call: _Call, unit, policy):
-        self.owner, self.call, self.unit, self.policy = owner, call, unit, policy
+        # (weakly: the graph keeps this context from C++, where the collector cannot see a cycle back to the
+        # engine; a model that keeps a tensor of its graph would keep the engine alive for good)
+        self._owner, self._unit = weakref.ref(owner), weakref.ref(unit)
+        self.call, self.policy = call, policy
         self.watch = _Outputs()
+
+    @property
+    def owner(self) -> "Recomputation":
+        owner = self._owner()
+        if owner is None:
+            raise EngineClosedError("backward recomputes a checkpointed unit whose engine is gone (dropped or closed)")
+        return owner
+
+    @property
+    def unit(self):
+        return self._unit()
 
     def __enter__(self):
         owner, binder = self.owner, self.owner.binder
@@ -256,6 +271,10 @@ def checkpoint_modes(units, checkpoint: str, types=(), unit_modes=None) -> list[
     return modes
 
 
+def _always(value):
+    return lambda: value
+
+
 class Recomputation:
     """Wraps the forward of each checkpointed unit; `binder` binds parameters and counts activation bytes."""
 
@@ -268,10 +287,12 @@ class Recomputation:
         if mode not in ("full", "selective"):
             raise ConfigValueError(f'activations.checkpoint: "full" or "selective", got {mode!r}')
         selective = mode == "selective"
+        forward_of = weakref.WeakMethod(forward) if hasattr(forward, "__self__") else _always(forward)
+        del forward  # (only through forward_of: a cell holding it would reach the model from the graph)
 
         def checkpointed(*args, **kwargs):
             if not torch.is_grad_enabled():
-                return forward(*args, **kwargs)
+                return forward_of()(*args, **kwargs)
             call = _Call()
 
             def contexts():
@@ -280,9 +301,9 @@ class Recomputation:
                 return (_Both(_Logging("record", call.decisions), forward_context),
                         _Both(_Logging("replay", call.decisions), _Recompute(self, call, unit, again)))
 
-            def run(*inner_args, **inner_kwargs):
+            def run(*inner_args, **inner_kwargs):  # (kept by the graph: the unit's forward through a weak reference)
                 call.inputs = (inner_args, inner_kwargs)
-                call.out = forward(*inner_args, **inner_kwargs)
+                call.out = forward_of()(*inner_args, **inner_kwargs)
                 return call.out
 
             try:

@@ -102,23 +102,18 @@ def global_fqn(engine, kind: str, name: str) -> str:
 
 def unexpected_tensors(engine, md) -> list[str]:
     """The checkpoint's parameters and optimizer states (`<kind>.<name>`) of tensors this model does not have: a
-    larger model's blocks, an untied head of a model that ties it (torch's strict load refuses them too). Another
-    rank's experts of a layer this model splits over ep ranks are its own (their tensors by name)."""
+    larger model's blocks or experts, an untied head of a model that ties it (torch's strict load refuses them too).
+    Another rank's experts of a layer split over ep ranks are this model's (the unsplit layer's experts)."""
+    from angel_ptm.parallel.moe.dispatch import ExpertParallelMoE
+
     names = {engine.expert_names.get(slot.name, slot.name) for slot in engine.layout.slots}
-    expert_tensors = {_expert_pattern(name) for name in engine.expert_names.values()}
-    out = []
-    for fqn, saved in md.items():
-        kind, dot, name = fqn.partition(".")
-        if dot and kind in SAVED_KINDS and isinstance(saved, TensorStorageMetadata) and name not in names \
-                and _expert_pattern(name) not in expert_tensors:
-            out.append(fqn)
-    return out
-
-
-def _expert_pattern(name: str) -> str:
-    """`layers.0.feed_forward.experts.3.w1.weight` -> `layers.0.feed_forward.experts.*.w1.weight`."""
-    head, sep, tail = name.partition(".experts.")
-    return f"{head}{sep}*.{tail.partition('.')[2]}" if sep else name
+    for prefix, module in engine.model.named_modules():
+        if isinstance(module, ExpertParallelMoE):
+            tensors = {name.partition(".")[2] for name, _ in module.experts.named_parameters()}
+            names |= {f"{prefix}.experts.{e}.{tensor}" for e in range(module.spec.experts) for tensor in tensors}
+    return [fqn for fqn, saved in md.items()
+            if fqn.partition(".")[0] in SAVED_KINDS and isinstance(saved, TensorStorageMetadata)
+            and fqn.partition(".")[2] not in names]
 
 
 def held_pages(engine, kind: str) -> list[tuple[int, Page]]:
