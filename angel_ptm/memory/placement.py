@@ -62,23 +62,20 @@ def update_tier(device: torch.device, device_slots: int, host_slots: int, n_stat
     return "host" if host_slots >= group else "device"
 
 
-def batch_room(estimate, page_bytes: int) -> int:
-    """Slots of the update tier a batch of updates may pin beyond what the estimate's rules need there: on the
-    host, its slots beyond that need where every state page has a home slot on disk (the resting pages a batch
-    displaces always have somewhere to go); on the device, its slots beyond all the states, the largest unit (or
-    ZeRO-3's gathered copies) and an activation page (nothing resting is displaced); else none."""
+def update_batch_groups(estimate, page_bytes: int, group: int = UPDATE_GROUP, most: int = 16) -> int:
+    """The most page groups (`group` pages each) one optimizer access updates (PagedAdamW.batches): one, or more
+    where the update tier has slots beyond what the estimate's rules need there, half of them, at most `most`.
+    Spare: on the host, its slots beyond that need where every state page has a home slot on disk (the resting
+    pages a batch displaces always have somewhere to go); on the device, its slots beyond all the states, the
+    largest unit (or ZeRO-3's gathered copies) and an activation page (nothing resting is displaced)."""
     tiers = estimate.tiers
     if estimate.update_tier == "host":
         homes = tiers["disk"].pool >= estimate.states_bytes
-        return (tiers["host"].pool - tiers["host"].needed) // page_bytes if homes else 0
-    return ((tiers["device"].pool - estimate.states_bytes) // page_bytes - 1
-            - max(estimate.largest_layer_pages, estimate.gather_pages + estimate.expert_gather_pages))
-
-
-def update_batch_groups(spare_slots: int, group: int = UPDATE_GROUP, most: int = 16) -> int:
-    """The most page groups one optimizer access updates (PagedAdamW.batches): one, or more where the update tier
-    has `spare_slots` beyond what the job needs there (half of them, `group` pages a group), at most `most`."""
-    return max(1, min(most, 1 + max(0, spare_slots) // (2 * group)))
+        spare = (tiers["host"].pool - tiers["host"].needed) // page_bytes if homes else 0
+    else:
+        spare = ((tiers["device"].pool - estimate.states_bytes) // page_bytes - 1
+                 - max(estimate.largest_layer_pages, estimate.gather_pages + estimate.expert_gather_pages))
+    return max(1, min(most, 1 + max(0, spare) // (2 * group)))
 
 
 @dataclass
