@@ -96,6 +96,43 @@ def test_copies_wait_for_compute_and_report_completion():
     copier.close()
 
 
+def queue_gpu_work():
+    """Tens of ms of work on the current stream, so what the host does next happens while the GPU is busy."""
+    busy = torch.randn(4096, 4096, device="cuda")
+    torch.cuda.synchronize()
+    for _ in range(50):
+        busy = busy @ busy
+        busy /= busy.norm()
+
+
+def test_evictions_and_fetches_on_the_gpu_never_hold_the_host_and_slots_are_reused_in_order(tmp_path, io_engine):
+    """A device slot freed by an eviction is reused at once: its copy and the next page's writes are ordered on the
+    GPU (slot fences), the host does not wait for the work queued ahead of them; the bytes all arrive."""
+    manager = PageManager(BufferPool(Tier.DEVICE, PAGE, PAGE, "cuda"),
+                          BufferPool(Tier.HOST, PAGE, 2 * PAGE, "cpu", pin=True),
+                          DiskTier(str(tmp_path / "disk"), PAGE, 8 * PAGE, io_engine))
+    try:
+        first = manager.create_page("param", torch.float32, tier=Tier.DEVICE)
+        first.view().fill_(7.0)
+        first.mark_dirty()
+        queue_gpu_work()
+        second = manager.create_page("param", torch.float32, tier=Tier.DEVICE)  # evicts `first` into the host
+        second.view().fill_(1.0)
+        second.mark_dirty()
+        assert not torch.cuda.current_stream().query()  # still busy: the host went on
+        manager.flush([first])
+        assert first.state.name == "HOST" and torch.all(first.view() == 7.0)
+        queue_gpu_work()
+        manager.acquire([first], Tier.DEVICE)  # evicts `second`, copies `first` up into its slot
+        assert not torch.cuda.current_stream().query()
+        assert torch.all(first.view() == 7.0)  # (compute waits for the copy)
+        manager.release([first])
+        manager.flush([second])
+        assert torch.all(second.view() == 1.0)
+    finally:
+        manager.close()
+
+
 def test_a_device_budget_beyond_the_gpu_is_refused_before_allocating():
     _, total = torch.cuda.mem_get_info()
     with pytest.raises(BudgetError, match="device"):

@@ -2,6 +2,11 @@
 
 On CUDA, host<->device copies run on two streams named for their direction and complete through events; on CPU
 the "device" tier is a separate budgeted pool in ordinary memory and a copy is a plain memcpy.
+
+A slot freed while the GPU may still use it carries a fence (a `CopyHandle`): its next user orders itself after
+the fence, on the GPU where it runs there (`order_before_use`), so the host never waits for a copy or for queued
+compute only to reuse a slot (tiers.BufferPool keeps the fences; the manager frees an evicted page's device slot as
+soon as its copy is queued).
 """
 
 from __future__ import annotations
@@ -56,6 +61,11 @@ class CopyHandle:
             return self._future.done()
         return self._event is None or self._event.query()
 
+    @property
+    def pending(self) -> bool:
+        """Something may still be under way (a copy that was not done inline)."""
+        return self._event is not None or self._future is not None
+
     def wait(self) -> None:
         if self._future is not None:
             self._future.result()  # re-raises a failed copy here
@@ -64,8 +74,36 @@ class CopyHandle:
             self._event.synchronize()
             self._event = None
 
+    def order_before_use(self, device: torch.device) -> None:
+        """Order what is issued next on `device` after this: on CUDA, the current stream waits for the event (the
+        host does not); on the host (a pool in CPU memory, or a CPU copy thread's future), wait here."""
+        if self._event is not None and device.type == "cuda":
+            torch.cuda.current_stream(device).wait_event(self._event)
+        elif self._future is not None:
+            self._future.result()
+        elif self._event is not None:
+            self._event.synchronize()
 
-_DONE = CopyHandle()
+    def order_stream(self, stream: "torch.cuda.Stream") -> None:
+        """`stream`'s work issued from now on runs after this (a CPU future: waited here)."""
+        if self._event is not None:
+            stream.wait_event(self._event)
+        elif self._future is not None:
+            self._future.result()
+
+
+NO_WAIT = CopyHandle()  # a copy done inline, or a slot that nothing may still use
+
+
+def compute_fence(device: torch.device) -> CopyHandle | None:
+    """The point the current stream of a CUDA `device` has reached (what it has queued so far), for a slot freed now:
+    the slot's next user waits for that much compute, not for all compute queued by the time it starts. None on CPU,
+    where compute has run by the time the host frees anything."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return CopyHandle(event)
 
 
 class Copier:
@@ -82,18 +120,28 @@ class Copier:
         elif asynchronous:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="angel-copy")
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, wait: bool = False) -> CopyHandle:
-        """Start a copy of `src` into `dst`; `wait=True` says the caller waits at once (done inline on CPU)."""
+    def copy(self, dst: torch.Tensor, src: torch.Tensor, wait: bool = False,
+             after: CopyHandle | None = None) -> CopyHandle:
+        """Start a copy of `src` into `dst`; `wait=True` says the caller waits at once (done inline on CPU).
+
+        A copy to the device writes a slot whose last users are behind `after` (the fence the slot was freed with;
+        `NO_WAIT`: nothing to wait for); without it, behind everything compute has queued so far. A copy to the host
+        reads what compute wrote, so it always comes after everything compute has queued."""
         if not self.is_cuda:
+            if after is not None:
+                after.order_before_use(dst.device)
             if self._pool is None or wait:
                 memops.copy_(dst, src)
-                return _DONE
+                return NO_WAIT
             # One plain memcpy on the copy thread (numpy releases the GIL and uses no thread team of its own, so
             # it does not contend with compute's intra-op threads the way a second torch parallel copy would).
             return CopyHandle(future=self._pool.submit(np.copyto, dst.numpy(), src.numpy()))
-        stream = self.host_to_device_stream if dst.device.type == "cuda" else self.device_to_host_stream
-        # The copy must see everything compute has written to `src` (or still reads from `dst`) so far.
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        to_device = dst.device.type == "cuda"
+        stream = self.host_to_device_stream if to_device else self.device_to_host_stream
+        if to_device and after is not None:
+            after.order_stream(stream)  # (its source, a host page, is settled: written by the host or a landed copy)
+        else:  # the copy must see everything compute has written to `src` (or still reads from `dst`) so far
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             dst.copy_(src, non_blocking=True)
             event = torch.cuda.Event()

@@ -18,7 +18,8 @@ import torch
 
 from angel_ptm.errors import BudgetError, ChecksumError, PageIOError, PageStateError
 from angel_ptm.memory import memops
-from angel_ptm.memory.device import Copier, CopyHandle
+from angel_ptm.memory.device import NO_WAIT, Copier, CopyHandle
+from angel_ptm.memory.accounting import MoveAccounting
 from angel_ptm.memory.guards import PageGuards
 from angel_ptm.memory.hops import NonBlockingMoves
 from angel_ptm.memory.moves import Move, Prefetch
@@ -30,10 +31,8 @@ from angel_ptm.trace.recorder import TraceRecorder
 
 _TRADED = CopyHandle()  # a traded slot: nothing to wait for
 
-_UP = {Tier.DEVICE: 0, Tier.HOST: 1, Tier.DISK: 2}  # a move to a lower number goes up, toward compute
 
-
-class PageManager(RemotePages, NonBlockingMoves, PageGuards):
+class PageManager(RemotePages, NonBlockingMoves, PageGuards, MoveAccounting):
     def __init__(self, device_pool: BufferPool, host_pool: BufferPool, disk: DiskTier | None = None,
                  policy: Policy | None = None, trace: TraceRecorder | None = None, async_copies: bool = False,
                  zero_copy: bool = False):
@@ -299,10 +298,10 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
         elif page.state is PageState.HOST:
             page.pin_count += 1  # an unpinned page must not be the victim that makes room for itself
             try:
-                buffer = self._alloc(Tier.DEVICE)
+                buffer, fence = self._alloc(Tier.DEVICE, fenced=True)
             finally:
                 page.pin_count -= 1
-            self._cross(page, Tier.DEVICE, buffer, wait=page.pin_count > 0)
+            self._cross(page, Tier.DEVICE, buffer, wait=page.pin_count > 0, after=fence)
 
     # ------------------------------------------------------------------ internals: evicting pages down
     def _start_down(self, page: Page, wait_for_room: bool, target: Tier | None = None) -> None:
@@ -377,11 +376,12 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
                 self._resting[tier].add(page.id)
             self._rest_of[page.id] = tier
 
-    def _alloc(self, tier: Tier) -> torch.Tensor:
-        """A free slot on `tier`, evicting a victim chosen by the policy if there is none."""
+    def _alloc(self, tier: Tier, fenced: bool = False):
+        """A free slot on `tier`, evicting a victim chosen by the policy if there is none, ready for use (`fenced`:
+        the slot and its fence, for a copy into it that orders itself, device.Copier.copy's `after`)."""
         pool = self.pools[tier]
         while pool.free_slots == 0:
-            leaving = [m for m in self._moves.values() if m.src is tier]
+            leaving = [m for m in self._moves.values() if m.src is tier and not m.src_freed]
             if leaving:  # a slot is about to be freed by a move already under way
                 self._wait_move(leaving[0].page)
                 continue
@@ -396,7 +396,11 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
             victim = self.pages[self.policy.victim(candidates, tier)]
             self._emit("evict", victim, tier, Tier.HOST if tier is Tier.DEVICE else Tier.DISK)
             self._start_down(victim, wait_for_room=True)
-            self._wait_move(victim)
+            if pool.free_slots == 0:  # (a drop, or a copy that gave its slot back when queued, freed one already)
+                self._wait_move(victim)
+        if fenced:
+            buffer, fence = pool.alloc_fenced()
+            return buffer, fence or NO_WAIT
         return pool.alloc()
 
     # ------------------------------------------------------------------ internals: completing moves
@@ -410,9 +414,11 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
         if move is not None:
             move.finish(move)
 
-    def _cross(self, page: Page, dst: Tier, buffer: torch.Tensor, wait: bool) -> None:
+    def _cross(self, page: Page, dst: Tier, buffer: torch.Tensor, wait: bool, after: CopyHandle | None = None) -> None:
         """Start `page`'s move between the device and host tiers into `buffer`, a slot of `dst`: a copy, or with
-        `zero_copy` a trade (the page's own slot joins `dst`'s pool, `buffer` goes to the pool it leaves)."""
+        `zero_copy` a trade (the page's own slot joins `dst`'s pool, `buffer` goes to the pool it leaves). A copy
+        down gives the device slot back at once, fenced by the copy (its next user comes after it on the GPU, the
+        host waits for nothing), unless a guard watches the page (an asynchronous checkpoint reads its slot)."""
         src = page.tier
         page.transition(PageState.TO_DEVICE if dst is Tier.DEVICE else PageState.TO_HOST)
         if self.zero_copy:
@@ -421,13 +427,21 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
             self._begin(Move(page, src, dst, _TRADED, page.buffer, self._finish_copy))
             self._wait_move(page)  # settles at once: nothing travelled
             return
-        self._begin(Move(page, src, dst, self.copier.copy(buffer, page.buffer, wait=wait), buffer, self._finish_copy))
+        move = Move(page, src, dst, self.copier.copy(buffer, page.buffer, wait=wait, after=after), buffer,
+                    self._finish_copy)
+        if dst is Tier.HOST and move.handle.pending and page.id not in self._guards:
+            self.pools[src].free(page.buffer, fence=move.handle)
+            page.buffer, move.src_freed = buffer, True  # (its bytes are there once the move settles)
+        self._begin(move)
 
     def _finish_copy(self, move: Move) -> None:
-        move.handle.wait()
         page = move.page
-        if move.new_buffer is not page.buffer:  # a copy frees the source slot (a trade moved the slot itself)
-            self.pools[move.src].free(page.buffer)
+        if move.dst is Tier.DEVICE:  # compute comes after the copy on the GPU; the host goes on
+            move.handle.order_before_use(self.copier.device)
+        else:
+            move.handle.wait()
+        if move.new_buffer is not page.buffer:  # the source slot is free once the copy is done with it (a trade
+            self.pools[move.src].free(page.buffer, fence=move.handle)  # moved the slot; an early free is done)
             page.buffer = move.new_buffer
         page.transition(PageState.DEVICE if move.dst is Tier.DEVICE else PageState.HOST)
         self._moved(move)
@@ -459,35 +473,6 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards):
         page.buffer = move.new_buffer
         page.transition(PageState.HOST)
         self._moved(move)
-
-    def _moved(self, move: Move) -> None:
-        pair = f"{move.src.value}->{move.dst.value}"
-        self.bytes_moved[pair] += self.page_bytes
-        if move.page.id in self.watched:
-            self.watched_moved[pair] += self.page_bytes
-            if _UP[move.dst] < _UP[move.src]:
-                if move.page.pin_count == 0:  # ahead of an access (an on-demand one pins first)
-                    self._fetched_unused[move.page.id] = self._fetched_unused.get(move.page.id, 0) + self.page_bytes
-            else:
-                self.watched_wasted += self._fetched_unused.pop(move.page.id, 0)
-        self._emit("moved", move.page, move.src, move.dst)
-        if self.trace.enabled:  # the span from issue to settling, on the lane of the queue that carried it
-            lane = "disk" if Tier.DISK in (move.src, move.dst) else "copy"
-            self.trace.interval(lane, f"{move.page.name} {move.src.value}->{move.dst.value}", move.started,
-                                self.trace.now(), bytes=self.page_bytes)
-
-    # ------------------------------------------------------------------ accounting
-    def in_use(self) -> dict[str, int]:
-        return {"device": self.pools[Tier.DEVICE].used_bytes, "host": self.pools[Tier.HOST].used_bytes,
-                "disk": self.disk.used_bytes if self.disk else 0}
-
-    def _emit(self, event: str, page: Page, src: Tier | None, dst: Tier | str | None, **extra) -> None:
-        if not self.trace.enabled:  # counted only: no page name to format on every move
-            self.trace.count(event)
-            return
-        self.trace.event(event, page=page.name, kind=page.kind, src=src.value if src else None,
-                         dst=dst.value if isinstance(dst, Tier) else dst, nbytes=page.nbytes,
-                         in_use=self.in_use(), **extra)
 
     def close(self, remove_files: bool = True) -> None:
         """Stop: every move in flight ends first. Its I/O or checksum error no longer matters (no page is read or

@@ -25,6 +25,7 @@ class Move:
     new_buffer: torch.Tensor | None
     finish: Callable[["Move"], None]
     started: float = 0.0  # trace clock when the move was issued
+    src_freed: bool = False  # the source slot went back to its pool when the copy was queued (fenced by it)
 
     def done(self) -> bool:
         return self.handle.done()

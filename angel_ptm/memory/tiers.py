@@ -24,7 +24,7 @@ import torch
 from angel_ptm.errors import BudgetError, ChecksumError, PageIOError
 from angel_ptm.io.slot_file import ALIGNMENT, SlotFile, aligned_empty
 from angel_ptm.memory.backing import BackedReader, Source, SourceFiles
-from angel_ptm.memory.device import pin_host_memory
+from angel_ptm.memory.device import CopyHandle, compute_fence, pin_host_memory
 from angel_ptm.memory.page import Page, Tier
 
 
@@ -63,6 +63,8 @@ class BufferPool:
             buffer = self._slab[slot * self.page_bytes : (slot + 1) * self.page_bytes]
             self._slots[buffer.data_ptr()] = buffer
         self._free = list(reversed(self._slots))
+        # address -> the fence a free slot was freed with: its next user comes after it (device.py)
+        self._fences: dict[int, CopyHandle] = {}
 
     def owns(self, buffer: torch.Tensor) -> bool:
         return buffer.data_ptr() in self._slots
@@ -74,12 +76,29 @@ class BufferPool:
         return address
 
     def alloc(self) -> torch.Tensor:
+        """A free slot, ready for the caller's next use on this pool's device (its fence, if any, is ordered before
+        the current stream's next work on CUDA, or waited for on the host)."""
+        buffer, fence = self.alloc_fenced()
+        if fence is not None:
+            fence.order_before_use(self.device)
+        return buffer
+
+    def alloc_fenced(self) -> tuple[torch.Tensor, CopyHandle | None]:
+        """A free slot and the fence its next user must come after (None: nothing may still use it), for a caller
+        that orders that use itself (a copy into the slot on a copy stream)."""
         if not self._free:
             raise BudgetError(self.tier.value, self.page_bytes, 0, what="one page (all slots in use)")
-        return self._slots[self._free.pop()]
+        address = self._free.pop()
+        return self._slots[address], self._fences.pop(address, None)
 
-    def free(self, buffer: torch.Tensor) -> None:
-        self._free.append(self._check_slot(buffer))
+    def free(self, buffer: torch.Tensor, fence: CopyHandle | None = None) -> None:
+        """Give a slot back. `fence`: what may still use it (a copy under way); without one, a GPU slot is fenced
+        at the compute queued so far (what may still read it)."""
+        address = self._check_slot(buffer)
+        fence = fence if fence is not None else compute_fence(self.device)
+        if fence is not None and fence.pending:
+            self._fences[address] = fence
+        self._free.append(address)
 
     def can_trade(self, other: "BufferPool") -> bool:
         """Slots can change pools: both in ordinary (unpinned) CPU memory of the same page size."""
