@@ -65,12 +65,14 @@ def runs_nested_backward(loss: torch.Tensor) -> bool:
     """Whether `loss`'s graph holds a node whose backward runs a backward of its own (a reentrant activation
     checkpoint, HuggingFace's gradient checkpointing with use_reentrant=True): its parameters' gradients then
     arrive in several accumulations, so eager updates and reductions cannot take the first as final."""
-    stack, seen = [loss.grad_fn], set()
+    # Nodes seen are kept, not only their ids: a node's Python object may be made anew at each `next_functions`
+    # (torch 2.11 does), and a dropped one's id reused by the next, which would end the walk early
+    stack, seen = [loss.grad_fn], {}
     while stack:
         node = stack.pop()
         if node is None or id(node) in seen:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         if type(node).__name__ in NESTED_BACKWARD_NODES:
             return True
         stack.extend(next_node for next_node, _ in node.next_functions)

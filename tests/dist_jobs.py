@@ -437,7 +437,14 @@ def rank_local_failures(rank: int, world: int, spec: dict, tmp: str) -> dict:
         dropped.step()
         del dropped
     gc.collect()
-    out["waiters_left"] = [t.name for t in threading.enumerate() if t.name.startswith("angel-ptm-reductions")]
+    # a dropped engine's waiter is told to stop when it is collected, and ends once it next runs (a loaded machine
+    # may take a moment to schedule it)
+    deadline = time.monotonic() + 10
+    while True:
+        out["waiters_left"] = [t.name for t in threading.enumerate() if t.name.startswith("angel-ptm-reductions")]
+        if not out["waiters_left"] or time.monotonic() > deadline:
+            break
+        time.sleep(0.02)
     engine = angel_ptm.initialize(build(), config_of(spec, world, os.path.join(tmp, "fatal")))
     model = engine.model
     first = next(module for module in model.modules() if isinstance(module, nn.Linear))

@@ -6,6 +6,8 @@ with a typed error that says what to do instead (torch's gradient and state APIs
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 from torch import nn
@@ -312,3 +314,27 @@ def test_reentrant_checkpoints_train_like_torch_under_eager_updates(case, tmp_pa
         assert_same_losses(expected, run_steps(engine, batches(), loss))
     finally:
         engine.close()
+
+
+class FreshNode:
+    """A graph node whose `next_functions` makes new Python objects for its inputs at every call, as torch 2.11's
+    autograd does: a walk that remembers only ids sees a dropped node's id reused by the next one."""
+
+    def __init__(self, chain):
+        self.chain = chain
+
+    @property
+    def next_functions(self):
+        if not self.chain:
+            return ()
+        name, rest = self.chain[0], self.chain[1:]
+        return ((type(name, (FreshNode,), {})(rest), 0),)
+
+
+def test_a_reentrant_checkpoint_deep_in_a_graph_of_fresh_node_objects_is_found():
+    from angel_ptm.step import runs_nested_backward
+
+    names = ["MeanBackward0", "PowBackward0"] + ["AddmmBackward0", "TBackward0"] * 20
+    loss = types.SimpleNamespace(grad_fn=FreshNode(names + ["CheckpointFunctionBackward", "AddmmBackward0"]))
+    assert runs_nested_backward(loss)
+    assert not runs_nested_backward(types.SimpleNamespace(grad_fn=FreshNode(names)))
