@@ -39,7 +39,7 @@ for p in $PHASES; do
     train)
       phase train 120 "cd $WORK && angel-ptm train --set trainer.steps=30 --set run.dir=$WORK/runs && ls $WORK/runs/*"
       phase train 120 "cd $WORK && torchrun --nproc-per-node 1 -m angel_ptm train --set trainer.steps=30 \
-        --set run.dir=$WORK/torchrun --set memory.device_budget=8MiB --set memory.host_budget=8MiB" ;;
+        --set run.dir=$WORK/torchrun --set memory.device_budget=16MiB --set memory.host_budget=16MiB" ;;
     benches)
       phase benches 150 "python3 -m tools.bench.zero --nproc 1 --device cuda --dir $WORK/zero --steps $STEPS --warmup 2"
       phase benches 120 "python3 -m tools.bench.tp --nproc 1 --device cuda --dir $WORK/tp --steps $STEPS --warmup 2"
