@@ -2,6 +2,35 @@
 
 __version__ = "0.1.0"
 
+# The oldest torch the whole test suite has passed on (2.11.0: on this project's GPU machines and a CPU venv). Older
+# ones lack what the runtime uses (torch 2.4: torch.utils.checkpoint.create_selective_checkpoint_contexts, gloo's
+# reduce_scatter, dcp.save's no_dist), which surfaced only mid-run as AttributeErrors and failed collectives.
+MIN_TORCH = (2, 11)
+
+
+def unsupported_torch(version: str) -> str | None:
+    """Why torch `version` cannot run angel-ptm, or None when it can."""
+    parts = version.split("+")[0].split(".")
+    try:
+        found = (int(parts[0]), int(parts[1]))
+    except (IndexError, ValueError):
+        return None  # a build whose version says nothing usable: let it run
+    if found >= MIN_TORCH:
+        return None
+    return (f"angel-ptm needs torch>={MIN_TORCH[0]}.{MIN_TORCH[1]} (this is torch {version}): install a newer torch "
+            f"first, e.g. pip install torch==2.13.0")
+
+
+def _check_torch() -> None:
+    import torch
+
+    problem = unsupported_torch(torch.__version__)
+    if problem is not None:
+        raise ImportError(problem)
+
+
+_check_torch()
+
 
 def initialize(model, config=None, trace=None, units=None, example_inputs=None):
     """Wrap `model` so its states live in pages; see angel_ptm.engine.initialize (`units`: the paging units,

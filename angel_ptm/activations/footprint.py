@@ -222,11 +222,8 @@ def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Mo
 
 def _tensors_of(model: nn.Module) -> list:
     """Every (module, dict, name, tensor) of the model's parameters and buffers, shared modules once each."""
-    seen, out = set(), []
-    for module in model.modules(remove_duplicate=False):
-        if id(module) in seen:
-            continue
-        seen.add(id(module))
+    out = []
+    for module in model.modules():  # (each module once, however often it is registered)
         for table in (module._parameters, module._buffers):
             out.extend((table, name, tensor) for name, tensor in table.items())
     return out
