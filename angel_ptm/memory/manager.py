@@ -18,8 +18,8 @@ import torch
 
 from angel_ptm.errors import BudgetError, ChecksumError, PageIOError, PageStateError
 from angel_ptm.memory import memops
-from angel_ptm.memory.device import NO_WAIT, Copier, CopyHandle
 from angel_ptm.memory.accounting import MoveAccounting
+from angel_ptm.memory.device import NO_WAIT, Copier, CopyHandle
 from angel_ptm.memory.guards import PageGuards
 from angel_ptm.memory.hops import NonBlockingMoves
 from angel_ptm.memory.moves import Move, Prefetch
