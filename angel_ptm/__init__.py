@@ -36,6 +36,11 @@ def initialize(model, config=None, trace=None, units=None, example_inputs=None):
     """Wrap `model` so its states live in pages; see angel_ptm.engine.initialize (`units`: the paging units,
     angel_ptm/units.py; `example_inputs`: one micro-batch's forward arguments, so the estimate counts the
     activations of any model)."""
+    from angel_ptm.config import Config, load_config
+    from angel_ptm.config.combinations import warn_trainer_only
     from angel_ptm.engine import initialize as _initialize
 
+    if not isinstance(config, Config):
+        config = load_config(config)
+    warn_trainer_only(config)
     return _initialize(model, config, trace=trace, units=units, example_inputs=example_inputs)

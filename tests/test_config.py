@@ -400,3 +400,29 @@ def test_async_save_without_periodic_checkpoints_is_said_and_reserves_nothing(ca
     assert any("checkpoint.async_save has no effect: checkpoint.every is 0" in r.getMessage() for r in caplog.records)
     kept = load_config({"checkpoint": {"async_save": True, "every": 5}})
     assert engine_config_for_trainer(kept) is kept
+
+
+def test_initialize_says_once_which_keys_only_the_trainers_loop_uses(caplog, tmp_path):
+    """A script's `angel_ptm.initialize` given trainer-only keys (a job.yaml shared with `angel-ptm train`) warns
+    that they change nothing; keys the engine uses, defaults, and the trainer's own engine say nothing."""
+    import logging
+
+    from torch import nn
+
+    import angel_ptm
+    from angel_ptm.config import combinations
+
+    combinations._warned.clear()
+    memory = {"disk_dir": str(tmp_path / "pages"), "page_bytes": "4KiB"}
+    given = {"memory": memory, "trainer": {"device": "cpu", "seed": 7, "steps": 50}, "model": {"dim": 64},
+             "data": {"batch_size": 2, "path": "/data"}, "checkpoint": {"keep": 5, "every": 10},
+             "run": {"name": "mine", "dir": str(tmp_path / "run")}}
+    with caplog.at_level(logging.WARNING, logger="angel_ptm"):
+        engine = angel_ptm.initialize(nn.Linear(4, 4), given)
+        engine.close()
+        angel_ptm.initialize(nn.Linear(4, 4), {"memory": memory, "trainer": {"device": "cpu"}}).close()
+    said = [r.getMessage() for r in caplog.records if "does not use" in r.getMessage()]
+    assert said == ["angel_ptm.initialize does not use model.dim, data.path, trainer.seed, run.name, checkpoint.keep: "
+                    "only `angel-ptm train`'s loop acts on them (its model, data, evaluation, logging, seeding, run "
+                    "and checkpoint rotation); set here they change nothing"]
+    assert combinations.warn_trainer_only(load_config({"trainer": {"steps": 9, "grad_accum": 2}})) == []

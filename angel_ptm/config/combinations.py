@@ -36,6 +36,35 @@ def engine_config_for_trainer(config):
     return config
 
 
+# Keys only `angel-ptm train` acts on: its model, data, evaluation, logging, seeding, run directory and checkpoint
+# rotation. `angel_ptm.initialize` (the engine in a user's own loop) uses every other key, and of these sections
+# data.batch_size (our GPT's activation estimate), trainer.steps (the lr schedule), run.dir (the default page
+# directory) and checkpoint.every / async_save / async_max_gbps (the pace and room of a save beside training).
+TRAINER_ONLY = {"model": None, "data": ("kind", "path", "token_dtype", "val_fraction", "seed"),
+                "trainer": ("eval_every", "eval_steps", "log_every", "seed"), "run": ("name", "resume"),
+                "checkpoint": ("keep", "dir", "on_signal")}
+
+
+def warn_trainer_only(config) -> list[str]:
+    """Said once, in a warning, for a script's `angel_ptm.initialize`: the keys set (away from their defaults) that
+    only the trainer's loop acts on, so they change nothing here. Returns them."""
+    import dataclasses
+
+    from angel_ptm.config.schema import section_classes
+
+    classes, unused = section_classes(), []
+    for section, names in TRAINER_ONLY.items():
+        given, default = getattr(config, section), classes[section]()
+        for f in dataclasses.fields(given):
+            if (names is None or f.name in names) and getattr(given, f.name) != getattr(default, f.name):
+                unused.append(f"{section}.{f.name}")
+    if unused:
+        _warn_once(f"angel_ptm.initialize does not use {', '.join(unused)}: only `angel-ptm train`'s loop acts on "
+                   f"them (its model, data, evaluation, logging, seeding, run and checkpoint rotation); set here "
+                   f"they change nothing")
+    return unused
+
+
 def _warn_once(message: str) -> None:
     """A config's warning, once per process (a Config is rebuilt by dataclasses.replace as a job is set up)."""
     if message not in _warned:
