@@ -411,14 +411,14 @@ def test_an_engine_is_collected_though_its_model_kept_a_graph(tmp_path, backward
 def test_a_torch_older_than_the_runtime_needs_is_refused_at_import_with_one_line():
     from angel_ptm import MIN_TORCH, unsupported_torch
 
-    assert MIN_TORCH == (2, 11)
-    for ok in ("2.11.0+cu130", "2.13.0+cpu", "2.14.0.dev20261101", "3.0.0"):
+    assert MIN_TORCH == (2, 8)
+    for ok in ("2.8.0+cu128", "2.11.0+cu130", "2.13.0+cpu", "2.14.0.dev20261101", "3.0.0"):
         assert unsupported_torch(ok) is None, ok
-    assert unsupported_torch("2.4.1+cu121") == ("angel-ptm needs torch>=2.11 (this is torch 2.4.1+cu121): install a "
+    assert unsupported_torch("2.4.1+cu121") == ("angel-ptm needs torch>=2.8 (this is torch 2.4.1+cu121): install a "
                                                 "newer torch first, e.g. pip install torch==2.13.0")
-    assert unsupported_torch("2.10.2") is not None and unsupported_torch("1.13.1") is not None
+    assert unsupported_torch("2.7.1") is not None and unsupported_torch("1.13.1") is not None
     result = subprocess.run([sys.executable, "-c", "import torch; torch.__version__ = '2.4.1'; import angel_ptm"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
-        "ImportError: angel-ptm needs torch>=2.11 (this is torch 2.4.1): install a newer torch first, e.g. pip "
+        "ImportError: angel-ptm needs torch>=2.8 (this is torch 2.4.1): install a newer torch first, e.g. pip "
         "install torch==2.13.0")
