@@ -11,6 +11,7 @@ soon as its copy is queued).
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -149,6 +150,10 @@ class Copier:
         return CopyHandle(event)
 
     def close(self) -> None:
+        if self.is_cuda:  # copies the host no longer waits for end before the memory they touch may be freed
+            with contextlib.suppress(RuntimeError):  # (a CUDA error already raised: nothing more to wait for)
+                self.host_to_device_stream.synchronize()
+                self.device_to_host_stream.synchronize()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None
