@@ -48,7 +48,16 @@ def pin_host_memory(owner: object, buffer: torch.Tensor) -> Callable[[], None]:
 
 
 def _unpin(cudart, address: int) -> None:
+    finish_copies()
     cudart.cudaHostUnregister(address)  # at exit CUDA may already be gone: nothing to do then
+
+
+def finish_copies(device: torch.device | None = None) -> None:
+    """Let every copy queued on the GPU finish (a pool's memory is about to go: copies the host did not wait for,
+    since their completion is ordered on the GPU, may still touch it). At exit CUDA may already be gone: then
+    there is nothing to wait for."""
+    with contextlib.suppress(Exception):
+        torch.cuda.synchronize(device)
 
 
 class CopyHandle:
@@ -151,9 +160,9 @@ class Copier:
 
     def close(self) -> None:
         if self.is_cuda:  # copies the host no longer waits for end before the memory they touch may be freed
-            with contextlib.suppress(RuntimeError):  # (a CUDA error already raised: nothing more to wait for)
-                self.host_to_device_stream.synchronize()
-                self.device_to_host_stream.synchronize()
+            for stream in (self.host_to_device_stream, self.device_to_host_stream):
+                with contextlib.suppress(RuntimeError):  # (a CUDA error already raised: nothing more to wait for)
+                    stream.synchronize()
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import weakref
 from typing import Iterable
 
 import psutil
@@ -24,7 +25,7 @@ import torch
 from angel_ptm.errors import BudgetError, ChecksumError, PageIOError
 from angel_ptm.io.slot_file import ALIGNMENT, SlotFile, aligned_empty
 from angel_ptm.memory.backing import BackedReader, Source, SourceFiles
-from angel_ptm.memory.device import CopyHandle, compute_fence, pin_host_memory
+from angel_ptm.memory.device import CopyHandle, compute_fence, finish_copies, pin_host_memory
 from angel_ptm.memory.page import Page, Tier
 
 
@@ -57,6 +58,8 @@ class BufferPool:
         self.pinned = pin
         self._slab = aligned_empty(slab_bytes, self.device) if slab_bytes else None
         self._unpin = pin_host_memory(self, self._slab) if pin and self._slab is not None else None
+        if self._slab is not None and self.device.type == "cuda":  # (a pool dropped without its manager's close)
+            weakref.finalize(self, finish_copies, self.device)
         # address -> slot buffer, for every slot this pool owns; the free ones by address, slot 0 handed out first
         self._slots = {}
         for slot in range(self.capacity):
