@@ -298,10 +298,11 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards, MoveAccounting):
         elif page.state is PageState.HOST:
             page.pin_count += 1  # an unpinned page must not be the victim that makes room for itself
             try:
-                buffer, fence = self._alloc(Tier.DEVICE, fenced=True)
+                self._make_room(Tier.DEVICE)
             finally:
                 page.pin_count -= 1
-            self._cross(page, Tier.DEVICE, buffer, wait=page.pin_count > 0, after=fence)
+            buffer, fence = self.pools[Tier.DEVICE].alloc_fenced()  # the copy into it orders itself after the fence
+            self._cross(page, Tier.DEVICE, buffer, wait=page.pin_count > 0, after=fence or NO_WAIT)
 
     # ------------------------------------------------------------------ internals: evicting pages down
     def _start_down(self, page: Page, wait_for_room: bool, target: Tier | None = None) -> None:
@@ -376,9 +377,13 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards, MoveAccounting):
                 self._resting[tier].add(page.id)
             self._rest_of[page.id] = tier
 
-    def _alloc(self, tier: Tier, fenced: bool = False):
-        """A free slot on `tier`, evicting a victim chosen by the policy if there is none, ready for use (`fenced`:
-        the slot and its fence, for a copy into it that orders itself, device.Copier.copy's `after`)."""
+    def _alloc(self, tier: Tier) -> torch.Tensor:
+        """A free slot on `tier`, ready for use (its fence ordered before the next work: tiers.BufferPool.alloc)."""
+        self._make_room(tier)
+        return self.pools[tier].alloc()
+
+    def _make_room(self, tier: Tier) -> None:
+        """A free slot on `tier`: a victim chosen by the policy is evicted if there is none."""
         pool = self.pools[tier]
         while pool.free_slots == 0:
             leaving = [m for m in self._moves.values() if m.src is tier and not m.src_freed]
@@ -398,10 +403,6 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards, MoveAccounting):
             self._start_down(victim, wait_for_room=True)
             if pool.free_slots == 0:  # (a drop, or a copy that gave its slot back when queued, freed one already)
                 self._wait_move(victim)
-        if fenced:
-            buffer, fence = pool.alloc_fenced()
-            return buffer, fence or NO_WAIT
-        return pool.alloc()
 
     # ------------------------------------------------------------------ internals: completing moves
     def _begin(self, move: Move) -> None:
