@@ -181,6 +181,30 @@ def test_the_estimate_traces_the_activations_of_models_it_was_not_written_for(tm
     assert activation_footprint_of(case.build(), load_config({})) is None  # no example inputs: unknown
 
 
+@pytest.mark.parametrize("steps", [12, 40])
+def test_the_estimate_counts_the_workspace_a_cpu_lstm_saves(tmp_path, steps):
+    """nn.LSTM on the CPU runs oneDNN's recurrent kernel, whose workspace (every step's gates and states: most of
+    what it saves for backward) its fake kernel sizes at 0, so the trace counted ~1/14 of it. The trace now measures
+    it with the real kernel (at the sequence's length up to PROBE_STEPS, extrapolated beyond): the estimate equals
+    the activation peak the engine measures (within 10%; both sequence lengths are exact here)."""
+    from conformance_cases import Recurrent
+    from angel_ptm.activations.footprint import PROBE_STEPS
+
+    assert steps <= PROBE_STEPS or steps > PROBE_STEPS * 2
+    x = torch.randn(4, steps, 8)
+    job = {"memory": {"page_bytes": "4KiB", "disk_dir": str(tmp_path)}, "trainer": {"device": "cpu"}}
+    engine = angel_ptm.initialize(Recurrent(torch.nn.LSTM), job, example_inputs=(x,))
+    try:
+        for _ in range(2):
+            engine.backward(engine(x).pow(2).mean())
+            engine.step()
+        measured = engine.scheduler.last_trace.activation_peak
+    finally:
+        engine.close()
+    assert engine.estimate.activation_bytes == pytest.approx(measured, rel=0.10)
+    assert measured > 4 * 2 * steps * 4 * 32 * 4  # (the gates of both layers alone: it is the workspace counted)
+
+
 def test_the_traced_activations_agree_with_our_gpts_formula():
     """The trace and models.gpt.activation_footprint, two ways to the same figure, within 10% for every setting."""
     from angel_ptm.activations.footprint import trace_activations

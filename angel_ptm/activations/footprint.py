@@ -107,15 +107,26 @@ class TracedActivations:
 
 
 class _Producers(TorchDispatchMode):
-    """Notes the storages the selective policy's ops create (their outputs are what `selective` keeps)."""
+    """Notes the storages the selective policy's ops create (their outputs are what `selective` keeps), and the
+    real size of outputs whose fake kernel gives a wrong one (`sizes`: storage -> bytes; `_REAL_SIZES`)."""
 
     def __init__(self):
         super().__init__()
         self.unit: UnitActivations | None = None
         self.alive: list[torch.Tensor] = []  # (fake: no memory) a freed storage's key could name a new one
+        self.sizes: dict[int, int] = {}
+
+    def nbytes(self, tensor: torch.Tensor) -> int:
+        key = _storage_key(tensor)
+        return self.sizes.get(key, tensor.untyped_storage().nbytes())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        real = _REAL_SIZES.get(func)
+        if real is not None:
+            index, size_of = real
+            self.alive.append(out[index])
+            self.sizes[_storage_key(out[index])] = size_of(args, kwargs or {})
         if self.unit is not None and func.overloadpacket in saved_ops():
             for leaf in tree_leaves(out):
                 if isinstance(leaf, torch.Tensor):
@@ -126,6 +137,43 @@ class _Producers(TorchDispatchMode):
 
 def _storage_key(tensor: torch.Tensor) -> int:
     return StorageWeakRef(tensor.untyped_storage()).cdata
+
+
+PROBE_STEPS = 16  # the longest sequence a recurrent kernel's workspace is measured at (longer ones: extrapolated)
+
+
+def _mkldnn_rnn_workspace(args, kwargs) -> int:
+    """The bytes of the workspace oneDNN's recurrent layer (CPU nn.LSTM's kernel) saves for backward. Its fake
+    kernel says 0 (oneDNN alone knows the size: gates and states of every step, in page-aligned parts), so the
+    real kernel is run on zeros of the same shapes outside the fake mode: at the sequence's own length up to
+    PROBE_STEPS, beyond it at PROBE_STEPS / 2 and PROBE_STEPS, extrapolated linearly in the length (within a few
+    percent of the real size: the parts' alignment). 0 where the probe fails (the trace then undercounts it)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    time_dim = 1 if args[14] else 0  # (input, 4 weights, hx, cx, reverse, batch_sizes, mode, hidden, layers,
+    steps = args[0].shape[time_dim]  # has_biases, bidirectional, batch_first, train)
+
+    def measured(length: int) -> int:
+        shape = list(args[0].shape)
+        shape[time_dim] = length
+        real = [torch.zeros(shape, dtype=args[0].dtype)] + [
+            torch.zeros(tuple(a.shape), dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args[1:]]
+        out = torch.ops.aten.mkldnn_rnn_layer.default(*real, **kwargs)
+        return out[3].untyped_storage().nbytes() if out[3] is not None else 0
+
+    try:
+        with unset_fake_temporarily():
+            if steps <= PROBE_STEPS:
+                return measured(steps)
+            half, full = measured(PROBE_STEPS // 2), measured(PROBE_STEPS)
+            return full + (full - half) * (steps - PROBE_STEPS) // (PROBE_STEPS - PROBE_STEPS // 2)
+    except (RuntimeError, TypeError, ValueError, IndexError):
+        return 0
+
+
+# Ops whose fake kernel gives an output a size other than the real one: op -> (output index, its real bytes)
+_REAL_SIZES = {op: (3, _mkldnn_rnn_workspace)
+               for op in [getattr(getattr(torch.ops.aten, "mkldnn_rnn_layer", None), "default", None)] if op}
 
 
 def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Module],
@@ -177,7 +225,7 @@ def trace_activations(model: nn.Module, example_inputs, checkpointed: list[nn.Mo
             if reaches_far(tensor):
                 unpaged.add(key)
             producers.alive.append(tensor)
-            (current[0].saved if current[0] is not None else root)[key] = tensor.untyped_storage().nbytes()
+            (current[0].saved if current[0] is not None else root)[key] = producers.nbytes(tensor)
         return tensor
 
     def enter(unit):
