@@ -80,6 +80,7 @@ class ParamBinder(OutsideUnits):
         self._activation_high = 0  # the most alive at once since the scheduler's trace last sampled (take_peak)
         self._saved_storages: dict[int, list[int]] = {}  # storage address -> [saves not yet read, its bytes]
         self._bound: dict[int, int] = {}  # id(param) -> units binding it now
+        self._versions: dict[int, int] = {}  # id(param) -> its version counter when bound (an in-place write bumps it)
         self._page_by_address: dict[int, Page] = {}  # device pages bound now, by buffer address
         self._page_binds: dict[int, int] = {}  # page id -> units holding it now
         self._gathered: dict[int, TensorSlot] = {}  # storage address of a gathered copy -> its tensor's slot
@@ -234,6 +235,7 @@ class ParamBinder(OutsideUnits):
             count = self._bound.get(id(param), 0)
             if count == 0:
                 guard.bind(param, self._param_view(self.slots[id(param)], gather_into=self._gathered))
+                self._versions[id(param)] = param._version
             self._bound[id(param)] = count + 1
 
     def unbind_unit(self, unit: PagingUnit) -> None:
@@ -244,10 +246,13 @@ class ParamBinder(OutsideUnits):
         if unit not in self._open_units:
             return  # its pre-hook raised before anything was bound (the post-hook runs anyway)
         self._open_units.remove(unit)
+        written = []
         for param in unit.params:
             count = self._bound.get(id(param), 0) - 1
             if count <= 0:
                 self._bound.pop(id(param), None)
+                if param._version != self._versions.pop(id(param), param._version):
+                    written.append(param.__dict__.get("_angel_name", "?"))
                 slot = self.slots[id(param)]
                 if slot.spans_pages:
                     self._gathered.pop(param.untyped_storage().data_ptr(), None)
@@ -263,6 +268,12 @@ class ParamBinder(OutsideUnits):
             else:
                 self._page_binds[page.id] = count
         self.param_access.release(pages)
+        if written:
+            raise ParameterAccessError(
+                f"unit '{unit.name}': its forward wrote parameter(s) {', '.join(written)} in place (e.g. under "
+                f"torch.no_grad()); the engine pages parameters for reading in forward and would drop that write, "
+                f"training other than torch: make the rewrite part of the computation (use a rewritten copy), or "
+                f"change the parameter between steps")
 
     def _param_view(self, slot: TensorSlot, gather_into: dict | None = None) -> torch.Tensor:
         """The parameter's values on its (pinned) device pages: a view of its page, or a gathered copy of the

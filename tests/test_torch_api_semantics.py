@@ -72,6 +72,33 @@ def test_models_the_pages_cannot_keep_are_refused_with_what_to_do(case, tmp_path
             engine.close()
 
 
+class ClampsInForward(nn.Module):
+    """Rewrites a weight in place inside forward (weight clipping under torch.no_grad(), as WGAN critics do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 1)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.a.weight.clamp_(-0.1, 0.1)
+        return self.b(torch.relu(self.a(x))).pow(2).mean()
+
+
+def test_a_forward_that_writes_a_parameter_in_place_is_refused_naming_it(tmp_path):
+    """The engine acquires a unit's parameter pages for reading in forward, so a write there would be dropped (the
+    losses drifted from torch's from the second step): the version counter of every parameter bound for a unit is
+    compared when the unit ends, and a change is a ParameterAccessError naming the unit and the parameter."""
+    torch.manual_seed(0)
+    engine = angel_ptm.initialize(ClampsInForward(), config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
+    try:
+        with pytest.raises(ParameterAccessError, match=r"unit '<root>': its forward wrote parameter\(s\) a\.weight "
+                                                       r"in place"):
+            engine(torch.randn(4, 8))
+    finally:
+        engine.close()
+
+
 def test_set_lr_takes_what_torch_optimizers_take_and_refuses_the_rest_leaving_the_engine_usable(tmp_path):
     torch.manual_seed(0)
     engine = angel_ptm.initialize(nn.Linear(4, 4), config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
