@@ -95,6 +95,28 @@ def test_a_group_goes_ahead_of_a_blocked_earlier_one_but_only_within_the_reorder
     assert issued_after(5) == {**in_order, "evict(0 host->disk)": 7, "fetch(3 disk->host)": 7}
 
 
+def assert_no_eviction_before_a_use(plan):
+    """No planned eviction sends its page down while an access before the one it serves still takes or holds it
+    (the executor would skip it as needed sooner, and the step would part from the plan's residency)."""
+    n = len(plan.trace)
+    for op in plan.ops:
+        if op.kind == "evict":
+            users = [t for t in range(op.at + 1, op.serves)
+                     if op.page in plan.trace[t % n].pages or op.page in plan.trace[t % n].held]
+            assert not users, f"{op} issued after access {op.at}, but accesses {users} still use its page"
+
+
+def test_a_group_on_a_borrowed_slot_sends_its_victim_down_only_after_its_last_use():
+    # A host of 3 slots, one kept as a prefetch buffer. Access 7 brings page 2 in place of page 1, used until
+    # access 6: the read may start earlier on the borrowed slot, but page 1 leaves only after access 6.
+    seq = [1, 0, 0, 0, 0, 0, 1, 2, 0, 1]
+    trace = StepTrace([Access(f"a{t}", (p,), H) for t, p in enumerate(seq)])
+    plan = plan_step(trace, {i: K for i in range(3)}, {D: 0, H: 3}, PAGE, reserve={D: 0, H: 1}, dirty=[0, 1, 2])
+    evictions = {(op.page, op.serves): op.at for op in plan.ops if op.kind == "evict"}
+    assert evictions == {(1, 7): 6, (2, 9): 7}
+    assert_no_eviction_before_a_use(plan)
+
+
 def test_updates_follow_the_order_gradients_become_final():
     # Backward writes the gradient of page 12 first, then 11, then 10: the optimizer updates them in that order.
     accesses = [Access("fwd:a", (0,), D), Access("fwd:b", (1,), D), Access("fwd:c", (2,), D),
@@ -151,6 +173,7 @@ def test_belady_plan_never_moves_more_bytes_than_lru_on_recorded_traces(case, tm
         lru = plan_step(trace, residency, capacity, PAGE, dirty=dirty, has_disk=has_disk, policy="lru")
         no_prefetch = plan_step(trace, residency, capacity, PAGE, dirty=dirty, has_disk=has_disk, prefetch=False)
         assert belady.total_moved_bytes <= lru.total_moved_bytes, (device_budget, host_budget)
+        assert_no_eviction_before_a_use(belady)
         assert no_prefetch.total_moved_bytes <= lru.total_moved_bytes
         assert lru.ops == []  # LRU cannot look ahead: everything it moves, it moves on demand
         lru_bytes.append(lru.total_moved_bytes)
@@ -360,4 +383,73 @@ def test_planned_reads_leave_a_host_slot_for_the_device_pages_an_update_displace
             engine.step()
         assert engine.scheduler.plan is not None
     finally:
+        engine.close()
+
+
+def test_a_page_the_plan_keeps_in_place_but_found_on_disk_is_read_back_ahead_of_its_access(tmp_path):
+    # Every page fits on the host, so the plan moves nothing. Page 3 is then sent to disk behind the plan's back
+    # (as an evaluation pass or an on-demand eviction may): the next step reads it back a few accesses ahead of
+    # its use instead of on demand when it is touched.
+    from angel_ptm.io import create_engine
+    from angel_ptm.memory import BufferPool, DiskTier, PageManager
+    from angel_ptm.schedule import Scheduler
+
+    engine = create_engine()
+    manager = PageManager(BufferPool(D, PAGE, PAGE), BufferPool(H, PAGE, 8 * PAGE),
+                          DiskTier(str(tmp_path / "disk"), PAGE, 16 * PAGE, engine))
+    pages = [manager.create_page("param", torch.float32) for _ in range(4)]
+    for i, page in enumerate(pages):
+        page.view().fill_(i)
+        page.mark_dirty()
+    scheduler = Scheduler(manager)
+    order = [0, 1, 2, 0, 1, 3, 2, 3]
+
+    def step(watch=None):
+        seen = []
+        for j, p in enumerate(order):
+            scheduler.acquire([pages[p]], H, label=f"fwd:{j}")
+            scheduler.release([pages[p]])
+            if watch is not None:
+                seen.append(watch.state.name)
+        return scheduler.end_step(), seen
+
+    try:
+        step()  # recorded, then planned
+        assert scheduler.plan is not None and scheduler.plan.ops == []
+        assert step()[0].repair_reads == 0
+        manager.move(pages[3], K)
+        stats, seen = step(watch=pages[3])
+        assert stats.repair_reads == 1 and stats.deviations == 0
+        assert seen[0] in ("FROM_DISK", "HOST")  # its read started right after the step's first access
+        assert float(pages[3].view()[0]) == 3.0
+        assert step()[0].repair_reads == 0  # back where the plan has it
+    finally:
+        manager.close()
+        engine.close()
+
+
+def test_a_planned_eviction_of_a_page_still_held_waits_for_its_release_instead_of_being_dropped(tmp_path):
+    # The plan sends a page down right after its last access, and the executor's pump runs while that access
+    # still holds it: the eviction is retried on the next pump, once the page is released.
+    from angel_ptm.io import create_engine
+    from angel_ptm.memory import BufferPool, DiskTier, PageManager
+    from angel_ptm.schedule import Executor, Op
+
+    engine = create_engine()
+    manager = PageManager(BufferPool(D, PAGE, PAGE), BufferPool(H, PAGE, 4 * PAGE),
+                          DiskTier(str(tmp_path / "disk"), PAGE, 16 * PAGE, engine))
+    try:
+        page = manager.create_page("param", torch.float32)
+        page.mark_dirty()
+        executor = Executor(manager)
+        manager.acquire([page], H)
+        executor.submit([Op("evict", page.id, H, K, 0, 1)])
+        executor.pump(now=1)
+        assert page.state.name == "HOST" and len(executor.moves) == 1  # held: kept, not dropped
+        manager.release([page], dirty=True)
+        executor.pump(now=1)
+        manager.poll()
+        assert page.state.name in ("TO_DISK", "DISK") and executor.moves == []
+    finally:
+        manager.close()
         engine.close()

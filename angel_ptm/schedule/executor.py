@@ -58,6 +58,7 @@ class StepStats:
     dropped: int = 0  # planned moves that could not start (the state differed from the plan)
     replanned: bool = False
     early_reads: int = 0  # planned disk reads started before their time, into free host slots
+    repair_reads: int = 0  # reads of pages the plan had in place but an unplanned eviction had sent to disk
     optional_skipped: int = 0  # planned accesses to optional pages (experts no token was routed to) not made
     optional_unplanned: int = 0  # accesses to optional pages the plan did not have (served on demand, learned)
     optional_cancelled: int = 0  # planned fetches of experts' pages dropped unissued: the gate routed them nothing
@@ -72,7 +73,7 @@ class StepStats:
                 "optional_skipped": self.optional_skipped, "optional_unplanned": self.optional_unplanned,
                 "optional_cancelled": self.optional_cancelled, "optional_reordered": self.optional_reordered,
                 "optional_resumed": self.optional_resumed, "experts_cold": self.experts_cold,
-                "early_reads": self.early_reads}
+                "early_reads": self.early_reads, "repair_reads": self.repair_reads}
 
 
 class Executor:
@@ -141,6 +142,7 @@ class Executor:
         kept: list[Op] = []
         waiting: Counter = Counter()  # fetches held back for room, per tier: each may have one eviction under way
         full: dict[tuple, float] = {}  # hop -> least need it was FULL for: a later need is FULL too, this pump
+        pending: Counter = Counter()  # planned evictions held back (their page still pinned), per tier
         moves, i = self.moves, 0
         while i < len(moves) and len(kept) < self.SCAN:
             op = moves[i]
@@ -151,6 +153,10 @@ class Executor:
             page = manager.pages[op.page]
             need = need_of(op.serves) if need_of is not None and op.serves >= 0 else None
             if op.kind == "evict":  # write-behind: free the slot as soon as the plan says the page is done
+                if page.pin_count and page.tier is op.src:
+                    kept.append(op)  # still held by the access it follows (released after this pump): retried
+                    pending[op.src] += 1  # the slot it frees is coming: a fetch waits for it, evicts no other
+                    continue
                 if page.pin_count or page.state.in_flight or page.tier is not op.src or \
                         (need is not None and next_use is not None and next_use(page.id) <= need):
                     self.counts["skipped"] += 1  # in use, gone already, or needed sooner than planned
@@ -165,7 +171,8 @@ class Executor:
                 kept.append(op)  # in use, or the previous hop is still under way: later moves go ahead
                 continue
             hop = (page.tier, op.dst)
-            may_evict = need is not None and need < full.get(hop, INF) and manager.leaving(op.dst) <= waiting[op.dst]
+            may_evict = need is not None and need < full.get(hop, INF) and \
+                manager.leaving(op.dst) + pending[op.dst] <= waiting[op.dst]
             result = manager.try_hop(page, op.dst, need if may_evict else None)
             if result is Hop.BLOCKED or result is Hop.FULL:
                 if result is Hop.FULL:
@@ -221,6 +228,8 @@ class Scheduler:
         self._offsets: list[int] = []
         self._read_at: list[int] = []  # access index after which each planned disk read is issued (sorted)
         self._read_page: list[int] = []  # its page id
+        self._resident: list[tuple[int, ...]] = []  # per access, its pages the plan moves nothing for
+        self._repair_at = 0  # the next access whose pages _read_early looks at
         self._cursor = 0  # one past the furthest plan position matched this step
         self._runs = OptionalRuns((), self._optional)  # the plan's runs of optional accesses (made in any order)
         self._page_positions: dict[int, list[int]] = {}
@@ -304,11 +313,31 @@ class Scheduler:
         last = bisect.bisect_right(self._read_at, at + self.early_reads)
         for page_id in self._read_page[first:last]:
             if host.free_slots <= 1:  # keep one slot for the copies and write-backs already planned
-                return
+                break
             page = self.manager.pages[page_id]
             if page.state is PageState.DISK and not page.dead and not page.pin_count:
                 self.manager.try_hop(page, Tier.HOST)
                 self.stats.early_reads += 1
+        # Pages the plan has resident for the accesses ahead that an eviction the plan did not make (one made on
+        # demand, or to make room where a planned write was still under way) left on disk: read back as their
+        # access comes within reach, so the step returns to the plan's residency instead of reading them on demand
+        # step after step. Where the host is full, a page used later than the one read is evicted for it (as
+        # acquire would, on demand, at that access: only sooner); each access is looked at once, from where the
+        # last look stopped for want of room.
+        pages, j = self.manager.pages, max(self._repair_at, at + 1)
+        end = min(at + 1 + self.early_reads, len(self._resident))
+        while j < end:
+            for page_id in self._resident[j]:
+                page = pages[page_id]
+                if page.state is PageState.DISK and not page.dead and not page.pin_count:
+                    result = self.manager.try_hop(page, Tier.HOST, self._need_of(j))
+                    if result is Hop.STARTED:
+                        self.stats.repair_reads += 1
+                    elif result is not Hop.NOTHING:
+                        self._repair_at = j  # no room yet (an eviction under way, or none used later)
+                        return
+            j += 1
+        self._repair_at = j
 
     def _now(self) -> int:
         """The plan position of the first access still to come: the cursor, or before it an expert of the layer
@@ -414,6 +443,7 @@ class Scheduler:
         self._learn = False
         self.last_trace = trace
         self._cursor = 0
+        self._repair_at = 0
         self._runs.begin_step()
         self.executor.next_step(len(self._keys))
         if isinstance(self.manager.policy, BeladyPolicy):
@@ -471,6 +501,14 @@ class Scheduler:
         reads = [(op.at, op.page) for op in self.plan.ops
                  if op.kind == "fetch" and op.src is Tier.DISK and op.dst is Tier.HOST]
         self._read_at, self._read_page = [at for at, _ in reads], [pid for _, pid in reads]
+        # Per access, the pages the plan expects in place without a move of their own (kept since a use before;
+        # a fetch serving the next step's access `serves - n` is issued in this step for that access).
+        fetched = [set() for _ in self._keys]
+        for op in self.plan.ops + self.plan.demand:
+            if op.kind == "fetch" and op.serves >= 0 and fetched:
+                fetched[op.serves % len(fetched)].add(op.page)
+        self._resident = [tuple(i for i in ids if i not in fetched[j]) if tier is not Tier.DISK else ()
+                          for j, (ids, tier) in enumerate(self._keys)]
         sequence = trace.page_sequence()
         # This step, then the next (the future wraps around); the recency of past accesses carries over.
         history = manager.policy.history if isinstance(manager.policy, BeladyPolicy) else _as_lru(manager.policy)

@@ -387,20 +387,23 @@ def plan_with_reserve(trace: StepTrace, residency: Mapping[int, Tier], capacity:
         if not prefetch or issue >= t or materialize:
             issue = t  # on demand, by acquire
         issue_floor = max(issue_floor, issue)
-        for op, _ in out:
-            (evict_issued if op.kind == "evict" else fetch_issued)[op.page] = issue
+        # A group issued early on a borrowed slot sends its victims down at the safe time, after their last use
+        # (sent with the group, the executor would find them still needed and skip them: the step then parts
+        # from the plan's residency).
+        when = [max(issue, safe) if op.kind == "evict" else issue for op, _ in out]
+        for (op, _), at in zip(out, when):
+            (evict_issued if op.kind == "evict" else fetch_issued)[op.page] = at
         if n <= t < 2 * n:  # the measured step: the moves it makes, however early they are issued
             for op, nbytes in out:
                 if nbytes:
                     moved[f"{op.src.value}->{op.dst.value}"] += nbytes
-        if not n <= issue < 2 * n:
-            continue
-        at = issue - n
-        if issue == t:
-            demand.extend(op for op, _ in out)
-            continue
-        for op, _ in out:
-            planned[at].append(Op(op.kind, op.page, op.src, op.dst, at, t - n))  # an eviction serves its group
+        for (op, _), at in zip(out, when):
+            if not n <= at < 2 * n:
+                continue
+            if at == t:
+                demand.append(op)
+            else:  # an eviction serves its group
+                planned[at - n].append(Op(op.kind, op.page, op.src, op.dst, at - n, t - n))
 
     grad_final_after: list[list[int]] = [[] for _ in range(n)]
     for pid, i in sorted(grad_final_times(trace).items(), key=lambda item: (item[1], item[0])):
