@@ -319,23 +319,22 @@ class Scheduler:
                 self.manager.try_hop(page, Tier.HOST)
                 self.stats.early_reads += 1
         # Pages the plan has resident for the accesses ahead that an eviction the plan did not make (one made on
-        # demand, or to make room where a planned write was still under way) left on disk: read back as their
-        # access comes within reach, so the step returns to the plan's residency instead of reading them on demand
-        # step after step. Where the host is full, a page used later than the one read is evicted for it (as
-        # acquire would, on demand, at that access: only sooner); each access is looked at once, from where the
-        # last look stopped for want of room.
+        # demand, or to make room where a planned write was still under way) left on disk: read back into free
+        # host slots as their access comes within reach, so the step returns to the plan's residency instead of
+        # reading them on demand step after step. No page is evicted for them (that moved more bytes than it
+        # saved waiting: the evicted page is the next one read back); each access is looked at once, from where the
+        # last look stopped for want of a free slot.
         pages, j = self.manager.pages, max(self._repair_at, at + 1)
         end = min(at + 1 + self.early_reads, len(self._resident))
         while j < end:
             for page_id in self._resident[j]:
                 page = pages[page_id]
                 if page.state is PageState.DISK and not page.dead and not page.pin_count:
-                    result = self.manager.try_hop(page, Tier.HOST, self._need_of(j))
-                    if result is Hop.STARTED:
-                        self.stats.repair_reads += 1
-                    elif result is not Hop.NOTHING:
-                        self._repair_at = j  # no room yet (an eviction under way, or none used later)
+                    if host.free_slots <= 1:
+                        self._repair_at = j
                         return
+                    if self.manager.try_hop(page, Tier.HOST) is Hop.STARTED:
+                        self.stats.repair_reads += 1
             j += 1
         self._repair_at = j
 
