@@ -14,10 +14,10 @@ from dist_harness import free_port, spawn, values
 from dist_jobs import die_mid_step, die_while_saving, job, rank_local_failures, start_with
 
 JOB = """\
-model: {vocab_size: 256, seq_len: 32, n_layer: 2, n_head: 2, dim: 64}
+model: {vocab_size: 256, seq_len: 32, n_layer: 2, n_head: 2, dim: 96}
 data: {batch_size: 4, seed: 7}
 trainer: {steps: 4, eval_every: 2, eval_steps: 2, device: cpu, grad_clip: 1.0}
-memory: {page_bytes: 64KiB, device_budget: 640KiB, host_budget: 512KiB}
+memory: {page_bytes: 64KiB, device_budget: 1216KiB, host_budget: 960KiB}
 parallel: {zero: 3, timeout_s: 60}
 lr_schedule: {warmup_steps: 2}
 """
