@@ -26,6 +26,7 @@ memory, not toward any tier budget.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 from dataclasses import asdict, dataclass, field
@@ -45,7 +46,7 @@ from angel_ptm.units import PagingUnit, device_pages_at_once, experts_as_units, 
 from angel_ptm.memory.budgets import plan_budgets
 from angel_ptm.memory.placement import (CREATION_ORDER, Problem, StartPlacement, compute_dtype, creation_order,
                                         device_reserve_pages, disk_reservations, place_pages, staging_host_pages,
-                                        update_tier)
+                                        update_batch_groups, update_group_kinds, update_tier)
 from angel_ptm.memory.disk_dir import check_disk_dir
 from angel_ptm.memory.store import PageKind
 from angel_ptm.models import build_model
@@ -115,6 +116,8 @@ class Estimate:
     collective_bytes: dict = field(default_factory=dict)  # per step, bytes this rank hands to each collective
     checkpoint_staging_bytes: int = 0  # checkpoint.async_save: host RAM a save beside training copies pages into
     replica_bytes: int = 0  # parallel.moe_replicas: hot-expert copies (weights and gradients), outside the pools
+    update_group_pages: int = 4  # pages one optimizer update pins per page group (placement.update_group_kinds)
+    update_batch_groups: int = 1  # page groups one optimizer access updates (placement.update_batch_groups)
 
     @property
     def fits(self) -> bool:
@@ -157,7 +160,9 @@ class Estimate:
         n_states = self.states_bytes // self.page_bytes
         lines.append(f"    {'states':<11} {n_states:>6} pages  {format_bytes(self.states_bytes):>10}")
         lines.append(f"  largest unit '{self.largest_layer}': {self.largest_layer_pages} pages on the device at once;"
-                     f" optimizer updates on the {self.update_tier}")
+                     f" optimizer updates on the {self.update_tier}, up to {self.update_batch_groups} page "
+                     f"group{'s' if self.update_batch_groups > 1 else ''} of {self.update_group_pages} pages "
+                     f"per access")
         act = ("unknown (not our GPT: pass example_inputs)" if self.activation_bytes is None
                else format_bytes(self.activation_bytes))
         if self.gather_pages:
@@ -415,7 +420,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         for tier in TIERS
     }
     params = sum(p.numel() for p in model.parameters())
-    return Estimate(
+    estimate = Estimate(
         rank=own.rank, world_size=own.dp, compute_device=device.type, params=params, page_bytes=page_bytes,
         n_pages=layout.n_pages, kind_bytes={kind: counts[kind] * page_bytes for kind in kinds},
         master_extra_bytes=counts.get("master", 0) * page_bytes, states_bytes=states_bytes,
@@ -433,8 +438,11 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         expert_gather_pages=expert_pages,
         osdp_groups=osdp_replicable(gather_groups, chain_groups) if own.gathers and config.parallel.osdp else 0,
         collective_bytes=collective_bytes(own, layout, page_bytes), checkpoint_staging_bytes=staged,
-        replica_bytes=copies,
+        replica_bytes=copies, update_group_pages=len(update_group_kinds(config)),
     )
+    # (the room an update batch may take is what the tiers have beyond the needs just estimated)
+    return dataclasses.replace(estimate, update_batch_groups=update_batch_groups(
+        estimate, page_bytes, estimate.update_group_pages))
 
 
 def collective_bytes(own: Ownership, layout: PageLayout, page_bytes: int) -> dict:

@@ -18,7 +18,6 @@ import torch
 
 from angel_ptm.errors import ConfigValueError
 from angel_ptm.memory import PageLayout, Tier
-from angel_ptm.memory.placement import update_batch_groups
 from angel_ptm.optim import PagedAdamW
 from angel_ptm.optim.delayed import DelayedUpdates
 from angel_ptm.optim.loss_scaler import LossScaler
@@ -93,7 +92,7 @@ def build_step(config, estimate, *, model, layout: PageLayout, pages, scheduler,
                            write_params=staleness == 0, updates=ownership.updated,
                            no_decay=no_decay_names(model, opt.no_decay))
     # one access updates a few of a unit's groups where the update tier has room to spare (update_batch_groups)
-    optimizer.batch_groups = update_batch_groups(estimate, config.memory.page_bytes, len(optimizer.group_kinds))
+    optimizer.batch_groups = estimate.update_batch_groups  # (its groups: placement.update_group_kinds)
     optimizer.batch_key = binder.unit_of_page()
     data_parallel = SingleRank() if collectives is None else DataParallel(
         collectives, ownership, manager, scheduler, layout, pages, update_tier, estimate.gather_groups,

@@ -473,3 +473,25 @@ def test_a_disk_budget_below_a_slot_for_every_state_page_is_refused_naming_the_p
     assert (problem.tier, problem.requested, problem.available) == ("disk", 240 * MiB, disk_budget * MiB)
     assert "125.0 MiB of states fit neither the device nor the host" in problem.what
     assert estimate_job(job("default", "memory.disk_budget=240MiB", f"memory.disk_dir={tmp_path}"), device=CPU).fits
+
+
+@pytest.mark.parametrize("overrides", [[], ["trainer.dtype=bfloat16"], ["optimizer.staleness=1"]],
+                         ids=["fp32", "bf16", "staleness1"])
+def test_the_estimate_reports_how_many_page_groups_one_optimizer_access_updates(overrides, tmp_path):
+    # A host with room to spare beyond the estimate's needs: the update batches several of a unit's page groups,
+    # as many as the estimate reports (and its table shows), each of the pages the optimizer really pins.
+    config = load_config(None, [*SMALL_GPT, "memory.page_bytes=64KiB", "memory.device_budget=1280KiB",
+                                "memory.host_budget=4MiB", f"memory.disk_dir={tmp_path}", "trainer.device=cpu",
+                                *overrides])
+    model = build_model(config.model)
+    estimate = estimate_job(config, model, disk_dir=str(tmp_path))
+    assert estimate.update_tier == "host" and estimate.update_batch_groups > 1
+    assert f"up to {estimate.update_batch_groups} page groups of {estimate.update_group_pages} pages" \
+        in estimate.format_table()
+    assert estimate.as_dict()["update_batch_groups"] == estimate.update_batch_groups
+    engine = angel_ptm.initialize(model, config)
+    try:
+        assert engine.optimizer.batch_groups == estimate.update_batch_groups
+        assert len(engine.optimizer.group_kinds) == estimate.update_group_pages
+    finally:
+        engine.close()

@@ -46,6 +46,14 @@ def creation_order(config) -> tuple[str, ...]:
     return MIXED_CREATION_ORDER if separate_master else CREATION_ORDER
 
 
+def update_group_kinds(config) -> tuple[str, ...]:
+    """The page kinds one optimizer update pins (PagedAdamW.group_kinds): each kind of the job, except the
+    parameter pages under optimizer.staleness 1 (the delayed update writes the master pages; the parameters are
+    published from them later)."""
+    kinds = creation_order(config)
+    return tuple(k for k in kinds if k != "param") if config.optimizer.staleness == 1 else kinds
+
+
 def compute_dtype(config) -> Optional[torch.dtype]:
     """The mixed-precision compute dtype (bf16 / fp16), or None for fp32 (the parameters are the master weights)."""
     return None if config.trainer.dtype == "float32" else getattr(torch, config.trainer.dtype)
