@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional, Sequence
@@ -47,7 +46,7 @@ from angel_ptm.memory.budgets import plan_budgets
 from angel_ptm.memory.placement import (CREATION_ORDER, Problem, StartPlacement, compute_dtype, creation_order,
                                         device_reserve_pages, disk_reservations, place_pages, staging_host_pages,
                                         update_batch_groups, update_group_kinds, update_tier)
-from angel_ptm.memory.disk_dir import check_disk_dir
+from angel_ptm.memory.disk_dir import check_disk_dir, free_disk_bytes
 from angel_ptm.memory.store import PageKind
 from angel_ptm.models import build_model
 from angel_ptm.optim.no_decay import no_decay_names
@@ -496,11 +495,3 @@ def expected_peaks(counts: dict[str, int], slots: dict[str, int], start: StartPl
     else:  # only the pages created on disk for sure; churn in later steps may add some (this is a lower bound)
         disk = min(slots["disk"], start.disk)
     return {"device": device, "host": host, "disk": disk}
-
-
-def free_disk_bytes(path: str) -> int:
-    """Free bytes on the filesystem that holds (or will hold) `path`: its nearest existing ancestor."""
-    probe = Path(path).expanduser().absolute()
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    return int(shutil.disk_usage(probe).free)

@@ -15,6 +15,7 @@ import errno as errno_mod
 import logging
 import mmap
 import os
+import pathlib
 import re
 import secrets
 import shutil
@@ -179,3 +180,11 @@ def _tree_bytes(path: str) -> int:
             except OSError:
                 pass
     return total
+
+
+def free_disk_bytes(path: str) -> int:
+    """Free bytes on the filesystem that holds (or will hold) `path`: its nearest existing ancestor."""
+    probe = pathlib.Path(path).expanduser().absolute()
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    return int(shutil.disk_usage(probe).free)
