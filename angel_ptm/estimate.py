@@ -26,9 +26,8 @@ memory, not toward any tier budget.
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -440,7 +439,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         replica_bytes=copies, update_group_pages=len(update_group_kinds(config)),
     )
     # (the room an update batch may take is what the tiers have beyond the needs just estimated)
-    return dataclasses.replace(estimate, update_batch_groups=update_batch_groups(
+    return replace(estimate, update_batch_groups=update_batch_groups(
         estimate, page_bytes, estimate.update_group_pages))
 
 

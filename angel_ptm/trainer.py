@@ -386,7 +386,7 @@ def schedule_metrics(schedule: dict | None, experts: bool = False) -> dict[str, 
         return {}
     out = {"stall_s": schedule["stall_s"], "deviations": schedule["deviations"],
            "planned_moves": schedule["issued"], "replanned": schedule["replanned"],
-           "repair_reads": schedule.get("repair_reads", 0)}
+           "repair_reads": schedule["repair_reads"]}
     if experts or any(schedule.get(key) for key in ("optional_skipped", "optional_unplanned", "optional_cancelled",
                                                     "optional_reordered", "optional_resumed", "experts_cold")):
         out.update(expert_accesses_skipped=schedule["optional_skipped"],  # MoE: experts routed or not

@@ -160,21 +160,24 @@ class Scheduler:
             if host.free_slots <= 1:  # keep one slot for the copies and write-backs already planned
                 break
             page = self.manager.pages[page_id]
-            if page.state is PageState.DISK and not page.dead and not page.pin_count:
+            if _on_disk(page):
                 self.manager.try_hop(page, Tier.HOST)
                 self.stats.early_reads += 1
-        # Pages the plan has resident for the accesses ahead that an eviction the plan did not make (one made on
-        # demand, or to make room where a planned write was still under way) left on disk: read back into free
-        # host slots as their access comes within reach, so the step returns to the plan's residency instead of
-        # reading them on demand step after step. No page is evicted for them (that moved more bytes than it
-        # saved waiting: the evicted page is the next one read back); each access is looked at once, from where the
-        # last look stopped for want of a free slot.
-        pages, j = self.manager.pages, max(self._repair_at, at + 1)
-        end = min(at + 1 + self.early_reads, len(self._resident))
+        self._read_back(at)
+
+    def _read_back(self, at: int) -> None:
+        """Pages the plan keeps in place for the accesses ahead that an eviction the plan did not make (one made on
+        demand, or to make room where a planned write was still under way) left on disk: read back into free
+        host slots as their access comes within reach, so the step returns to the plan's residency instead of
+        reading them on demand step after step. No page is evicted for them (that moved more bytes than it
+        saved waiting: the evicted page is the next one read back); each access is looked at once, from where the
+        last look stopped for want of a free slot."""
+        host, pages = self.manager.pools[Tier.HOST], self.manager.pages
+        j, end = max(self._repair_at, at + 1), min(at + 1 + self.early_reads, len(self._resident))
         while j < end:
             for page_id in self._resident[j]:
                 page = pages[page_id]
-                if page.state is PageState.DISK and not page.dead and not page.pin_count:
+                if _on_disk(page):
                     if host.free_slots <= 1:
                         self._repair_at = j
                         return
@@ -370,6 +373,11 @@ class Scheduler:
 
     def close(self) -> None:
         self.executor.close()
+
+
+def _on_disk(page: Page) -> bool:
+    """A page whose contents only the disk holds, free to be read up now."""
+    return page.state is PageState.DISK and not page.dead and not page.pin_count
 
 
 def _planning_tier(page: Page) -> Tier:
