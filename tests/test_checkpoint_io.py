@@ -145,7 +145,12 @@ def test_a_dense_tensors_archive_is_written_around_its_elements_byte_for_byte_as
     for tensor in tensors:
         ours, theirs = Sink(), Sink()
         dense = tensor.is_contiguous() and tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
-        containers.write(tensor, ours, dense)
+        start = containers.write(tensor, ours, dense)
+        nbytes = tensor.numel() * tensor.element_size()
+        if dense and nbytes >= Containers.MIN_BYTES:  # where its elements begin is known (a loader reads them there)
+            assert bytes(ours.data[start: start + nbytes]) == tensor.contiguous().view(torch.uint8).numpy().tobytes()
+        else:
+            assert start is None
         with no_zip_crc():
             torch.save(tensor, theirs)
         mine, torchs = bytes(ours.data), bytes(theirs.data)
@@ -155,3 +160,77 @@ def test_a_dense_tensors_archive_is_written_around_its_elements_byte_for_byte_as
         assert all(at < i < at + 22 + 30 + 64 for i in differ), differ[:8]
         assert torch.equal(torch.load(io.BytesIO(mine)), tensor)
     assert list(containers._known.values()) != [] and all(v is not None for v in containers._known.values())
+
+
+# --- the load's reads -----------------------------------------------------------------------------------------------
+def _rewrite_manifest(directory, change) -> None:
+    manifest = storage.read_manifest(directory)
+    for items in manifest["files"].values():
+        for entry in items:
+            change(entry)
+    (directory / storage.MANIFEST).write_bytes(storage.seal(manifest))
+
+
+def test_a_load_reads_elements_where_the_manifest_says_finds_them_without_and_refuses_a_wrong_place(tmp_path):
+    """A dense item's manifest entry says where its elements begin, so a load reads the item front to back in one
+    read into its page. A checkpoint without those places (an older one) still resumes exactly (the archive's
+    directory is searched); a place that is wrong yet covered by the item's checksum is a typed error naming the
+    file, never shifted values."""
+    def cfg(name):  # larger pages than the other tests' (items of several KiB), some on disk
+        job = config(tmp_path, name, page_bytes="16KiB")
+        job["memory"].update(device_budget="256KiB", host_budget="224KiB")
+        return job
+
+    losses, states = train_with_checkpoint(tmp_path, "gpt", cfg("a"), tmp_path / "ckpt")
+    entries = [e for items in storage.read_manifest(tmp_path / "ckpt")["files"].values() for e in items]
+    placed = [e for e in entries if len(e) == 5]
+    assert placed and all(e[3] == 1 and 0 < e[4] < e[1] for e in placed)
+    resumed, resumed_states = resume_from("gpt", cfg("b"), tmp_path / "ckpt")
+    assert resumed == losses[AT:]
+    assert_bitwise(states, resumed_states)
+
+    _rewrite_manifest(tmp_path / "ckpt", lambda e: e[4:] and e.pop())  # as a checkpoint before the places
+    resumed, resumed_states = resume_from("gpt", cfg("c"), tmp_path / "ckpt")
+    assert resumed == losses[AT:]
+    assert_bitwise(states, resumed_states)
+
+    victim = max(placed, key=lambda e: e[1])
+    _rewrite_manifest(tmp_path / "ckpt", lambda e: e[:2] == victim[:2] and e.append(victim[4] + 64))
+    engine = angel_ptm.initialize(scrambled(CASES["gpt"][0]), cfg("d"))
+    try:
+        with pytest.raises(CheckpointCorruptError, match=r"__0_0\.distcp .*no tensor record"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+    finally:
+        engine.close()
+
+
+def test_a_load_reads_pages_on_a_thread_holding_at_most_the_pages_in_flight_and_one(tmp_path, monkeypatch):
+    """The load's pages are read on a thread while the next page's items are resolved: more than one page is held
+    at a time, never more than PAGES_IN_FLIGHT + 1, and none once the load is done; a flipped bit in a late item
+    is still the typed error, with every page handed back."""
+    from angel_ptm.checkpoint.planners import PageLoadPlanner
+
+    most = []
+    hold = PageLoadPlanner._hold
+
+    def counting(self, page):
+        held = hold(self, page)
+        most.append(len(self._held))
+        return held
+
+    monkeypatch.setattr(PageLoadPlanner, "_hold", counting)
+    losses, states = train_with_checkpoint(tmp_path, "gpt", config(tmp_path, "a"), tmp_path / "ckpt")
+    engine = angel_ptm.initialize(scrambled(CASES["gpt"][0]), config(tmp_path, "b"))
+    try:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert 1 < max(most) <= storage.PAGES_IN_FLIGHT + 1
+        assert all(page.pin_count == 0 for page in engine.manager.pages)
+        victim = tmp_path / "ckpt" / "__0_0.distcp"
+        raw = bytearray(victim.read_bytes())
+        raw[len(raw) * 9 // 10] ^= 0x01
+        victim.write_bytes(bytes(raw))
+        with pytest.raises(CheckpointCorruptError, match="fails its checksum"):
+            engine.load_checkpoint(tmp_path / "ckpt")
+        assert all(page.pin_count == 0 for page in engine.manager.pages)
+    finally:
+        engine.close()

@@ -28,17 +28,28 @@ class CheckpointFile:
         return out
 
     def readinto(self, view: memoryview, offset: int) -> None:
+        self.readinto_parts([view], offset)
+
+    def readinto_parts(self, views: list[memoryview], offset: int) -> None:
+        """The bytes from `offset` on into `views`, one after the other (one preadv: a single front-to-back
+        read of the file however the destination is split)."""
+        total = sum(len(v) for v in views)
         done = 0
-        while done < len(view):
+        while done < total:
             try:
-                got = os.preadv(self.fd, [view[done:]], offset + done)
+                got = os.preadv(self.fd, views, offset + done)
             except OSError as err:
-                raise CheckpointCorruptError(f"cannot read {len(view)} bytes at byte {offset} of {self.path}: "
+                raise CheckpointCorruptError(f"cannot read {total} bytes at byte {offset} of {self.path}: "
                                              f"{err.strerror}", self.path) from None
             if got <= 0:
-                raise CheckpointCorruptError(f"{self.path} ends before byte {offset + len(view)} (truncated?)",
+                raise CheckpointCorruptError(f"{self.path} ends before byte {offset + total} (truncated?)",
                                              self.path)
             done += got
+            while views and got >= len(views[0]):  # the views filled whole
+                got -= len(views[0])
+                views = views[1:]
+            if views:
+                views = [views[0][got:]] + views[1:]
 
     def advise(self, offset: int, length: int) -> None:
         if hasattr(os, "posix_fadvise"):
@@ -97,6 +108,18 @@ class ReadAhead:
 
 def _u(data, at: int, size: int) -> int:
     return int.from_bytes(data[at: at + size], "little")
+
+
+def data_record_ends(head) -> bool:
+    """Whether `head` (an item's bytes up to where its elements are said to begin) ends with the local header of
+    a tensor's data record (torch.save's zip: `<archive>/data/<key>`, stored): the check that a recorded start
+    points at the elements and not merely at bytes the checksum also covers."""
+    at = bytes(head).rfind(b"PK\x03\x04")
+    if at < 0 or at + 30 > len(head):
+        return False
+    name_len, extra_len = _u(head, at + 26, 2), _u(head, at + 28, 2)
+    name = bytes(head[at + 30: at + 30 + name_len])
+    return at + 30 + name_len + extra_len == len(head) and b"/data/" in name and _u(head, at + 8, 2) == 0
 
 
 def record_start(read: Callable[[int, int], bytes], length: int, nbytes: int) -> int | None:

@@ -290,6 +290,10 @@ class PageLoadPlanner(LoadPlanner):
         self.objects: dict[str, object] = {}
         self.targets: dict[tuple[str, tuple], Run] = {}
         self._current: Page | None = None  # the page the items now read go into
+        # Pages held for items being read (id -> page). One at a time, unless a reader that releases them itself
+        # (`release_page`) sets `keep_held`: CheckedReader reads one page's items while the next is resolved.
+        self._held: dict[int, Page] = {}
+        self.keep_held = False
         self.started = False  # whether any page was changed (from the first item read on)
         # Each filled page's items, and where those copied byte for byte from a file lie (backing.py): a page
         # placed on disk then needs no write, its slot reads the checkpoint. Kept across holds: a page whose items
@@ -371,19 +375,28 @@ class PageLoadPlanner(LoadPlanner):
             target = page.view(run.dtype)[run.offset: run.offset + run.numel].view(run.sizes)
         return narrow_tensor_by_index(target, read_item.dest_offsets, read_item.lengths)
 
+    def page_of(self, read_item: ReadItem) -> Page | None:
+        """The page an item is read into (None: a model buffer, or a bytes item)."""
+        run = self.targets.get((read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ())))
+        return None if run is None or read_item.dest_index.fqn in self.buffers else \
+            self.engine.pages[run.kind][run.page]
+
     def _hold(self, page: Page) -> Page:
         """Page `page` pinned on the host for the items being read into it. The plan lists a page's items
-        together, so one page is held at a time (again for items from another file)."""
-        if self._current is page:
+        together, so one page is held at a time (again for items from another file), or, under `keep_held`, until
+        the reader releases it."""
+        if page.id in self._held:
+            self._current = page
             return page
-        self.release_all()
+        if not self.keep_held:
+            self.release_all()
         if not self.started:
             self._clear_targets()
         manager = self.engine.manager
         if page.dead and page.kind not in manager.clearers:  # (acquired, it is zero-filled: PageManager._materialize)
             self._zeroed.add(page.id)
         manager.acquire([page], Tier.HOST)  # a page in memory is written where it is
-        self._current = page
+        self._held[page.id] = self._current = page
         self._items.setdefault(page.id, 0)
         self._extents.setdefault(page.id, [])
         return page
@@ -402,24 +415,31 @@ class PageLoadPlanner(LoadPlanner):
                                             or (p.state is PageState.HOST and manager.disk is not None))])
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        """The bytes are in the held page (it is released dirty when the next page is taken)."""
-        if read_item.dest_index.fqn not in self.buffers:
-            self._items[self._current.id] += 1
+        """The bytes are in the held page (it is released dirty once its items are read)."""
+        page = self.page_of(read_item)
+        if page is not None:
+            self._items[page.id] += 1
 
     def loaded_from(self, read_item: ReadItem, target: torch.Tensor, path: str, offset: int, nbytes: int) -> None:
         """The item just committed into `target` is `nbytes` bytes at `offset` of file `path`, as they are."""
-        page = self._current
-        if read_item.dest_index.fqn in self.buffers or page is None or target.dtype != page.dtype \
-                or not target.is_contiguous():
+        page = self.page_of(read_item)
+        if page is None or page.id not in self._held or target.dtype != page.dtype or not target.is_contiguous():
             return
         self._extents[page.id].append(Extent(path, offset, nbytes, target.data_ptr() - page.buffer.data_ptr()))
 
     def release_all(self) -> None:
-        """The held page back to the manager, dirty (after the last item, or a failed read). When every item
-        on it came byte for byte from a file and the rest is zeros, its source is offered to the disk tier."""
-        if self._current is None:
+        """Every held page back to the manager (after the last item, or a failed read)."""
+        for page in list(self._held.values()):
+            self.release_page(page)
+        self._current = None
+
+    def release_page(self, page: Page) -> None:
+        """A held page back to the manager, dirty. When every item on it came byte for byte from a file and the
+        rest is zeros, its source is offered to the disk tier."""
+        if self._held.pop(page.id, None) is None:
             return
-        page, self._current = self._current, None
+        if self._current is page:
+            self._current = None
         manager = self.engine.manager
         manager.release([page], dirty=True)
         disk, items, extents = manager.disk, self._items[page.id], self._extents[page.id]

@@ -25,7 +25,10 @@ class Containers:
     def __init__(self):
         self._known: dict[tuple, tuple[bytes, bytes] | None] = {}
 
-    def write(self, data: torch.Tensor, sink, dense: bool) -> None:
+    def write(self, data: torch.Tensor, sink, dense: bool) -> int | None:
+        """torch.save of `data` into `sink`; where its elements begin in the bytes written, when known (a dense
+        tensor of at least MIN_BYTES whose layout splits: a loader then reads them in place without searching the
+        archive), else None."""
         nbytes = data.untyped_storage().nbytes()
         key = (data.dtype, tuple(data.shape), tuple(data.stride()), nbytes) if dense and nbytes >= self.MIN_BYTES \
             else None
@@ -34,12 +37,14 @@ class Containers:
             sink.write(around[0])
             sink.write(memoryview(data.reshape(-1).view(torch.uint8).numpy()))
             sink.write(around[1])
-            return
+            return len(around[0])
         capture = _Capture(sink) if key is not None and key not in self._known else sink
         with no_zip_crc():  # the manifest's CRC-32 covers these bytes already
             torch.save(data, capture)
-        if capture is not sink:
-            self._known[key] = capture.around(nbytes)
+        if capture is sink:
+            return None
+        around = self._known[key] = capture.around(nbytes)
+        return len(around[0]) if around is not None else None
 
 
 class _Capture(io.RawIOBase):

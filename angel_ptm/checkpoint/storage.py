@@ -18,6 +18,8 @@ test can kill the process (or raise ENOSPC) exactly there.
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import dataclasses
 import io
 import json
@@ -40,7 +42,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from angel_ptm.checkpoint.files import CheckpointFile, ReadAhead, record_start
+from angel_ptm.checkpoint.files import CheckpointFile, ReadAhead, data_record_ends, record_start
 from angel_ptm.checkpoint.serialize import Containers, CrcWriter
 from angel_ptm.errors import CheckpointCorruptError, CheckpointWriteError, PageIOError
 from angel_ptm.io import checksums
@@ -64,6 +66,7 @@ class _CheckedInfo(_StorageInfo):
 
     crc: int = 0
     dense: bool = False  # a tensor whose one storage is exactly its elements in row-major order
+    start: int | None = None  # where a dense item's elements begin in it, when the writer knows
 
 
 def fsync_dir(path: Path) -> None:
@@ -125,17 +128,18 @@ class CheckedWriter(FileSystemWriter):
         """One item, serialized as FileSystemWriter serializes it, straight into the file through its checksum."""
         offset = stream.tell()
         sink = CrcWriter(stream, crc)
-        dense = False
+        dense, start = False, None
         if isinstance(data, io.BytesIO):
             sink.write(data.getbuffer())
         else:
             dense = bool(sys.byteorder == "little" and data.is_contiguous() and not data.storage_offset()
                          and data.untyped_storage().nbytes() == data.numel() * data.element_size())
-            self._containers.write(data, sink, dense)
+            start = self._containers.write(data, sink, dense)
         sink.finish()
         length = stream.tell() - offset
         results.append(WriteResult(index=item.index, size_in_bytes=length,
-                                   storage_data=_CheckedInfo(name, offset, length, crc=sink.crc, dense=dense)))
+                                   storage_data=_CheckedInfo(name, offset, length, crc=sink.crc, dense=dense,
+                                                              start=start if dense else None)))
         fault("item-written")
 
 
@@ -149,8 +153,10 @@ class CheckedWriter(FileSystemWriter):
             for result in rank_results:
                 info = result.storage_data
                 storage[result.index] = _StorageInfo(info.relative_path, info.offset, info.length)
-                crcs.setdefault(info.relative_path, []).append([info.offset, info.length, info.crc]
-                                                               + ([1] if info.dense else []))
+                # [offset, length, crc] (+ [1] for a dense item, + [where its elements begin] when known)
+                crcs.setdefault(info.relative_path, []).append(
+                    [info.offset, info.length, info.crc] + ([1] if info.dense else [])
+                    + ([info.start] if info.dense and info.start is not None else []))
         metadata.version = "1.0.0"
         metadata.storage_data = storage
         metadata.storage_meta = StorageMeta(checkpoint_id=str(directory), save_id=self.save_id)
@@ -204,16 +210,18 @@ class CheckedReader(FileSystemReader):
     def __init__(self, path: str | os.PathLike):
         super().__init__(path)
         self.manifest = read_manifest(Path(path))
-        # (file, offset) -> (length, checksum, dense: the item's tensor bytes lie in it as they are in memory)
+        # (file, offset) -> (length, checksum, dense: the item's tensor bytes lie in it as they are in memory,
+        # where they begin in it: None when the writer did not record it)
         try:  # manifests before "item_checksum" used zlib's CRC-32
             self._checksum = checksums.function(self.manifest.get("item_checksum", "crc32"))
         except KeyError as err:
             raise CheckpointCorruptError(f"checkpoint {path}: {MANIFEST}: {err.args[0]}",
                                          str(Path(path) / MANIFEST)) from None
-        self._crcs = {(name, entry[0]): (entry[1], entry[2], len(entry) > 3 and bool(entry[3]))
+        self._crcs = {(name, entry[0]): (entry[1], entry[2], len(entry) > 3 and bool(entry[3]),
+                                         int(entry[4]) if len(entry) > 4 else None)
                       for name, items in self.manifest["files"].items() for entry in items}
         self._metadata: Metadata | None = None
-        self._files: dict[str, CheckpointFile] = {}
+        self._files: dict[tuple[str, str], CheckpointFile] = {}
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """`.metadata`, checked against the manifest (callers read it once before DCP does: DCP takes a failure
@@ -236,57 +244,62 @@ class CheckedReader(FileSystemReader):
         return metadata
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """The items in plan order (the planner lists them page by page, so it fills one page at a time), read
-        with pread while the kernel reads the next READ_AHEAD bytes of items ahead (WILLNEED). A dense item that
-        fills its target whole is read straight into the target (one copy, page cache to page: no mapping, no
-        unpickling) and checked there; any other item is read whole, checked, then unpacked. Every byte is
-        checked against the manifest before the load counts; a mismatch is a CheckpointCorruptError naming the
-        file (the planner's pages then hold part of it: the engine refuses to train on them)."""
+        """The items in plan order (the planner lists them page by page), while the kernel reads the next
+        READ_AHEAD bytes of items ahead (WILLNEED). A dense item that fills its target whole is read straight into
+        the target (one copy, page cache to page: no mapping, no unpickling) and checked there; any other item is
+        read whole, checked, then unpacked. With a planner that can hold two pages (PageLoadPlanner), a reader
+        thread reads and checks one page's items, in file order through a descriptor of its own, while this
+        thread takes the next page (makes room, zeroes it) and, after, unpacks what needs it and hands the page
+        back: at most two pages are held. Every byte is checked against the manifest
+        before the load counts; a mismatch is a CheckpointCorruptError naming the file (the planner's pages then
+        hold part of it: the engine refuses to train on them)."""
         items = plan.items
         infos = [self.storage_data[req.storage_index] for req in items]
+        paged = hasattr(planner, "page_of") and hasattr(planner, "release_page")
         try:
             ranges = [(self._file(info.relative_path), info.offset, info.length) for info in infos]
-            with ReadAhead(ranges, READ_AHEAD) as ahead:
+            with ReadAhead(ranges, READ_AHEAD) as ahead, _PageReads(planner if paged else None) as reads:
                 for position, (req, sinfo) in enumerate(zip(items, infos)):
                     ahead.reached(position)
                     if req.type == LoadItemType.BYTE_IO:
                         planner.load_bytes(req, io.BytesIO(self.item(sinfo)))
-                    elif not self._read_in_place(req, sinfo, planner):
-                        self._unpack(req, sinfo, self.item(sinfo), planner)
+                        continue
+                    if paged:
+                        reads.page(planner.page_of(req))
+                    reads.add(self._in_place(req, sinfo, planner) or _Whole(self, req, sinfo, planner))
         finally:
             self.close()
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _read_in_place(self, req, sinfo, planner) -> bool:
+    def _in_place(self, req, sinfo, planner) -> "_InPlace | None":
         """A dense item whose elements fill the planner's target exactly (same dtype and shape, contiguous, in
-        CPU memory) read from the file into the target and checked there; False (nothing read) otherwise."""
+        CPU memory): its read, to run (`_InPlace.run`), then commit; None (nothing read) otherwise. The item is
+        one read front to back (the bytes before the elements, the elements into the target, the bytes after),
+        where the manifest says its elements begin; a checkpoint that does not say (an older one) has the
+        archive's directory searched for them first, except a small item, read whole and unpacked instead."""
         entry = self._checked_entry(sinfo)
         sizes, dtype = self._saved_chunk(req)
         if not entry[2] or sizes is None or any(req.storage_offsets) or tuple(req.lengths) != sizes:
-            return False
+            return None
         target = planner.resolve_tensor(req).detach()
         nbytes = math.prod(sizes) * dtype.itemsize
         if (target.dtype != dtype or tuple(target.size()) != sizes or not target.is_contiguous()
                 or target.device.type != "cpu" or not nbytes):
-            return False
+            return None
         file = self._file(sinfo.relative_path)
-        start = record_start(lambda at, n: file.read(sinfo.offset + at, n), sinfo.length, nbytes)
+        start = entry[3]
         if start is None:
-            return False
-        view = memoryview(target.reshape(-1).view(torch.uint8).numpy()).cast("B")
-        file.readinto(view, sinfo.offset + start)
-        crc = self._checksum(file.read(sinfo.offset, start))
-        crc = self._checksum(view, crc)
-        crc = self._checksum(file.read(sinfo.offset + start + nbytes, sinfo.length - start - nbytes), crc)
-        if crc != entry[1]:
-            raise self._corrupt(sinfo)
-        planner.commit_tensor(req, target)
-        note = getattr(planner, "loaded_from", None)
-        if note is not None:  # the bytes lie as they are in the file
-            note(req, target, file.path, sinfo.offset + start, nbytes)
-        return True
+            if sinfo.length <= SMALL_ITEM:
+                return None
+            start = record_start(lambda at, n: file.read(sinfo.offset + at, n), sinfo.length, nbytes)
+            if start is None:
+                return None
+        elif not 0 < start <= sinfo.length - nbytes:
+            raise self._corrupt(sinfo, f"the manifest places its {nbytes} bytes of elements at byte {start}")
+        return _InPlace(self, req, sinfo, planner, target, self._file(sinfo.relative_path, "pages"), start, nbytes,
+                        entry[1])
 
     def _unpack(self, req, sinfo, data: bytearray, planner) -> None:
         """One tensor item (its checked bytes) into the planner's target: its elements straight from `data` when
@@ -306,12 +319,15 @@ class CheckedReader(FileSystemReader):
             note(req, target, self._file(sinfo.relative_path).path,
                  sinfo.offset + where + tensor.data_ptr() - loaded.data_ptr(), tensor.numel() * tensor.element_size())
 
-    def _file(self, relative_path: str) -> CheckpointFile:
-        file = self._files.get(relative_path)
+    def _file(self, relative_path: str, reader: str = "") -> CheckpointFile:
+        """The file open for reading; `reader` names a descriptor of its own (the page-reads thread's: each
+        descriptor keeps the kernel's sequential read-ahead of its own reads, which two threads reading at two
+        places through one would defeat)."""
+        file = self._files.get((relative_path, reader))
         if file is None:
             path = Path(self.path).absolute() / relative_path
             try:
-                file = self._files[relative_path] = CheckpointFile(path)
+                file = self._files[(relative_path, reader)] = CheckpointFile(path)
             except FileNotFoundError:
                 raise CheckpointCorruptError(f"checkpoint {self.path}: {path} is missing", str(path)) from None
             except OSError as err:
@@ -319,10 +335,11 @@ class CheckedReader(FileSystemReader):
                                              str(path)) from None
         return file
 
-    def _corrupt(self, sinfo) -> CheckpointCorruptError:
+    def _corrupt(self, sinfo, why: str = "") -> CheckpointCorruptError:
         path = Path(self.path) / sinfo.relative_path
-        return CheckpointCorruptError(f"checkpoint {self.path}: {path} fails its checksum at byte {sinfo.offset} "
-                                      f"({sinfo.length} bytes)", str(path))
+        what = f"the item at byte {sinfo.offset} ({sinfo.length} bytes): {why}" if why else \
+            f"fails its checksum at byte {sinfo.offset} ({sinfo.length} bytes)"
+        return CheckpointCorruptError(f"checkpoint {self.path}: {path} {what}", str(path))
 
     def _checked_entry(self, sinfo) -> tuple:
         """The manifest's (length, checksum, dense) of an item, which must lie whole in its file."""
@@ -334,11 +351,11 @@ class CheckedReader(FileSystemReader):
                                          f"manifest (item at byte {sinfo.offset}, {sinfo.length} bytes)", str(path))
         return entry
 
-    def item(self, sinfo) -> bytearray:
+    def item(self, sinfo, reader: str = "") -> bytearray:
         """An item's bytes, checked against the manifest: CheckpointCorruptError naming the file if they are
         missing or do not match."""
         entry = self._checked_entry(sinfo)
-        data = self._file(sinfo.relative_path).read(sinfo.offset, sinfo.length)
+        data = self._file(sinfo.relative_path, reader).read(sinfo.offset, sinfo.length)
         if self._checksum(data) != entry[1]:
             raise self._corrupt(sinfo)
         return data
@@ -365,7 +382,11 @@ class CheckedReader(FileSystemReader):
         if entry is None or not entry[2] or sizes is None:
             return None, None
         numel = math.prod(sizes)
-        start = record_start(lambda at, n: data[at: at + n], len(data), numel * dtype.itemsize)
+        start = entry[3]
+        if start is None:
+            start = record_start(lambda at, n: data[at: at + n], len(data), numel * dtype.itemsize)
+        elif not (0 < start <= len(data) - numel * dtype.itemsize and data_record_ends(memoryview(data)[:start])):
+            raise self._corrupt(sinfo, f"no tensor record of {numel * dtype.itemsize} bytes begins at byte {start}")
         if start is None:
             return None, None
         tensor = torch.frombuffer(data, dtype=dtype, count=numel, offset=start) if numel else \
@@ -373,7 +394,114 @@ class CheckedReader(FileSystemReader):
         return tensor.view(sizes), start
 
 
+class _InPlace:
+    """One dense item read into its target: `run` (any thread: the read and the check, the GIL released in
+    both), then `commit` (the planner's thread)."""
+
+    def __init__(self, reader: CheckedReader, req, sinfo, planner, target, file, start: int, nbytes: int, crc: int):
+        self.reader, self.req, self.sinfo, self.planner, self.target = reader, req, sinfo, planner, target
+        self.file, self.start, self.nbytes, self.crc = file, start, nbytes, crc
+
+    def run(self) -> None:
+        sinfo, checksum = self.sinfo, self.reader._checksum
+        head, tail = bytearray(self.start), bytearray(sinfo.length - self.start - self.nbytes)
+        view = memoryview(self.target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        self.file.readinto_parts([memoryview(head), view, memoryview(tail)], sinfo.offset)
+        if checksum(tail, checksum(view, checksum(head))) != self.crc:
+            raise self.reader._corrupt(sinfo)
+        if not data_record_ends(head):  # checked bytes, but the elements are not where the manifest says
+            raise self.reader._corrupt(sinfo, f"no tensor record ends at byte {self.start}")
+
+    def commit(self) -> None:
+        self.planner.commit_tensor(self.req, self.target)
+        note = getattr(self.planner, "loaded_from", None)
+        if note is not None:  # the bytes lie as they are in the file
+            note(self.req, self.target, self.file.path, self.sinfo.offset + self.start, self.nbytes)
+
+
+class _Whole:
+    """Any other tensor item: read whole and checked (`run`, any thread), then unpacked into its target (`commit`,
+    the planner's thread)."""
+
+    def __init__(self, reader: CheckedReader, req, sinfo, planner):
+        self.reader, self.req, self.sinfo, self.planner = reader, req, sinfo, planner
+        reader._checked_entry(sinfo)  # the file is opened (a missing one is named) in the caller's thread
+        self.data: bytearray | None = None
+
+    def run(self) -> None:
+        self.data = self.reader.item(self.sinfo, "pages")
+
+    def commit(self) -> None:
+        data, self.data = self.data, None
+        self.reader._unpack(self.req, self.sinfo, data, self.planner)
+
+
+class _PageReads:
+    """In-place reads grouped by the page they fill. Without a planner (one that cannot hold two pages), each
+    read runs and commits at once. With one, a page's reads run on a thread of this object's while the caller
+    resolves the next page's items; when that next page begins, the previous page's reads are waited for,
+    committed and the page released (`planner.release_page`). Leaving the block finishes them (or, on an error,
+    waits for the thread before the pages go back)."""
+
+    def __init__(self, planner):
+        self.planner = planner
+        self._page, self._reads = None, []  # the page whose items are being resolved, and its reads
+        self._running: collections.deque = collections.deque()  # (page, reads, future) on the thread, in order
+        self._pool = None
+
+    def __enter__(self) -> "_PageReads":
+        if self.planner is not None:
+            self.planner.keep_held = True
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="angel-ptm-checkpoint-read")
+        return self
+
+    def page(self, page) -> None:
+        """The next items go into `page` (None: a model buffer)."""
+        if page is not self._page:
+            self._submit()
+            self._page = page
+
+    def add(self, read: "_InPlace | _Whole") -> None:
+        if self._pool is None:
+            read.run()
+            read.commit()
+        else:
+            self._reads.append(read)
+
+    def _submit(self, depth: int | None = None) -> None:
+        """The current page's reads to the thread; the pages before them finished, all but `depth`."""
+        if self._reads or self._page is not None:
+            reads, self._reads = self._reads, []
+            self._running.append((self._page, reads, self._pool.submit(_run_all, reads)))
+        while len(self._running) > (PAGES_IN_FLIGHT if depth is None else depth):
+            page, reads, future = self._running.popleft()
+            future.result()
+            for read in reads:
+                read.commit()
+            if page is not None and page is not self._page and all(page is not r[0] for r in self._running):
+                self.planner.release_page(page)
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if self._pool is None:
+            return
+        try:
+            if kind is None:
+                self._submit()
+                self._page = None
+                self._submit(depth=0)
+        finally:
+            self._pool.shutdown(wait=True)  # no read still writes into a page when the pages go back
+            self.planner.keep_held = False
+
+
+def _run_all(reads: list) -> None:
+    for read in reads:
+        read.run()
+
+
+PAGES_IN_FLIGHT = 2  # pages whose reads run while the next page's items are resolved
 READ_AHEAD = 32 << 20  # bytes of items a load asks the kernel to read ahead of the one being read
+SMALL_ITEM = 64 << 10  # a dense item up to this size with no recorded start is read whole, then unpacked
 QUEUE = 1  # items waiting between the two threads of a save (each at most a page)
 
 
