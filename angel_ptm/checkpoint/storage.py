@@ -403,16 +403,18 @@ class _InPlace:
         self.file, self.start, self.nbytes, self.crc = file, start, nbytes, crc
 
     def run(self) -> None:
-        sinfo, checksum = self.sinfo, self.reader._checksum
-        head, tail = bytearray(self.start), bytearray(sinfo.length - self.start - self.nbytes)
-        view = memoryview(self.target.reshape(-1).view(torch.uint8).numpy()).cast("B")
-        self.file.readinto_parts([memoryview(head), view, memoryview(tail)], sinfo.offset)
-        if checksum(tail, checksum(view, checksum(head))) != self.crc:
-            raise self.reader._corrupt(sinfo)
-        if not data_record_ends(head):  # checked bytes, but the elements are not where the manifest says
-            raise self.reader._corrupt(sinfo, f"no tensor record ends at byte {self.start}")
+        sinfo = self.sinfo
+        self.head, self.tail = bytearray(self.start), bytearray(sinfo.length - self.start - self.nbytes)
+        self.view = memoryview(self.target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        self.file.readinto_parts([memoryview(self.head), self.view, memoryview(self.tail)], sinfo.offset)
 
     def commit(self) -> None:
+        sinfo, checksum = self.sinfo, self.reader._checksum
+        if checksum(self.tail, checksum(self.view, checksum(self.head))) != self.crc:
+            raise self.reader._corrupt(sinfo)
+        if not data_record_ends(self.head):  # checked bytes, but the elements are not where the manifest says
+            raise self.reader._corrupt(sinfo, f"no tensor record ends at byte {self.start}")
+        self.view = None
         self.planner.commit_tensor(self.req, self.target)
         note = getattr(self.planner, "loaded_from", None)
         if note is not None:  # the bytes lie as they are in the file
