@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # tools/ is not installed: the benchmarks run from a checkout
     sys.path.insert(0, str(ROOT))
 
-from tools.bench import adam, io, overhead, overlap, scale  # noqa: E402
+from tools.bench import adam, checkpoint, io, overhead, overlap, scale  # noqa: E402
 
 
 def last_json_line(capsys) -> dict:
@@ -58,6 +58,17 @@ def test_overlap_bench_reports_the_four_measurements(tmp_path, capsys):
     assert report["overlap"] == pytest.approx(max(report["compute_s"], report["io_s"]) / report["scheduled_s"],
                                               rel=0.05)
     assert 0 <= report["stall_fraction"] <= 1 and report["deviations"] == 0
+
+
+def test_checkpoint_bench_reports_every_figure(tmp_path, capsys):
+    report = checkpoint.main(["--dir", str(tmp_path), "--dim", "64", "--layers", "2", "--heads", "2", "--page-mib",
+                              "1", "--repeats", "1", "--async-steps", "2", "--json"])
+    assert last_json_line(capsys) == report
+    positive(report, "save_gbps", "load_gbps", "raw_write_gbps", "raw_read_gbps", "raw_read_direct_gbps",
+             "save_ratio", "load_ratio", "torch_save_s", "async_step_slowdown")
+    assert report["raw_read_direct_gbps"] <= report["raw_read_gbps"] * 1.0001  # the ceiling is the faster loop
+    assert report["load_page_write_bytes"] == 0 and report["rss_growth_pages"] >= 0
+    assert list(tmp_path.iterdir()) == []  # its files are removed
 
 
 def test_overhead_bench_runs(capsys):
