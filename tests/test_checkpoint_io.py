@@ -234,3 +234,27 @@ def test_a_load_reads_pages_on_a_thread_holding_at_most_the_pages_in_flight_and_
         assert all(page.pin_count == 0 for page in engine.manager.pages)
     finally:
         engine.close()
+
+
+def test_reading_into_parts_fills_them_in_file_order_across_calls_and_names_a_short_file(tmp_path, monkeypatch):
+    """A run of items is one front-to-back read into many buffers (each item's head, elements and tail): at most
+    IOV_MAX buffers a call, empty ones skipped, a buffer a call fills only in part finished by the next."""
+    from angel_ptm.checkpoint import files
+
+    data = bytes(range(256)) * 40
+    (tmp_path / "f").write_bytes(data)
+    file = files.CheckpointFile(tmp_path / "f")
+    monkeypatch.setattr(files, "IOV_MAX", 3)
+    sizes = [5, 0, 700, 1, 3000, 0, 17, 2000, 1]
+    parts = [bytearray(n) for n in sizes]
+    file.readinto_parts([memoryview(p) for p in parts], 123)
+    assert b"".join(parts) == data[123: 123 + sum(sizes)]
+    real = files.os.preadv
+    monkeypatch.setattr(files.os, "preadv", lambda fd, views, at: real(fd, [views[0][:7]], at))  # short reads
+    parts = [bytearray(n) for n in sizes]
+    file.readinto_parts([memoryview(p) for p in parts], 0)
+    assert b"".join(parts) == data[: sum(sizes)]
+    monkeypatch.setattr(files.os, "preadv", real)
+    with pytest.raises(CheckpointCorruptError, match="ends before byte"):
+        file.readinto_parts([memoryview(bytearray(100)), memoryview(bytearray(100))], len(data) - 150)
+    file.close()

@@ -13,6 +13,16 @@ from typing import Callable
 from angel_ptm.errors import CheckpointCorruptError
 
 
+def _iov_max() -> int:
+    try:
+        return max(1, min(os.sysconf("SC_IOV_MAX"), 1024))
+    except (AttributeError, ValueError, OSError):
+        return 16  # POSIX's least
+
+
+IOV_MAX = _iov_max()  # buffers one preadv may fill
+
+
 class CheckpointFile:
     """A checkpoint file open for reading: `read` and `readinto` at an offset (pread: the GIL is released while
     the kernel copies), `advise` what comes next (WILLNEED: the kernel starts reading it)."""
@@ -31,13 +41,14 @@ class CheckpointFile:
         self.readinto_parts([view], offset)
 
     def readinto_parts(self, views: list[memoryview], offset: int) -> None:
-        """The bytes from `offset` on into `views`, one after the other (one preadv: a single front-to-back
-        read of the file however the destination is split)."""
+        """The bytes from `offset` on into `views`, one after the other (one preadv per IOV_MAX views: a single
+        front-to-back read of the file however the destination is split)."""
         total = sum(len(v) for v in views)
-        done = 0
-        while done < total:
+        views = [v for v in views if len(v)]
+        done = i = 0
+        while i < len(views):
             try:
-                got = os.preadv(self.fd, views, offset + done)
+                got = os.preadv(self.fd, views[i: i + IOV_MAX], offset + done)
             except OSError as err:
                 raise CheckpointCorruptError(f"cannot read {total} bytes at byte {offset} of {self.path}: "
                                              f"{err.strerror}", self.path) from None
@@ -45,11 +56,11 @@ class CheckpointFile:
                 raise CheckpointCorruptError(f"{self.path} ends before byte {offset + total} (truncated?)",
                                              self.path)
             done += got
-            while views and got >= len(views[0]):  # the views filled whole
-                got -= len(views[0])
-                views = views[1:]
-            if views:
-                views = [views[0][got:]] + views[1:]
+            while i < len(views) and got >= len(views[i]):  # the views filled whole
+                got -= len(views[i])
+                i += 1
+            if got:
+                views[i] = views[i][got:]
 
     def advise(self, offset: int, length: int) -> None:
         if hasattr(os, "posix_fadvise"):

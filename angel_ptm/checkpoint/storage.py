@@ -395,18 +395,18 @@ class CheckedReader(FileSystemReader):
 
 
 class _InPlace:
-    """One dense item read into its target: `run` (any thread: the read and the check, the GIL released in
-    both), then `commit` (the planner's thread)."""
+    """One dense item read into its target: its bytes land (`parts`: the bytes before the elements, the elements
+    in the target, the bytes after, read by `_run_all` on any thread), then `commit` (the planner's thread) checks
+    them and commits the target."""
 
     def __init__(self, reader: CheckedReader, req, sinfo, planner, target, file, start: int, nbytes: int, crc: int):
         self.reader, self.req, self.sinfo, self.planner, self.target = reader, req, sinfo, planner, target
         self.file, self.start, self.nbytes, self.crc = file, start, nbytes, crc
 
-    def run(self) -> None:
-        sinfo = self.sinfo
-        self.head, self.tail = bytearray(self.start), bytearray(sinfo.length - self.start - self.nbytes)
+    def parts(self) -> list[memoryview]:
+        self.head, self.tail = bytearray(self.start), bytearray(self.sinfo.length - self.start - self.nbytes)
         self.view = memoryview(self.target.reshape(-1).view(torch.uint8).numpy()).cast("B")
-        self.file.readinto_parts([memoryview(self.head), self.view, memoryview(self.tail)], sinfo.offset)
+        return [memoryview(self.head), self.view, memoryview(self.tail)]
 
     def commit(self) -> None:
         sinfo, checksum = self.sinfo, self.reader._checksum
@@ -422,19 +422,23 @@ class _InPlace:
 
 
 class _Whole:
-    """Any other tensor item: read whole and checked (`run`, any thread), then unpacked into its target (`commit`,
-    the planner's thread)."""
+    """Any other tensor item: read whole (`parts`), then checked and unpacked into its target (`commit`, the
+    planner's thread)."""
 
     def __init__(self, reader: CheckedReader, req, sinfo, planner):
         self.reader, self.req, self.sinfo, self.planner = reader, req, sinfo, planner
-        reader._checked_entry(sinfo)  # the file is opened (a missing one is named) in the caller's thread
+        self.crc = reader._checked_entry(sinfo)[1]  # (the file is opened, a missing one named, in this thread)
+        self.file = reader._file(sinfo.relative_path, "pages")
         self.data: bytearray | None = None
 
-    def run(self) -> None:
-        self.data = self.reader.item(self.sinfo, "pages")
+    def parts(self) -> list[memoryview]:
+        self.data = bytearray(self.sinfo.length)
+        return [memoryview(self.data)]
 
     def commit(self) -> None:
         data, self.data = self.data, None
+        if self.reader._checksum(data) != self.crc:
+            raise self.reader._corrupt(self.sinfo)
         self.reader._unpack(self.req, self.sinfo, data, self.planner)
 
 
@@ -465,7 +469,7 @@ class _PageReads:
 
     def add(self, read: "_InPlace | _Whole") -> None:
         if self._pool is None:
-            read.run()
+            _run_all([read])
             read.commit()
         else:
             self._reads.append(read)
@@ -497,8 +501,16 @@ class _PageReads:
 
 
 def _run_all(reads: list) -> None:
-    for read in reads:
-        read.run()
+    """The reads' bytes, each run of items lying back to back in one file read by one preadv (a page's items
+    usually are one run)."""
+    i = 0
+    while i < len(reads):
+        first, parts, end = reads[i], [], None
+        while i < len(reads) and reads[i].file is first.file and (end is None or reads[i].sinfo.offset == end):
+            parts += reads[i].parts()
+            end = reads[i].sinfo.offset + reads[i].sinfo.length
+            i += 1
+        first.file.readinto_parts(parts, first.sinfo.offset)
 
 
 PAGES_IN_FLIGHT = 2  # pages whose reads run while the next page's items are resolved
