@@ -258,3 +258,17 @@ def test_reading_into_parts_fills_them_in_file_order_across_calls_and_names_a_sh
     with pytest.raises(CheckpointCorruptError, match="ends before byte"):
         file.readinto_parts([memoryview(bytearray(100)), memoryview(bytearray(100))], len(data) - 150)
     file.close()
+
+
+def test_a_host_that_holds_few_pages_loads_one_page_at_a_time(tmp_path, monkeypatch):
+    from angel_ptm.checkpoint.planners import PageLoadPlanner
+
+    most = []
+    hold = PageLoadPlanner._hold
+    monkeypatch.setattr(PageLoadPlanner, "_hold", lambda self, page: (hold(self, page), most.append(len(self._held)))[0])
+    monkeypatch.setattr(PageLoadPlanner, "holdable", lambda self: 1)  # a host pool of two pages: one held, one moving
+    losses, states = train_with_checkpoint(tmp_path, "mlp", config(tmp_path, "a"), tmp_path / "ckpt")
+    resumed, resumed_states = resume_from("mlp", config(tmp_path, "b"), tmp_path / "ckpt")
+    assert max(most) == 1
+    assert resumed == losses[AT:]
+    assert_bitwise(states, resumed_states)

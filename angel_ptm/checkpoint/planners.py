@@ -375,6 +375,10 @@ class PageLoadPlanner(LoadPlanner):
             target = page.view(run.dtype)[run.offset: run.offset + run.numel].view(run.sizes)
         return narrow_tensor_by_index(target, read_item.dest_offsets, read_item.lengths)
 
+    def holdable(self) -> int:
+        """Pages a reader may have held at once (`keep_held`): the host pool's, but one left for moves."""
+        return self.engine.manager.pools[Tier.HOST].capacity - 1
+
     def page_of(self, read_item: ReadItem) -> Page | None:
         """The page an item is read into (None: a model buffer, or a bytes item)."""
         run = self.targets.get((read_item.dest_index.fqn, tuple(read_item.dest_index.offset or ())))

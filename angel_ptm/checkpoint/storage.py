@@ -255,10 +255,12 @@ class CheckedReader(FileSystemReader):
         hold part of it: the engine refuses to train on them)."""
         items = plan.items
         infos = [self.storage_data[req.storage_index] for req in items]
-        paged = hasattr(planner, "page_of") and hasattr(planner, "release_page")
+        # pages held at once: the one being resolved and those being read (fewer where the host holds few pages)
+        depth = min(PAGES_IN_FLIGHT, planner.holdable() - 1) if hasattr(planner, "holdable") else 0
+        paged = depth > 0 and hasattr(planner, "page_of") and hasattr(planner, "release_page")
         try:
             ranges = [(self._file(info.relative_path), info.offset, info.length) for info in infos]
-            with ReadAhead(ranges, READ_AHEAD) as ahead, _PageReads(planner if paged else None) as reads:
+            with ReadAhead(ranges, READ_AHEAD) as ahead, _PageReads(planner if paged else None, depth) as reads:
                 for position, (req, sinfo) in enumerate(zip(items, infos)):
                     ahead.reached(position)
                     if req.type == LoadItemType.BYTE_IO:
@@ -443,14 +445,14 @@ class _Whole:
 
 
 class _PageReads:
-    """In-place reads grouped by the page they fill. Without a planner (one that cannot hold two pages), each
-    read runs and commits at once. With one, a page's reads run on a thread of this object's while the caller
-    resolves the next page's items; when that next page begins, the previous page's reads are waited for,
-    committed and the page released (`planner.release_page`). Leaving the block finishes them (or, on an error,
-    waits for the thread before the pages go back)."""
+    """Tensor items' reads grouped by the page they fill. Without a planner (one that cannot hold two pages, or
+    a host too small to), each read runs and commits at once. With one, a page's reads run on a thread of this
+    object's while the caller resolves the next page's items; once more than `depth` pages are being read, the
+    oldest is waited for, its items checked and committed and the page released (`planner.release_page`).
+    Leaving the block finishes them (or, on an error, waits for the thread before the pages go back)."""
 
-    def __init__(self, planner):
-        self.planner = planner
+    def __init__(self, planner, depth: int = 1):
+        self.planner, self.depth = planner, depth
         self._page, self._reads = None, []  # the page whose items are being resolved, and its reads
         self._running: collections.deque = collections.deque()  # (page, reads, future) on the thread, in order
         self._pool = None
@@ -479,7 +481,7 @@ class _PageReads:
         if self._reads or self._page is not None:
             reads, self._reads = self._reads, []
             self._running.append((self._page, reads, self._pool.submit(_run_all, reads)))
-        while len(self._running) > (PAGES_IN_FLIGHT if depth is None else depth):
+        while len(self._running) > (self.depth if depth is None else depth):
             page, reads, future = self._running.popleft()
             future.result()
             for read in reads:
