@@ -247,12 +247,12 @@ class CheckedReader(FileSystemReader):
         """The items in plan order (the planner lists them page by page), while the kernel reads the next
         READ_AHEAD bytes of items ahead (WILLNEED). A dense item that fills its target whole is read straight into
         the target (one copy, page cache to page: no mapping, no unpickling) and checked there; any other item is
-        read whole, checked, then unpacked. With a planner that can hold two pages (PageLoadPlanner), a reader
-        thread reads and checks one page's items, in file order through a descriptor of its own, while this
-        thread takes the next page (makes room, zeroes it) and, after, unpacks what needs it and hands the page
-        back: at most two pages are held. Every byte is checked against the manifest
-        before the load counts; a mismatch is a CheckpointCorruptError naming the file (the planner's pages then
-        hold part of it: the engine refuses to train on them)."""
+        read whole, checked, then unpacked. With a planner that can hold several pages (PageLoadPlanner), a
+        thread reads the items of up to PAGES_IN_FLIGHT pages, in file order through a descriptor of its own,
+        while this thread takes the next page (makes room, zeroes it) and, as each page's reads land, checks its
+        items, unpacks what needs it and hands the page back. Every byte is checked against the manifest before
+        the load counts; a mismatch is a CheckpointCorruptError naming the file (the planner's pages then hold
+        part of it: the engine refuses to train on them)."""
         items = plan.items
         infos = [self.storage_data[req.storage_index] for req in items]
         # pages held at once: the one being resolved and those being read (fewer where the host holds few pages)
@@ -277,8 +277,9 @@ class CheckedReader(FileSystemReader):
 
     def _in_place(self, req, sinfo, planner) -> "_InPlace | None":
         """A dense item whose elements fill the planner's target exactly (same dtype and shape, contiguous, in
-        CPU memory): its read, to run (`_InPlace.run`), then commit; None (nothing read) otherwise. The item is
-        one read front to back (the bytes before the elements, the elements into the target, the bytes after),
+        CPU memory): its read (`_InPlace`: the bytes land, then `commit` checks them); None (nothing read)
+        otherwise. The item is read front to back (the bytes before the elements, the elements into the target,
+        the bytes after),
         where the manifest says its elements begin; a checkpoint that does not say (an older one) has the
         archive's directory searched for them first, except a small item, read whole and unpacked instead."""
         entry = self._checked_entry(sinfo)
@@ -344,7 +345,8 @@ class CheckedReader(FileSystemReader):
         return CheckpointCorruptError(f"checkpoint {self.path}: {path} {what}", str(path))
 
     def _checked_entry(self, sinfo) -> tuple:
-        """The manifest's (length, checksum, dense) of an item, which must lie whole in its file."""
+        """The manifest's (length, checksum, dense, where the elements begin) of an item, which must lie whole in
+        its file."""
         entry = self._crcs.get((sinfo.relative_path, sinfo.offset))
         if entry is None or entry[0] != sinfo.length or sinfo.offset + sinfo.length > self._file(
                 sinfo.relative_path).size:
