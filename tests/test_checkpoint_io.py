@@ -90,31 +90,6 @@ def test_a_saves_page_buffers_are_reused_once_unviewed_and_capped(monkeypatch):
     del held
 
 
-def test_read_ahead_advises_in_order_within_its_window_and_stops(tmp_path):
-    from angel_ptm.checkpoint.files import CheckpointFile, ReadAhead
-
-    path = tmp_path / "f"
-    path.write_bytes(bytes(100))
-    file = CheckpointFile(path)
-    seen = []
-    file.advise = lambda offset, length: seen.append(offset)
-    ranges = [(file, 10 * i, 10) for i in range(10)]
-    clock = __import__("time")
-
-    def settles_at(expected):
-        deadline = clock.monotonic() + 5
-        while len(seen) < len(expected) and clock.monotonic() < deadline:
-            clock.sleep(0.005)
-        clock.sleep(0.02)  # and goes no further
-        assert seen == expected
-
-    with ReadAhead(ranges, window=25) as ahead:
-        settles_at([0, 10, 20, 30])  # the current range, then whole ranges until 25 bytes lie beyond it
-        ahead.reached(5)
-        settles_at([10 * i for i in range(9)])
-    file.close()
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
 def test_a_dense_tensors_archive_is_written_around_its_elements_byte_for_byte_as_torch_save_writes_it(dtype):
     """The checkpoint writer keeps the archive torch.save writes around a dense tensor's elements, per layout
@@ -272,3 +247,41 @@ def test_a_host_that_holds_few_pages_loads_one_page_at_a_time(tmp_path, monkeypa
     assert max(most) == 1
     assert resumed == losses[AT:]
     assert_bitwise(states, resumed_states)
+
+
+def test_the_load_plan_lists_pages_in_the_order_their_bytes_lie_in_the_files():
+    from types import SimpleNamespace
+
+    from angel_ptm.checkpoint.planners import in_file_order
+
+    item = lambda name: SimpleNamespace(storage_index=name)  # noqa: E731
+    storage = {"a": SimpleNamespace(relative_path="__0_0.distcp", offset=900),
+               "b": SimpleNamespace(relative_path="__0_0.distcp", offset=100),
+               "c": SimpleNamespace(relative_path="__1_0.distcp", offset=0),
+               "d": SimpleNamespace(relative_path="__0_0.distcp", offset=500)}
+    groups = [[item("c")], [item("a"), item("d")], [], [item("b")]]  # pages as the plan makes them, kind by kind
+    assert [i.storage_index for i in in_file_order(groups, storage)] == ["b", "d", "a", "c"]
+    assert [i.storage_index for i in in_file_order(groups, None)] == ["c", "a", "d", "b"]  # no map: as given
+
+
+def test_a_load_at_the_saved_layout_reads_its_file_front_to_back(tmp_path, monkeypatch):
+    """The pages' reads go through the file front to back, never back: the save wrote the kinds page by page,
+    the load plan makes the pages kind by kind, and the reads follow the file (the kernel then reads ahead)."""
+    from angel_ptm.checkpoint import files
+
+    train_with_checkpoint(tmp_path, "gpt", config(tmp_path, "a"), tmp_path / "ckpt")
+    reads: list[tuple[int, int]] = []
+    real = files.CheckpointFile.readinto_parts
+
+    def recording(self, views, offset):
+        reads.append((offset, sum(len(v) for v in views)))
+        return real(self, views, offset)
+
+    monkeypatch.setattr(files.CheckpointFile, "readinto_parts", recording)
+    engine = angel_ptm.initialize(scrambled(CASES["gpt"][0]), config(tmp_path, "b"))
+    try:
+        engine.load_checkpoint(tmp_path / "ckpt")
+    finally:
+        engine.close()
+    assert len(reads) > 10
+    assert all(b[0] >= a[0] + a[1] for a, b in zip(reads, reads[1:]))

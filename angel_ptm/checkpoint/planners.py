@@ -116,6 +116,23 @@ def unexpected_tensors(engine, md) -> list[str]:
             and fqn.partition(".")[2] not in names]
 
 
+def in_file_order(groups: list[list[ReadItem]], storage: dict | None) -> list[ReadItem]:
+    """Each page's items, the pages one after the other, in the order their bytes lie in the checkpoint's files
+    (the items of a page by where each lies, the pages by where their first lies): a load then reads the files
+    front to back, as the kernel reads ahead, whatever order the save wrote the kinds in. (Pages cut otherwise
+    than at the save take their items from several of the saved pages, which may lie apart: the reads then
+    stride forward through the files, a page at a time.) Without the files' map (`storage`), as given."""
+    if not storage:
+        return [item for group in groups for item in group]
+
+    def where(item: ReadItem) -> tuple:
+        info = storage.get(item.storage_index)
+        return ("", -1) if info is None else (info.relative_path, info.offset)
+
+    groups = [sorted(group, key=where) for group in groups if group]
+    return [item for group in sorted(groups, key=lambda g: where(g[0])) for item in group]
+
+
 def held_pages(engine, kind: str) -> list[tuple[int, Page]]:
     """(index, page) of every page of `kind` this rank holds as its own."""
     return [(i, p) for i, p in enumerate(engine.pages.get(kind, ())) if p is not None and p.home is None]
@@ -329,8 +346,10 @@ class PageLoadPlanner(LoadPlanner):
             chunk = ChunkStorageMetadata(torch.Size((0,) * tensor.dim()), tensor.shape)
             items += create_read_items_for_chunk_list(fqn, saved, [chunk])
         on_page = segments_by_page(layout)
+        groups: list[list[ReadItem]] = []  # each page's items
         for kind in SAVED_KINDS:
             for index, _page in held_pages(engine, kind):
+                groups.append([])
                 for fqn, offsets, run in page_runs(layout, on_page[index], kind, index,
                                                    engine.tensors.dtype(kind, index)):
                     fqn = global_fqn(engine, kind, run.name)
@@ -347,7 +366,8 @@ class PageLoadPlanner(LoadPlanner):
                     self.targets[(fqn, offsets)] = run
                     chunk = ChunkStorageMetadata(torch.Size(offsets), torch.Size(run.sizes))
                     for item in create_read_items_for_chunk_list(source, saved, [chunk]):
-                        items.append(replace(item, dest_index=MetadataIndex(fqn, torch.Size(offsets))))
+                        groups[-1].append(replace(item, dest_index=MetadataIndex(fqn, torch.Size(offsets))))
+        items += in_file_order(groups, getattr(self.metadata, "storage_data", None))
         problems += [f"'{fqn}' is none of this model's" for fqn in unexpected_tensors(engine, md)]
         if problems:
             unique = list(dict.fromkeys(problems))
