@@ -90,6 +90,31 @@ def test_a_saves_page_buffers_are_reused_once_unviewed_and_capped(monkeypatch):
     del held
 
 
+def test_read_ahead_advises_in_order_within_its_window_and_stops(tmp_path):
+    from angel_ptm.checkpoint.files import CheckpointFile, ReadAhead
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(100))
+    file = CheckpointFile(path)
+    seen = []
+    file.advise = lambda offset, length: seen.append(offset)
+    ranges = [(file, 10 * i, 10) for i in range(10)]
+    clock = __import__("time")
+
+    def settles_at(expected):
+        deadline = clock.monotonic() + 5
+        while len(seen) < len(expected) and clock.monotonic() < deadline:
+            clock.sleep(0.005)
+        clock.sleep(0.02)  # and goes no further
+        assert seen == expected
+
+    with ReadAhead(ranges, window=25) as ahead:
+        settles_at([0, 10, 20, 30])  # the current range, then whole ranges until 25 bytes lie beyond it
+        ahead.reached(5)
+        settles_at([10 * i for i in range(9)])
+    file.close()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.int64])
 def test_a_dense_tensors_archive_is_written_around_its_elements_byte_for_byte_as_torch_save_writes_it(dtype):
     """The checkpoint writer keeps the archive torch.save writes around a dense tensor's elements, per layout

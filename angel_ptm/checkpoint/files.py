@@ -4,7 +4,9 @@ unpickling, and says where they lie so a disk page can read them there (memory/b
 
 from __future__ import annotations
 
+import itertools
 import os
+import threading
 from pathlib import Path
 from typing import Callable
 
@@ -23,16 +25,11 @@ IOV_MAX = _iov_max()  # buffers one preadv may fill
 
 class CheckpointFile:
     """A checkpoint file open for reading: `read` and `readinto` at an offset (pread: the GIL is released while
-    the kernel copies). `sequential`: it is read front to back (the kernel reads further ahead)."""
+    the kernel copies), `advise` what comes next (WILLNEED: the kernel starts reading it)."""
 
-    def __init__(self, path: Path, sequential: bool = False):
+    def __init__(self, path: Path):
         self.path = str(path)
         self.fd = os.open(path, os.O_RDONLY)
-        if sequential and hasattr(os, "posix_fadvise"):
-            try:
-                os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-            except OSError:  # advice only
-                pass
         self.size = os.fstat(self.fd).st_size
 
     def read(self, offset: int, nbytes: int) -> bytearray:
@@ -65,10 +62,59 @@ class CheckpointFile:
             if got:
                 views[i] = views[i][got:]
 
+    def advise(self, offset: int, length: int) -> None:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(self.fd, offset, length, os.POSIX_FADV_WILLNEED)
+
     def close(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
+
+
+class ReadAhead:
+    """Asks the kernel for the byte ranges a reader will read next, up to `window` bytes ahead of it, from a thread
+    of its own: WILLNEED allocates the page cache's pages and submits the reads (~50 ms for 300 MB here), work the
+    reading thread need not do. `reached(i)`: the reader is at range i. Advice is only advice: its errors are
+    ignored (the read itself reports a missing or short file)."""
+
+    def __init__(self, ranges: list[tuple[CheckpointFile, int, int]], window: int):
+        self.ranges, self.window = ranges, window
+        self._ends = list(itertools.accumulate(length for _, _, length in ranges))
+        self._position = 0
+        self._stop = False
+        self._cond = threading.Condition()
+        self._thread = threading.Thread(target=self._run, name="angel-ptm-checkpoint-readahead", daemon=True)
+
+    def __enter__(self) -> "ReadAhead":
+        self._thread.start()
+        return self
+
+    def reached(self, position: int) -> None:
+        with self._cond:
+            self._position = position
+            self._cond.notify()
+
+    def _ahead(self, advised: int) -> int:
+        return self._ends[advised - 1] - self._ends[self._position] if advised > self._position + 1 else 0
+
+    def _run(self) -> None:
+        for advised, (file, offset, length) in enumerate(self.ranges):
+            with self._cond:
+                while not self._stop and self._ahead(advised) >= self.window:
+                    self._cond.wait()
+                if self._stop:
+                    return
+            try:
+                file.advise(offset, length)
+            except OSError:
+                pass
+
+    def __exit__(self, *exc) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify()
+        self._thread.join()
 
 
 def _u(data, at: int, size: int) -> int:
