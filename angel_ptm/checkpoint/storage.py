@@ -18,8 +18,6 @@ test can kill the process (or raise ENOSPC) exactly there.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import io
 import json
@@ -43,6 +41,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
 from angel_ptm.checkpoint.files import CheckpointFile, ReadAhead, data_record_ends, record_start
+from angel_ptm.checkpoint.page_reads import PAGES_IN_FLIGHT, InPlace, PageReads, Whole
 from angel_ptm.checkpoint.serialize import Containers, CrcWriter
 from angel_ptm.errors import CheckpointCorruptError, CheckpointWriteError, PageIOError
 from angel_ptm.io import checksums
@@ -213,7 +212,7 @@ class CheckedReader(FileSystemReader):
         # (file, offset) -> (length, checksum, dense: the item's tensor bytes lie in it as they are in memory,
         # where they begin in it: None when the writer did not record it)
         try:  # manifests before "item_checksum" used zlib's CRC-32
-            self._checksum = checksums.function(self.manifest.get("item_checksum", "crc32"))
+            self.checksum = checksums.function(self.manifest.get("item_checksum", "crc32"))
         except KeyError as err:
             raise CheckpointCorruptError(f"checkpoint {path}: {MANIFEST}: {err.args[0]}",
                                          str(Path(path) / MANIFEST)) from None
@@ -261,8 +260,8 @@ class CheckedReader(FileSystemReader):
         depth = min(PAGES_IN_FLIGHT, planner.holdable() - 1) if hasattr(planner, "holdable") else 0
         paged = depth > 0 and hasattr(planner, "page_of") and hasattr(planner, "release_page")
         try:
-            ranges = [(self._file(info.relative_path), info.offset, info.length) for info in infos]
-            with ReadAhead(ranges, READ_AHEAD) as ahead, _PageReads(planner if paged else None, depth) as reads:
+            ranges = [(self.open_file(info.relative_path), info.offset, info.length) for info in infos]
+            with ReadAhead(ranges, READ_AHEAD) as ahead, PageReads(planner if paged else None, depth) as reads:
                 for position, (req, sinfo) in enumerate(zip(items, infos)):
                     ahead.reached(position)
                     if req.type == LoadItemType.BYTE_IO:
@@ -270,21 +269,21 @@ class CheckedReader(FileSystemReader):
                         continue
                     if paged:
                         reads.page(planner.page_of(req))
-                    reads.add(self._in_place(req, sinfo, planner) or _Whole(self, req, sinfo, planner))
+                    reads.add(self._in_place(req, sinfo, planner) or Whole(self, req, sinfo, planner))
         finally:
             self.close()
         future: Future[None] = Future()
         future.set_result(None)
         return future
 
-    def _in_place(self, req, sinfo, planner) -> "_InPlace | None":
+    def _in_place(self, req, sinfo, planner) -> "InPlace | None":
         """A dense item whose elements fill the planner's target exactly (same dtype and shape, contiguous, in
-        CPU memory): its read (`_InPlace`: the bytes land, then `commit` checks them); None (nothing read)
+        CPU memory): its read (`InPlace`: the bytes land, then `commit` checks them); None (nothing read)
         otherwise. The item is read front to back (the bytes before the elements, the elements into the target,
         the bytes after),
         where the manifest says its elements begin; a checkpoint that does not say (an older one) has the
         archive's directory searched for them first, except a small item, read whole and unpacked instead."""
-        entry = self._checked_entry(sinfo)
+        entry = self.checked_entry(sinfo)
         sizes, dtype = self._saved_chunk(req)
         if not entry[2] or sizes is None or any(req.storage_offsets) or tuple(req.lengths) != sizes:
             return None
@@ -293,7 +292,7 @@ class CheckedReader(FileSystemReader):
         if (target.dtype != dtype or tuple(target.size()) != sizes or not target.is_contiguous()
                 or target.device.type != "cpu" or not nbytes):
             return None
-        file = self._file(sinfo.relative_path)
+        file = self.open_file(sinfo.relative_path)
         start = entry[3]
         if start is None:
             if sinfo.length <= SMALL_ITEM:
@@ -302,11 +301,11 @@ class CheckedReader(FileSystemReader):
             if start is None:
                 return None
         elif not 0 < start <= sinfo.length - nbytes:
-            raise self._corrupt(sinfo, f"the manifest places its {nbytes} bytes of elements at byte {start}")
-        return _InPlace(self, req, sinfo, planner, target, self._file(sinfo.relative_path, "pages"), start, nbytes,
+            raise self.corrupt(sinfo, f"the manifest places its {nbytes} bytes of elements at byte {start}")
+        return InPlace(self, req, sinfo, planner, target, self.open_file(sinfo.relative_path, "pages"), start, nbytes,
                         entry[1])
 
-    def _unpack(self, req, sinfo, data: bytearray, planner) -> None:
+    def unpack(self, req, sinfo, data: bytearray, planner) -> None:
         """One tensor item (its checked bytes) into the planner's target: its elements straight from `data` when
         the writer marked it dense, else through torch.load."""
         loaded, where = self._dense(req, sinfo, data)
@@ -321,10 +320,10 @@ class CheckedReader(FileSystemReader):
         planner.commit_tensor(req, target)
         note = getattr(planner, "loaded_from", None)
         if note is not None and where is not None and tensor.is_contiguous():  # the bytes lie as they are in the file
-            note(req, target, self._file(sinfo.relative_path).path,
+            note(req, target, self.open_file(sinfo.relative_path).path,
                  sinfo.offset + where + tensor.data_ptr() - loaded.data_ptr(), tensor.numel() * tensor.element_size())
 
-    def _file(self, relative_path: str, reader: str = "") -> CheckpointFile:
+    def open_file(self, relative_path: str, reader: str = "") -> CheckpointFile:
         """The file open for reading; `reader` names a descriptor of its own (the page-reads thread's: each
         descriptor keeps the kernel's sequential read-ahead of its own reads, which two threads reading at two
         places through one would defeat)."""
@@ -340,17 +339,17 @@ class CheckedReader(FileSystemReader):
                                              str(path)) from None
         return file
 
-    def _corrupt(self, sinfo, why: str = "") -> CheckpointCorruptError:
+    def corrupt(self, sinfo, why: str = "") -> CheckpointCorruptError:
         path = Path(self.path) / sinfo.relative_path
         what = f"the item at byte {sinfo.offset} ({sinfo.length} bytes): {why}" if why else \
             f"fails its checksum at byte {sinfo.offset} ({sinfo.length} bytes)"
         return CheckpointCorruptError(f"checkpoint {self.path}: {path} {what}", str(path))
 
-    def _checked_entry(self, sinfo) -> tuple:
+    def checked_entry(self, sinfo) -> tuple:
         """The manifest's (length, checksum, dense, where the elements begin) of an item, which must lie whole in
         its file."""
         entry = self._crcs.get((sinfo.relative_path, sinfo.offset))
-        if entry is None or entry[0] != sinfo.length or sinfo.offset + sinfo.length > self._file(
+        if entry is None or entry[0] != sinfo.length or sinfo.offset + sinfo.length > self.open_file(
                 sinfo.relative_path).size:
             path = Path(self.path) / sinfo.relative_path
             raise CheckpointCorruptError(f"checkpoint {self.path}: {path} is truncated or does not match the "
@@ -360,10 +359,10 @@ class CheckedReader(FileSystemReader):
     def item(self, sinfo, reader: str = "") -> bytearray:
         """An item's bytes, checked against the manifest: CheckpointCorruptError naming the file if they are
         missing or do not match."""
-        entry = self._checked_entry(sinfo)
-        data = self._file(sinfo.relative_path, reader).read(sinfo.offset, sinfo.length)
-        if self._checksum(data) != entry[1]:
-            raise self._corrupt(sinfo)
+        entry = self.checked_entry(sinfo)
+        data = self.open_file(sinfo.relative_path, reader).read(sinfo.offset, sinfo.length)
+        if self.checksum(data) != entry[1]:
+            raise self.corrupt(sinfo)
         return data
 
     def close(self) -> None:
@@ -392,7 +391,7 @@ class CheckedReader(FileSystemReader):
         if start is None:
             start = record_start(lambda at, n: data[at: at + n], len(data), numel * dtype.itemsize)
         elif not (0 < start <= len(data) - numel * dtype.itemsize and data_record_ends(memoryview(data)[:start])):
-            raise self._corrupt(sinfo, f"no tensor record of {numel * dtype.itemsize} bytes begins at byte {start}")
+            raise self.corrupt(sinfo, f"no tensor record of {numel * dtype.itemsize} bytes begins at byte {start}")
         if start is None:
             return None, None
         tensor = torch.frombuffer(data, dtype=dtype, count=numel, offset=start) if numel else \
@@ -400,127 +399,7 @@ class CheckedReader(FileSystemReader):
         return tensor.view(sizes), start
 
 
-class _InPlace:
-    """One dense item read into its target: its bytes land (`parts`: the bytes before the elements, the elements
-    in the target, the bytes after, read by `_run_all` on any thread), then `commit` (the planner's thread) checks
-    them and commits the target."""
-
-    def __init__(self, reader: CheckedReader, req, sinfo, planner, target, file, start: int, nbytes: int, crc: int):
-        self.reader, self.req, self.sinfo, self.planner, self.target = reader, req, sinfo, planner, target
-        self.file, self.start, self.nbytes, self.crc = file, start, nbytes, crc
-
-    def parts(self) -> list[memoryview]:
-        self.head, self.tail = bytearray(self.start), bytearray(self.sinfo.length - self.start - self.nbytes)
-        self.view = memoryview(self.target.reshape(-1).view(torch.uint8).numpy()).cast("B")
-        return [memoryview(self.head), self.view, memoryview(self.tail)]
-
-    def commit(self) -> None:
-        sinfo, checksum = self.sinfo, self.reader._checksum
-        if checksum(self.tail, checksum(self.view, checksum(self.head))) != self.crc:
-            raise self.reader._corrupt(sinfo)
-        if not data_record_ends(self.head):  # checked bytes, but the elements are not where the manifest says
-            raise self.reader._corrupt(sinfo, f"no tensor record ends at byte {self.start}")
-        self.view = None
-        self.planner.commit_tensor(self.req, self.target)
-        note = getattr(self.planner, "loaded_from", None)
-        if note is not None:  # the bytes lie as they are in the file
-            note(self.req, self.target, self.file.path, self.sinfo.offset + self.start, self.nbytes)
-
-
-class _Whole:
-    """Any other tensor item: read whole (`parts`), then checked and unpacked into its target (`commit`, the
-    planner's thread)."""
-
-    def __init__(self, reader: CheckedReader, req, sinfo, planner):
-        self.reader, self.req, self.sinfo, self.planner = reader, req, sinfo, planner
-        self.crc = reader._checked_entry(sinfo)[1]  # (the file is opened, a missing one named, in this thread)
-        self.file = reader._file(sinfo.relative_path, "pages")
-        self.data: bytearray | None = None
-
-    def parts(self) -> list[memoryview]:
-        self.data = bytearray(self.sinfo.length)
-        return [memoryview(self.data)]
-
-    def commit(self) -> None:
-        data, self.data = self.data, None
-        if self.reader._checksum(data) != self.crc:
-            raise self.reader._corrupt(self.sinfo)
-        self.reader._unpack(self.req, self.sinfo, data, self.planner)
-
-
-class _PageReads:
-    """Tensor items' reads grouped by the page they fill. Without a planner (one that cannot hold two pages, or
-    a host too small to), each read runs and commits at once. With one, a page's reads run on a thread of this
-    object's while the caller resolves the next page's items; once more than `depth` pages are being read, the
-    oldest is waited for, its items checked and committed and the page released (`planner.release_page`).
-    Leaving the block finishes them (or, on an error, waits for the thread before the pages go back)."""
-
-    def __init__(self, planner, depth: int = 1):
-        self.planner, self.depth = planner, depth
-        self._page, self._reads = None, []  # the page whose items are being resolved, and its reads
-        self._running: collections.deque = collections.deque()  # (page, reads, future) on the thread, in order
-        self._pool = None
-
-    def __enter__(self) -> "_PageReads":
-        if self.planner is not None:
-            self.planner.keep_held = True
-            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="angel-ptm-checkpoint-read")
-        return self
-
-    def page(self, page) -> None:
-        """The next items go into `page` (None: a model buffer)."""
-        if page is not self._page:
-            self._submit()
-            self._page = page
-
-    def add(self, read: "_InPlace | _Whole") -> None:
-        if self._pool is None:
-            _run_all([read])
-            read.commit()
-        else:
-            self._reads.append(read)
-
-    def _submit(self, depth: int | None = None) -> None:
-        """The current page's reads to the thread; the pages before them finished, all but `depth`."""
-        if self._reads or self._page is not None:
-            reads, self._reads = self._reads, []
-            self._running.append((self._page, reads, self._pool.submit(_run_all, reads)))
-        while len(self._running) > (self.depth if depth is None else depth):
-            page, reads, future = self._running.popleft()
-            future.result()
-            for read in reads:
-                read.commit()
-            if page is not None and page is not self._page and all(page is not r[0] for r in self._running):
-                self.planner.release_page(page)
-
-    def __exit__(self, kind, value, traceback) -> None:
-        if self._pool is None:
-            return
-        try:
-            if kind is None:
-                self._submit()
-                self._page = None
-                self._submit(depth=0)
-        finally:
-            self._pool.shutdown(wait=True)  # no read still writes into a page when the pages go back
-            self.planner.keep_held = False
-
-
-def _run_all(reads: list) -> None:
-    """The reads' bytes, each run of items lying back to back in one file read by one preadv (a page's items
-    usually are one run)."""
-    i = 0
-    while i < len(reads):
-        first, parts, end = reads[i], [], None
-        while i < len(reads) and reads[i].file is first.file and (end is None or reads[i].sinfo.offset == end):
-            parts += reads[i].parts()
-            end = reads[i].sinfo.offset + reads[i].sinfo.length
-            i += 1
-        first.file.readinto_parts(parts, first.sinfo.offset)
-
-
 READ_AHEAD = 32 << 20  # bytes of items a load asks the kernel to read ahead of the one being read
-PAGES_IN_FLIGHT = 2  # pages whose reads run while the next page's items are resolved
 SMALL_ITEM = 64 << 10  # a dense item up to this size with no recorded start is read whole, then unpacked
 QUEUE = 1  # items waiting between the two threads of a save (each at most a page)
 

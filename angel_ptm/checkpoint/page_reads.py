@@ -1,0 +1,134 @@
+"""The load's reads of checkpoint items into their pages (CheckedReader, storage.py, makes them): a dense item's
+bytes land with its elements straight in the page (`InPlace`), any other item's whole (`Whole`); `PageReads` runs
+one page's reads on a thread of its own while the loading thread takes the next page, and checks, commits and
+hands back each page once its reads have landed."""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+
+import torch
+
+from angel_ptm.checkpoint.files import data_record_ends
+
+PAGES_IN_FLIGHT = 2  # pages whose reads run while the next page's items are resolved
+
+
+class InPlace:
+    """One dense item read into its target: its bytes land (`parts`: the bytes before the elements, the elements
+    in the target, the bytes after, read by `run_all` on any thread), then `commit` (the planner's thread) checks
+    them and commits the target."""
+
+    def __init__(self, reader, req, sinfo, planner, target, file, start: int, nbytes: int, crc: int):
+        self.reader, self.req, self.sinfo, self.planner, self.target = reader, req, sinfo, planner, target
+        self.file, self.start, self.nbytes, self.crc = file, start, nbytes, crc
+
+    def parts(self) -> list[memoryview]:
+        self.head, self.tail = bytearray(self.start), bytearray(self.sinfo.length - self.start - self.nbytes)
+        self.view = memoryview(self.target.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        return [memoryview(self.head), self.view, memoryview(self.tail)]
+
+    def commit(self) -> None:
+        sinfo, checksum = self.sinfo, self.reader.checksum
+        if checksum(self.tail, checksum(self.view, checksum(self.head))) != self.crc:
+            raise self.reader.corrupt(sinfo)
+        if not data_record_ends(self.head):  # checked bytes, but the elements are not where the manifest says
+            raise self.reader.corrupt(sinfo, f"no tensor record ends at byte {self.start}")
+        self.view = None
+        self.planner.commit_tensor(self.req, self.target)
+        note = getattr(self.planner, "loaded_from", None)
+        if note is not None:  # the bytes lie as they are in the file
+            note(self.req, self.target, self.file.path, self.sinfo.offset + self.start, self.nbytes)
+
+
+class Whole:
+    """Any other tensor item: read whole (`parts`), then checked and unpacked into its target (`commit`, the
+    planner's thread)."""
+
+    def __init__(self, reader, req, sinfo, planner):
+        self.reader, self.req, self.sinfo, self.planner = reader, req, sinfo, planner
+        self.crc = reader.checked_entry(sinfo)[1]  # (the file is opened, a missing one named, in this thread)
+        self.file = reader.open_file(sinfo.relative_path, "pages")
+        self.data: bytearray | None = None
+
+    def parts(self) -> list[memoryview]:
+        self.data = bytearray(self.sinfo.length)
+        return [memoryview(self.data)]
+
+    def commit(self) -> None:
+        data, self.data = self.data, None
+        if self.reader.checksum(data) != self.crc:
+            raise self.reader.corrupt(self.sinfo)
+        self.reader.unpack(self.req, self.sinfo, data, self.planner)
+
+
+class PageReads:
+    """Tensor items' reads grouped by the page they fill. Without a planner (one that cannot hold two pages, or
+    a host too small to), each read runs and commits at once. With one, a page's reads run on a thread of this
+    object's while the caller resolves the next page's items; once more than `depth` pages are being read, the
+    oldest is waited for, its items checked and committed and the page released (`planner.release_page`).
+    Leaving the block finishes them (or, on an error, waits for the thread before the pages go back)."""
+
+    def __init__(self, planner, depth: int = 1):
+        self.planner, self.depth = planner, depth
+        self._page, self._reads = None, []  # the page whose items are being resolved, and its reads
+        self._running: collections.deque = collections.deque()  # (page, reads, future) on the thread, in order
+        self._pool = None
+
+    def __enter__(self) -> "PageReads":
+        if self.planner is not None:
+            self.planner.keep_held = True
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="angel-ptm-checkpoint-read")
+        return self
+
+    def page(self, page) -> None:
+        """The next items go into `page` (None: a model buffer)."""
+        if page is not self._page:
+            self._submit()
+            self._page = page
+
+    def add(self, read: "InPlace | Whole") -> None:
+        if self._pool is None:
+            run_all([read])
+            read.commit()
+        else:
+            self._reads.append(read)
+
+    def _submit(self, depth: int | None = None) -> None:
+        """The current page's reads to the thread; the pages before them finished, all but `depth`."""
+        if self._reads or self._page is not None:
+            reads, self._reads = self._reads, []
+            self._running.append((self._page, reads, self._pool.submit(run_all, reads)))
+        while len(self._running) > (self.depth if depth is None else depth):
+            page, reads, future = self._running.popleft()
+            future.result()
+            for read in reads:
+                read.commit()
+            if page is not None and page is not self._page and all(page is not r[0] for r in self._running):
+                self.planner.release_page(page)
+
+    def __exit__(self, kind, value, traceback) -> None:
+        if self._pool is None:
+            return
+        try:
+            if kind is None:
+                self._submit()
+                self._page = None
+                self._submit(depth=0)
+        finally:
+            self._pool.shutdown(wait=True)  # no read still writes into a page when the pages go back
+            self.planner.keep_held = False
+
+
+def run_all(reads: list) -> None:
+    """The reads' bytes, each run of items lying back to back in one file read by one preadv (a page's items
+    usually are one run)."""
+    i = 0
+    while i < len(reads):
+        first, parts, end = reads[i], [], None
+        while i < len(reads) and reads[i].file is first.file and (end is None or reads[i].sinfo.offset == end):
+            parts += reads[i].parts()
+            end = reads[i].sinfo.offset + reads[i].sinfo.length
+            i += 1
+        first.file.readinto_parts(parts, first.sinfo.offset)
