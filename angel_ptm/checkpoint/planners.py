@@ -306,7 +306,6 @@ class PageLoadPlanner(LoadPlanner):
         self.engine, self.wanted, self.buffers = engine, wanted, buffers
         self.objects: dict[str, object] = {}
         self.targets: dict[tuple[str, tuple], Run] = {}
-        self._current: Page | None = None  # the page the items now read go into
         # Pages held for items being read (id -> page). One at a time, unless a reader that releases them itself
         # (`release_page`) sets `keep_held`: CheckedReader reads one page's items while the next is resolved.
         self._held: dict[int, Page] = {}
@@ -410,7 +409,6 @@ class PageLoadPlanner(LoadPlanner):
         together, so one page is held at a time (again for items from another file), or, under `keep_held`, until
         the reader releases it."""
         if page.id in self._held:
-            self._current = page
             return page
         if not self.keep_held:
             self.release_all()
@@ -420,7 +418,7 @@ class PageLoadPlanner(LoadPlanner):
         if page.dead and page.kind not in manager.clearers:  # (acquired, it is zero-filled: PageManager._materialize)
             self._zeroed.add(page.id)
         manager.acquire([page], Tier.HOST)  # a page in memory is written where it is
-        self._held[page.id] = self._current = page
+        self._held[page.id] = page
         self._items.setdefault(page.id, 0)
         self._extents.setdefault(page.id, [])
         return page
@@ -455,15 +453,12 @@ class PageLoadPlanner(LoadPlanner):
         """Every held page back to the manager (after the last item, or a failed read)."""
         for page in list(self._held.values()):
             self.release_page(page)
-        self._current = None
 
     def release_page(self, page: Page) -> None:
         """A held page back to the manager, dirty. When every item on it came byte for byte from a file and the
         rest is zeros, its source is offered to the disk tier."""
         if self._held.pop(page.id, None) is None:
             return
-        if self._current is page:
-            self._current = None
         manager = self.engine.manager
         manager.release([page], dirty=True)
         disk, items, extents = manager.disk, self._items[page.id], self._extents[page.id]
