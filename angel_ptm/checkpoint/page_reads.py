@@ -48,7 +48,7 @@ class Whole:
 
     def __init__(self, reader, req, sinfo, planner):
         self.reader, self.req, self.sinfo, self.planner = reader, req, sinfo, planner
-        self.crc = reader.checked_entry(sinfo)[1]  # (the file is opened, a missing one named, in this thread)
+        reader.checked_entry(sinfo)  # (the file is opened, a missing or short one named, in this thread)
         self.file = reader.open_file(sinfo.relative_path, "pages")
         self.data: bytearray | None = None
 
@@ -58,9 +58,7 @@ class Whole:
 
     def commit(self) -> None:
         data, self.data = self.data, None
-        if self.reader.checksum(data) != self.crc:
-            raise self.reader.corrupt(self.sinfo)
-        self.reader.unpack(self.req, self.sinfo, data, self.planner)
+        self.reader.unpack(self.req, self.sinfo, self.reader.checked(self.sinfo, data), self.planner)
 
 
 class PageReads:

@@ -258,7 +258,7 @@ class CheckedReader(FileSystemReader):
         infos = [self.storage_data[req.storage_index] for req in items]
         # pages held at once: the one being resolved and those being read (fewer where the host holds few pages)
         depth = min(PAGES_IN_FLIGHT, planner.holdable() - 1) if hasattr(planner, "holdable") else 0
-        paged = depth > 0 and hasattr(planner, "page_of") and hasattr(planner, "release_page")
+        paged = depth > 0  # (a PageLoadPlanner: it also says which page an item fills and releases each)
         try:
             ranges = [(self.open_file(info.relative_path), info.offset, info.length) for info in infos]
             with ReadAhead(ranges, READ_AHEAD) as ahead, PageReads(planner if paged else None, depth) as reads:
@@ -280,9 +280,9 @@ class CheckedReader(FileSystemReader):
         """A dense item whose elements fill the planner's target exactly (same dtype and shape, contiguous, in
         CPU memory): its read (`InPlace`: the bytes land, then `commit` checks them); None (nothing read)
         otherwise. The item is read front to back (the bytes before the elements, the elements into the target,
-        the bytes after),
-        where the manifest says its elements begin; a checkpoint that does not say (an older one) has the
-        archive's directory searched for them first, except a small item, read whole and unpacked instead."""
+        the bytes after), where the manifest says its elements begin; a checkpoint that does not say (an older
+        one) has the archive's directory searched for them first, except a small item, read whole and unpacked
+        instead."""
         entry = self.checked_entry(sinfo)
         sizes, dtype = self._saved_chunk(req)
         if not entry[2] or sizes is None or any(req.storage_offsets) or tuple(req.lengths) != sizes:
@@ -356,12 +356,15 @@ class CheckedReader(FileSystemReader):
                                          f"manifest (item at byte {sinfo.offset}, {sinfo.length} bytes)", str(path))
         return entry
 
-    def item(self, sinfo, reader: str = "") -> bytearray:
+    def item(self, sinfo) -> bytearray:
         """An item's bytes, checked against the manifest: CheckpointCorruptError naming the file if they are
         missing or do not match."""
-        entry = self.checked_entry(sinfo)
-        data = self.open_file(sinfo.relative_path, reader).read(sinfo.offset, sinfo.length)
-        if self.checksum(data) != entry[1]:
+        self.checked_entry(sinfo)
+        return self.checked(sinfo, self.open_file(sinfo.relative_path).read(sinfo.offset, sinfo.length))
+
+    def checked(self, sinfo, data: bytearray) -> bytearray:
+        """`data`, an item's bytes, if they match the manifest's checksum (CheckpointCorruptError otherwise)."""
+        if self.checksum(data) != self.checked_entry(sinfo)[1]:
             raise self.corrupt(sinfo)
         return data
 
