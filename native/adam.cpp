@@ -457,6 +457,13 @@ void register_adam(py::module_& m) {
     m.def("adam_set_threads", &angel::parallel::set_threads, py::arg("threads"), py::call_guard<py::gil_scoped_release>(),
           "Threads (the caller included) that split each adam_step; the pool is rebuilt on the next call.");
     m.def("adam_threads", &angel::parallel::get_threads);
+    m.def("adam_pool_stats", [] {
+        py::dict d;
+        d["parts_posted"] = angel::parallel::g_parts_posted.load();
+        d["parts_taken_back"] = angel::parallel::g_parts_taken_back.load();
+        return d;
+    }, "Parts of split calls posted to the pool's workers, and those the caller ran itself because no worker had "
+       "started them (cumulative, this process).");
     m.def(
         "stream_scale",
         [](uintptr_t x, size_t n, double factor, const std::string& isa) {

@@ -34,6 +34,10 @@ inline void cpu_relax() {
 #endif
 }
 
+// Parts of split calls handed to workers, and those the caller took back because no worker had started them yet
+// (a worker without a core: tools and tests read how often that happens). Process-wide, across pool rebuilds.
+inline std::atomic<uint64_t> g_parts_posted{0}, g_parts_taken_back{0};
+
 class Pool {
   public:
     static constexpr std::chrono::microseconds kIdleSpin{200};
@@ -58,19 +62,33 @@ class Pool {
             job(0);
             return;
         }
-        // Worker k runs part k when its own ticket moves. A worker left out of this job sees nothing, so it cannot
-        // pick up a later job's state half-written; job_ is not touched again before every part has reported.
+        // Worker k runs part k once it claims its posted ticket. The caller runs part 0, then takes back every part
+        // no worker has claimed yet: on a machine whose other cores are busy (compute, I/O threads, other ranks) a
+        // worker may not get a core for milliseconds, and its chunks are done by then (they are claimed in order by
+        // whichever thread comes first). A worker that claims late finds its ticket taken back or replaced and never
+        // touches this job, so the caller waits only for parts that are really running.
+        const uint64_t number = ++jobs_;
         job_ = &job;
         pending_.store(parts - 1, std::memory_order_relaxed);
         bool sleepers;
         {
             std::lock_guard<std::mutex> lock(mutex_);  // orders the tickets against a worker going to sleep
-            for (int k = 1; k < parts; ++k) tickets_[k].value.fetch_add(1, std::memory_order_release);
+            for (int k = 1; k < parts; ++k) tickets_[k].value.store(number << 2 | kPosted, std::memory_order_release);
             sleepers = sleepers_ > 0;
         }
         if (sleepers) wake_.notify_all();
         job(0);
-        // The workers' parts take as long as ours: a short spin catches most finishes without a sleep/wake round.
+        uint64_t taken_back = 0;
+        for (int k = 1; k < parts; ++k) {
+            uint64_t posted = number << 2 | kPosted;
+            if (tickets_[k].value.compare_exchange_strong(posted, number << 2 | kTakenBack, std::memory_order_acq_rel)) {
+                pending_.fetch_sub(1, std::memory_order_acq_rel);
+                ++taken_back;
+            }
+        }
+        g_parts_posted.fetch_add(static_cast<uint64_t>(parts - 1), std::memory_order_relaxed);
+        g_parts_taken_back.fetch_add(taken_back, std::memory_order_relaxed);
+        // The parts still pending are running: a short spin catches most finishes without a sleep/wake round.
         for (int spin = 0; spin < 4000 && pending_.load(std::memory_order_acquire) != 0; ++spin) cpu_relax();
         if (pending_.load(std::memory_order_acquire) != 0) {
             std::unique_lock<std::mutex> lock(mutex_);
@@ -79,6 +97,10 @@ class Pool {
     }
 
   private:
+    // A ticket is (job number << 2) | state: posted by the caller, then claimed by its worker or taken back by the
+    // caller (whichever swaps it first).
+    static constexpr uint64_t kPosted = 1, kClaimed = 2, kTakenBack = 3;
+
     struct alignas(64) Ticket {  // one cache line each: workers poll their own
         std::atomic<uint64_t> value{0};
     };
@@ -101,15 +123,26 @@ class Pool {
     }
 
     void worker_loop(int index) {
+        constexpr uint64_t kState = 3;
         uint64_t seen = 0;
         for (;;) {
-            seen = next_ticket(index, seen);
+            uint64_t now = next_ticket(index, seen);
             if (stopping_.load()) return;
-            (*job_)(index);
-            if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-                std::lock_guard<std::mutex> lock(mutex_);  // pairs with the caller's predicate check
-                done_.notify_one();
+            while ((now & kState) == kPosted) {  // claim it, unless the caller took it back first
+                uint64_t expected = now;
+                if (tickets_[index].value.compare_exchange_strong(expected, (now & ~kState) | kClaimed,
+                                                                  std::memory_order_acq_rel)) {
+                    now = (now & ~kState) | kClaimed;
+                    (*job_)(index);
+                    if (pending_.fetch_sub(1, std::memory_order_acq_rel) == 1) {
+                        std::lock_guard<std::mutex> lock(mutex_);  // pairs with the caller's predicate check
+                        done_.notify_one();
+                    }
+                    break;
+                }
+                now = expected;  // changed meanwhile: taken back, or already a later job's posting (claimed next)
             }
+            seen = now;
         }
     }
 
@@ -122,6 +155,7 @@ class Pool {
     std::atomic<int> pending_{0};
     std::atomic<bool> stopping_{false};
     int sleepers_ = 0;  // guarded by mutex_
+    uint64_t jobs_ = 0;  // jobs run, the number of the last one (guarded by submit_mutex_)
 };
 
 inline int default_threads() {

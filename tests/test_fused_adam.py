@@ -274,6 +274,46 @@ def test_many_back_to_back_calls_with_fewer_chunks_than_threads():
         assert torch.equal(a, b)
 
 
+_ONE_CORE_CHILD = """
+import os, sys, torch
+os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+from angel_ptm.optim import fused_adam
+gen = torch.Generator().manual_seed(61)
+param0 = torch.randn(200_000, generator=gen)
+grads = [torch.randn(200_000, generator=gen) * 0.1 for _ in range(120)]
+def run():
+    param, exp_avg, exp_avg_sq = param0.clone(), torch.zeros_like(param0), torch.zeros_like(param0)
+    for step, grad in enumerate(grads, start=1):
+        fused_adam.fused_adamw_(param, grad, exp_avg, exp_avg_sq, step=step, lr=1e-3, beta1=0.9, beta2=0.999,
+                                eps=1e-8, weight_decay=0.1)
+    return param, exp_avg, exp_avg_sq
+fused_adam.set_threads(1)
+expected = run()
+fused_adam.set_threads(4)
+before = fused_adam.pool_stats()
+actual = run()
+after = fused_adam.pool_stats()
+same = all(torch.equal(a, b) for a, b in zip(expected, actual))
+print(same, after["parts_posted"] - before["parts_posted"], after["parts_taken_back"] - before["parts_taken_back"])
+"""
+
+
+@needs_native
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs os.sched_setaffinity")
+def test_the_caller_takes_back_parts_no_worker_started():
+    # One core for four threads: a worker rarely runs while the caller does, so the caller must do the parts no
+    # worker has claimed instead of waiting for a core to come free for them (it used to wait, each call).
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", _ONE_CORE_CHILD], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    same, posted, taken_back = out.stdout.split()
+    assert same == "True"
+    assert int(posted) == 120 * 3
+    assert int(taken_back) > 0
+
+
 @needs_native
 def test_a_forked_child_gets_its_own_thread_pool():
     # The parent's pool exists (earlier calls); the child inherits it without its threads and must not wait on them.

@@ -86,6 +86,14 @@ def get_threads() -> int:
     return _native.adam_threads() if NATIVE_ADAM_ERROR is None else torch.get_num_threads()
 
 
+def pool_stats() -> dict:
+    """The native pool's parts posted to its workers and the parts the calling thread took back because no worker
+    had started them (its other cores were busy), cumulative in this process; zeros without the extension."""
+    if NATIVE_ADAM_ERROR is None:
+        return dict(_native.adam_pool_stats())
+    return {"parts_posted": 0, "parts_taken_back": 0}
+
+
 def kernel_info() -> dict:
     """Which implementation backend="auto" uses, its instruction set and threads, and why if it is the fallback."""
     if NATIVE_ADAM_ERROR is None:
