@@ -18,8 +18,10 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
+#include <sys/uio.h>
 #include <unistd.h>
 
 namespace py = pybind11;
@@ -95,7 +97,11 @@ class Engine {
     }
     ~Engine() { shutdown(); }
 
-    std::shared_ptr<Request> submit(int op, int fd, uintptr_t buf, size_t nbytes, int64_t offset, bool checksum) {
+    // `wake` false: the chunks are queued without waking a worker; the caller wakes them with wake() once it has
+    // queued a batch (workers that find adjacent chunks queued together merge them into one transfer). A submit
+    // that must wait for room in the queue wakes them first, and so does a wait on any request.
+    std::shared_ptr<Request> submit(int op, int fd, uintptr_t buf, size_t nbytes, int64_t offset, bool checksum,
+                                    bool wake = true) {
         {
             std::lock_guard<std::mutex> lock(queue_mutex_);
             if (stopping_) throw std::runtime_error("engine is shut down");
@@ -130,8 +136,13 @@ class Engine {
         }
         // One waiting worker per chunk queued: waking every idle worker for one chunk costs the others a wake-up
         // each, and on a machine with as many busy threads as cores each wake-up preempts the caller.
-        for (size_t k = 0; k < i && k < workers_.size(); ++k) not_empty_.notify_one();
+        if (wake) {
+            wake_workers(i);
+        } else {
+            unwoken_.fetch_add(i, std::memory_order_relaxed);
+        }
         if (i == n_chunks) return req;
+        wake_workers(0);  // the queue is full: every held chunk goes now
         py::gil_scoped_release no_gil;  // the rest may block on a full queue
         for (; i < n_chunks; ++i) {
             size_t start = i * chunk_bytes_;
@@ -149,6 +160,13 @@ class Engine {
         }
         return req;
     }
+
+    // Wakes a worker for each chunk queued without a wake-up (and `more` besides), at most every worker.
+    void wake_workers(size_t more = 0) {
+        size_t n = unwoken_.exchange(0, std::memory_order_relaxed) + more;
+        for (size_t k = 0; k < n && k < workers_.size(); ++k) not_empty_.notify_one();
+    }
+    void wake() { wake_workers(0); }
 
     // Test hook: the next `count` chunk operations of kind `op` (0 read, 1 write, -1 any) fail with `err`
     // without touching the file.
@@ -182,6 +200,7 @@ class Engine {
 
     int threads() const { return static_cast<int>(workers_.size()); }
     int queue_depth() const { return queue_depth_; }
+    std::pair<uint64_t, uint64_t> transfer_counts() const { return {merged_transfers_.load(), merged_chunks_.load()}; }
     size_t chunk_bytes() const { return chunk_bytes_; }
 
   private:
@@ -196,8 +215,9 @@ class Engine {
     }
 
     void worker_loop() {
+        std::vector<Chunk> run;
         for (;;) {
-            Chunk chunk;
+            run.clear();
             {
                 std::unique_lock<std::mutex> lock(queue_mutex_);
                 not_empty_.wait(lock, [this] { return !queue_.empty() || stopping_; });
@@ -211,15 +231,116 @@ class Engine {
                         break;
                     }
                 }
-                chunk = std::move(*next);
+                run.push_back(std::move(*next));
                 queue_.erase(next);
+                if (fault_count_ == 0) take_adjacent(run);  // (an injected fault counts single transfers)
                 not_full_.notify_all();
             }
-            run_chunk(chunk);
-            chunk.request->chunk_done();
+            if (run.size() == 1)
+                run_chunk(run[0]);
+            else
+                run_merged(run);
+            for (Chunk& chunk : run) chunk.request->chunk_done();
+            merged_transfers_.fetch_add(1, std::memory_order_relaxed);
+            merged_chunks_.fetch_add(run.size(), std::memory_order_relaxed);
         }
     }
 
+    // Queued chunks of the same operation on the same file that continue `run` (in file order, before or after
+    // it) join it, up to chunk_bytes in all and kMaxMergedChunks buffers: pages written back (or read) one after
+    // another usually sit in adjacent slots, and one vectored transfer of N pages costs the kernel (and a virtual
+    // disk) far less than N transfers. Called with queue_mutex_ held; `run` is kept in file order.
+    void take_adjacent(std::vector<Chunk>& run) {
+        const Request& first = *run.front().request;
+        int64_t begin = first.offset + static_cast<int64_t>(run.front().start);
+        int64_t end = begin + static_cast<int64_t>(run.front().length);
+        size_t bytes = run.front().length;
+        bool grew = true;
+        while (grew && run.size() < kMaxMergedChunks) {
+            grew = false;
+            for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+                const Request& r = *it->request;
+                if (r.op != first.op || r.fd != first.fd || bytes + it->length > chunk_bytes_) continue;
+                int64_t at = r.offset + static_cast<int64_t>(it->start);
+                const size_t length = it->length;
+                if (at == end) {
+                    end += static_cast<int64_t>(it->length);
+                    run.push_back(std::move(*it));
+                } else if (at + static_cast<int64_t>(it->length) == begin) {
+                    begin = at;
+                    run.insert(run.begin(), std::move(*it));
+                } else {
+                    continue;
+                }
+                bytes += length;
+                queue_.erase(it);
+                grew = true;
+                break;
+            }
+        }
+    }
+
+    // The I/O part of each chunk of a run (file order, adjacent) as vectored transfers, each chunk's checksum part
+    // as run_chunk does it. A transfer that fails or comes up short hands the rest of the run to single transfers,
+    // which name the chunk, offset and errno exactly as an unmerged transfer would.
+    void run_merged(std::vector<Chunk>& run) {
+        const Op op = run.front().request->op;
+        std::vector<bool> checksum_queued(run.size(), false);
+        for (size_t k = 0; k < run.size(); ++k) checksum_queued[k] = checksum_before(run[k]);
+        std::vector<struct iovec> iov;
+        std::vector<size_t> members;  // run indices whose chunks the vector covers (failed requests are skipped)
+        int64_t pos = -1;
+        for (size_t k = 0; k < run.size(); ++k) {
+            Request& req = *run[k].request;
+            int64_t at = req.offset + static_cast<int64_t>(run[k].start);
+            if (req.failed()) continue;
+            if (!iov.empty() && at != pos) break;  // a skipped chunk left a gap: the rest go one by one below
+            iov.push_back({req.buf + run[k].start, run[k].length});
+            members.push_back(k);
+            if (iov.size() == 1) pos = at;
+            pos = at + static_cast<int64_t>(run[k].length);
+        }
+        size_t transferred = 0;  // members fully transferred, in order
+        if (!iov.empty()) {
+            int64_t at = run[members[0]].request->offset + static_cast<int64_t>(run[members[0]].start);
+            size_t index = 0, within = 0;
+            while (index < iov.size()) {
+                iov[index].iov_base = static_cast<char*>(iov[index].iov_base) + within;
+                iov[index].iov_len -= within;
+                int count = static_cast<int>(iov.size() - index);
+                ssize_t n = op == Op::Read ? ::preadv(run[members[0]].request->fd, iov.data() + index, count, at)
+                                           : ::pwritev(run[members[0]].request->fd, iov.data() + index, count, at);
+                if (n < 0 && errno == EINTR) {
+                    iov[index].iov_base = static_cast<char*>(iov[index].iov_base) - within;
+                    iov[index].iov_len += within;
+                    continue;
+                }
+                iov[index].iov_base = static_cast<char*>(iov[index].iov_base) - within;
+                iov[index].iov_len += within;
+                if (n <= 0) break;  // an error or end of file: the single transfers below say which chunk
+                at += n;
+                size_t left = static_cast<size_t>(n);
+                while (left > 0 && index < iov.size()) {
+                    size_t rest = iov[index].iov_len - within;
+                    if (left >= rest) {
+                        left -= rest;
+                        within = 0;
+                        run[members[index]].request->bytes_done.fetch_add(iov[index].iov_len);
+                        ++index;
+                    } else {
+                        within += left;
+                        left = 0;
+                    }
+                }
+            }
+            transferred = index;  // (a chunk cut short is redone whole below: the same bytes again)
+        }
+        std::vector<bool> done(run.size(), false);
+        for (size_t i = 0; i < transferred; ++i) done[members[i]] = true;
+        for (size_t k = 0; k < run.size(); ++k)
+            if (!done[k]) transfer(run[k]);  // (a failed request's chunk is skipped inside)
+        for (size_t k = 0; k < run.size(); ++k) checksum_after(run[k], checksum_queued[k]);
+    }
     // Checksums run on their own threads so an I/O worker goes straight on to its next transfer: a write's data is
     // checksummed while it is being written (the buffer is not modified meanwhile), a read's once it has arrived.
     void checksum_later(const Chunk& chunk) {
@@ -246,30 +367,40 @@ class Engine {
     }
 
     void run_chunk(const Chunk& chunk) {
-        Request& req = *chunk.request;
-        const bool checksum_pending = req.checksum;  // this call must settle the checksum part one way or another
-        if (checksum_pending && chunk.length <= kChecksumBlock) {
-            // A small chunk (one checksum block: microseconds of CRC32C) is checksummed here: handing it to a
-            // checksum thread costs a wake-up of that thread, more than the checksum, and on a machine with as many
-            // busy threads as cores each wake-up preempts someone.
-            if (req.op == Op::Write && !req.failed()) fill_block_crcs(req, chunk);
-            transfer(chunk);
-            if (req.op == Op::Read && !req.failed()) fill_block_crcs(req, chunk);
-            req.chunk_done();
-            return;
-        }
-        bool checksum_queued = false;
-        if (req.op == Op::Write && req.checksum && !req.failed()) {
-            checksum_later(chunk);
-            checksum_queued = true;
-        }
+        bool checksum_queued = checksum_before(chunk);
         transfer(chunk);
-        if (checksum_pending && !checksum_queued) {
-            if (req.op == Op::Read && !req.failed())
-                checksum_later(chunk);
-            else
-                req.chunk_done();  // nothing to checksum: the transfer failed (or an earlier chunk did)
+        checksum_after(chunk, checksum_queued);
+    }
+
+    // A chunk's checksum part, before its transfer: a small chunk (one checksum block: microseconds of CRC32C)
+    // is checksummed by this worker (handing it to a checksum thread costs a wake-up of that thread, more than the
+    // checksum, and on a machine with as many busy threads as cores each wake-up preempts someone); a larger write
+    // goes to the checksum threads now (its buffer is not modified while it is written). Whether it was queued.
+    bool checksum_before(const Chunk& chunk) {
+        Request& req = *chunk.request;
+        if (!req.checksum || req.op != Op::Write || req.failed()) return false;
+        if (chunk.length <= kChecksumBlock) {
+            fill_block_crcs(req, chunk);
+            return false;
         }
+        checksum_later(chunk);
+        return true;
+    }
+
+    // ... and after it: a read's data is checksummed once it has arrived; the checksum part of a chunk whose
+    // checksum was not queued is settled here.
+    void checksum_after(const Chunk& chunk, bool checksum_queued) {
+        Request& req = *chunk.request;
+        if (!req.checksum || checksum_queued) return;
+        if (req.op == Op::Read && !req.failed()) {
+            if (chunk.length <= kChecksumBlock) {
+                fill_block_crcs(req, chunk);
+            } else {
+                checksum_later(chunk);
+                return;
+            }
+        }
+        req.chunk_done();
     }
 
     void transfer(const Chunk& chunk) {
@@ -323,6 +454,9 @@ class Engine {
     std::condition_variable checksum_ready_;
     bool checksum_stopping_ = false;
     int fault_op_ = -1, fault_errno_ = 0, fault_count_ = 0;
+    static constexpr size_t kMaxMergedChunks = 64;  // buffers in one vectored transfer (IOV_MAX is 1024)
+    std::atomic<uint64_t> merged_transfers_{0}, merged_chunks_{0};  // transfers made, chunks they carried
+    std::atomic<size_t> unwoken_{0};  // chunks queued with wake=false since the last wake
 };
 
 }  // namespace angel
@@ -354,12 +488,15 @@ void register_aio(py::module_& m) {
         .def(py::init<int, int, size_t, int>(), py::arg("threads"), py::arg("queue_depth"), py::arg("chunk_bytes"),
              py::arg("checksum_threads") = 1)
         .def("submit", &Engine::submit, py::arg("op"), py::arg("fd"), py::arg("buffer"), py::arg("nbytes"),
-             py::arg("offset"), py::arg("checksum") = true)
+             py::arg("offset"), py::arg("checksum") = true, py::arg("wake") = true)
+        .def("wake", &Engine::wake, "Wake workers for the chunks submitted with wake=False.")
         .def("inject_fault", &Engine::inject_fault, py::arg("op"), py::arg("errno"), py::arg("count"))
         .def("shutdown", &Engine::shutdown, py::call_guard<py::gil_scoped_release>())
         .def_property_readonly("threads", &Engine::threads)
         .def_property_readonly("queue_depth", &Engine::queue_depth)
-        .def_property_readonly("chunk_bytes", &Engine::chunk_bytes);
+        .def_property_readonly("chunk_bytes", &Engine::chunk_bytes)
+        .def_property_readonly("transfer_counts", &Engine::transfer_counts,
+                               "(transfers made, chunks they carried): adjacent queued chunks share one transfer");
 
     m.def(
         "page_checksum",

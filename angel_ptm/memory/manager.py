@@ -185,6 +185,11 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards, MoveAccounting):
         """Ids of the pages pinned now (read-only view for the scheduler's trace)."""
         return self._pinned
 
+    def batched_io(self):
+        """A block whose disk transfers start together at its end (the executor's pump issues several): the I/O
+        workers then merge those into adjacent slots (io/engine.py: hold_wakeups)."""
+        return self.disk.engine.hold_wakeups() if self.disk is not None else contextlib.nullcontext()
+
     def moving(self, page: Page) -> bool:
         """The page is on its way between tiers and the transfer has not finished yet."""
         move = self._moves.get(page.id)

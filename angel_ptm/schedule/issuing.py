@@ -114,6 +114,13 @@ class Executor:
         manager = self.manager
         if manager.moves_in_flight:
             manager.poll()
+        if not self.moves:
+            return
+        with manager.batched_io():  # the transfers started here go together: adjacent slots make one transfer
+            self._issue(now, need_of)
+
+    def _issue(self, now: int, need_of: Callable[[int], float] | None) -> None:
+        manager = self.manager
         next_use = getattr(manager.policy, "next_use", None)
         kept: list[Op] = []
         waiting: Counter = Counter()  # fetches held back for room, per tier: each may have one eviction under way
