@@ -240,9 +240,9 @@ class Engine {
                 run_chunk(run[0]);
             else
                 run_merged(run);
-            for (Chunk& chunk : run) chunk.request->chunk_done();
-            merged_transfers_.fetch_add(1, std::memory_order_relaxed);
+            merged_transfers_.fetch_add(1, std::memory_order_relaxed);  // counted before a waiter can see it done
             merged_chunks_.fetch_add(run.size(), std::memory_order_relaxed);
+            for (Chunk& chunk : run) chunk.request->chunk_done();
         }
     }
 
