@@ -145,9 +145,10 @@ class Scheduler:
         if self._matched is not None and self._matched >= self._cursor:  # (one before it: its moves were issued)
             self.executor.submit(self.plan.ops_after[self._matched])
             self._cursor = self._matched + 1
-        self.executor.pump(self._now(), self._need_of)
-        if self._matched is not None and self.early_reads:
-            self._read_early(self._matched)
+        with self.manager.batched_io():  # the pump's transfers and the early reads go to the SSD workers together
+            self.executor.pump(self._now(), self._need_of)
+            if self._matched is not None and self.early_reads:
+                self._read_early(self._matched)
         self.stats.schedule_s += time.perf_counter() - t1
 
     def _read_early(self, at: int) -> None:
