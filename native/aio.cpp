@@ -297,7 +297,6 @@ class Engine {
             if (!iov.empty() && at != pos) break;  // a skipped chunk left a gap: the rest go one by one below
             iov.push_back({req.buf + run[k].start, run[k].length});
             members.push_back(k);
-            if (iov.size() == 1) pos = at;
             pos = at + static_cast<int64_t>(run[k].length);
         }
         size_t transferred = 0;  // members fully transferred, in order
