@@ -147,10 +147,11 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards, MoveAccounting):
     def prefetch(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE) -> Prefetch:
         """Start moving `pages` toward `tier` without waiting (disk reads are issued now)."""
         pages = list(pages)
-        for page in pages:
-            if (page.state is PageState.DISK and not page.dead and tier is not Tier.DISK
-                    and self.pools[Tier.HOST].free_slots):
-                self._start_up(page)
+        with self.batched_io():
+            for page in pages:
+                if (page.state is PageState.DISK and not page.dead and tier is not Tier.DISK
+                        and self.pools[Tier.HOST].free_slots):
+                    self._start_up(page)
         return Prefetch(self, pages, tier)
 
     def move(self, page: Page, tier: Tier) -> None:
@@ -175,8 +176,9 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards, MoveAccounting):
         self.flush(pages)
         for hop_from in order[: order.index(tier)]:
             movers = [p for p in pages if p.tier is hop_from]
-            for page in movers:
-                self._start_down(page, wait_for_room=True, target=tier)
+            with self.batched_io():
+                for page in movers:
+                    self._start_down(page, wait_for_room=True, target=tier)
             for page in movers:
                 self._wait_move(page)
 
@@ -222,27 +224,28 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards, MoveAccounting):
     def _bring(self, pages: Sequence[Page], tier: Tier) -> None:
         """Bring every page up to `tier`: disk reads overlap each other, host slots are recycled as we go."""
         reads: list[Page] = []
-        for page in pages:
-            if page.state is PageState.REMOTE:
-                raise PageStateError(f"page {page.name} lives on rank {page.home}: its page group must be gathered "
-                                     f"before it is acquired")
-            if page.state in (PageState.TO_DISK, PageState.TO_HOST, PageState.TO_DEVICE):
-                self._wait_move(page)  # land the move under way (an eviction, or a prefetch to the device)
-            if page.dead and page.state is PageState.DISK and tier is not Tier.DISK:
-                self._materialize(page, tier)
-                continue
-            if page.state in (PageState.DISK, PageState.FROM_DISK) and tier is not Tier.DISK:
-                if page.state is PageState.DISK:
-                    # Bound to the device, every read staged on the host must leave a host slot for the device
-                    # page it will displace: finish staged reads before the host fills with pinned pages.
-                    spare = 1 if tier is Tier.DEVICE and reads else 0
-                    while not self._host_room_for_read(spare):
-                        if not reads:
-                            raise BudgetError("host", self.page_bytes, 0,
-                                              what=f"staging page {page.name} (every host page is pinned)")
-                        self._finish_up(reads.pop(0), tier)
-                    self._start_up(page)
-                reads.append(page)
+        with self.batched_io():  # the reads start together: pages in adjacent slots are read as one
+            for page in pages:
+                if page.state is PageState.REMOTE:
+                    raise PageStateError(f"page {page.name} lives on rank {page.home}: its page group must be "
+                                         f"gathered before it is acquired")
+                if page.state in (PageState.TO_DISK, PageState.TO_HOST, PageState.TO_DEVICE):
+                    self._wait_move(page)  # land the move under way (an eviction, or a prefetch to the device)
+                if page.dead and page.state is PageState.DISK and tier is not Tier.DISK:
+                    self._materialize(page, tier)
+                    continue
+                if page.state in (PageState.DISK, PageState.FROM_DISK) and tier is not Tier.DISK:
+                    if page.state is PageState.DISK:
+                        # Bound to the device, every read staged on the host must leave a host slot for the device
+                        # page it will displace: finish staged reads before the host fills with pinned pages.
+                        spare = 1 if tier is Tier.DEVICE and reads else 0
+                        while not self._host_room_for_read(spare):
+                            if not reads:
+                                raise BudgetError("host", self.page_bytes, 0,
+                                                  what=f"staging page {page.name} (every host page is pinned)")
+                            self._finish_up(reads.pop(0), tier)
+                        self._start_up(page)
+                    reads.append(page)
         for page in reads:
             self._finish_up(page, tier)
         if tier is Tier.DEVICE:
