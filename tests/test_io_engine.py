@@ -1,4 +1,3 @@
-import contextlib
 import errno
 import os
 import subprocess
@@ -9,7 +8,7 @@ import pytest
 import torch
 
 from angel_ptm.errors import DiskFullError, PageIOError
-from angel_ptm.io import WRITE, SlotFile, aligned_empty, native_available
+from angel_ptm.io import WRITE, SlotFile, aligned_empty
 
 PAGE = 256 * 1024
 
@@ -166,65 +165,3 @@ def test_large_cpu_buffers_are_huge_page_aligned_and_small_ones_page_aligned():
     assert forced_off.data_ptr() % 4096 == 0
     big.fill_(5)  # the memory is usable whatever the kernel did with the advice
     assert int(big[-1]) == 5 and int(big[0]) == 5
-
-
-needs_native = pytest.mark.skipif(not native_available(), reason="the native engine is not built")
-
-
-@contextlib.contextmanager
-def native_slots(tmp_path, pages: int, seed: int, **engine_args):
-    """A native engine, a slot file of `pages` pages on it, and `pages` pages of distinct bytes to put there."""
-    from angel_ptm.io.engine import NativeEngine
-
-    engine = NativeEngine(**engine_args)
-    slots = SlotFile(str(tmp_path / "native.slots"), PAGE, engine)
-    slots.grow(pages)
-    try:
-        yield engine, slots, [filled(PAGE, seed + i) for i in range(pages)]
-    finally:
-        slots.close()
-        engine.close()
-
-
-@needs_native
-def test_held_transfers_into_adjacent_slots_are_merged_and_each_keeps_its_bytes_and_checksum(tmp_path):
-    with native_slots(tmp_path, 24, 100, threads=2, queue_depth=64) as (engine, slots, sources):
-        before = engine.transfer_counts()
-        with engine.hold_wakeups():  # queued together: the workers find neighbours (and one page out of order)
-            writes = [slots.write(i, sources[i]) for i in [1, 0, *range(2, 24)]]
-        checksums = [h.wait() for h in writes]
-        transfers, pages = (a - b for a, b in zip(engine.transfer_counts(), before))
-        assert pages == 24 and transfers < 24  # merged
-        assert sorted(checksums) == sorted(engine.checksum(s) for s in sources)
-        targets = [aligned_empty(PAGE) for _ in range(24)]
-        with engine.hold_wakeups():
-            reads = [slots.read(i, targets[i]) for i in range(24)]
-        assert [h.wait() for h in reads] == [engine.checksum(s) for s in sources]
-        assert all(torch.equal(a, b) for a, b in zip(sources, targets))
-
-
-@needs_native
-def test_a_merged_read_cut_short_by_the_end_of_the_file_fails_only_the_pages_past_it(tmp_path):
-    with native_slots(tmp_path, 6, 200, threads=1, queue_depth=64) as (engine, slots, sources):
-        for h in [slots.write(i, s) for i, s in enumerate(sources)]:
-            h.wait()
-        os.truncate(slots.path, 4 * PAGE + PAGE // 2)  # page 4 is cut in half, page 5 is gone
-        targets = [aligned_empty(PAGE) for _ in range(6)]
-        before = engine.transfer_counts()
-        with engine.hold_wakeups():
-            reads = [slots.read(i, targets[i]) for i in range(6)]
-        for i in range(4):
-            assert reads[i].wait() == engine.checksum(sources[i]) and torch.equal(targets[i], sources[i])
-        for i in (4, 5):
-            with pytest.raises(PageIOError, match="short read"):
-                reads[i].wait()
-        assert engine.transfer_counts()[0] - before[0] < 6  # the first four went as one transfer
-
-
-@needs_native
-def test_a_held_transfer_starts_when_it_is_waited_for(tmp_path):
-    with native_slots(tmp_path, 12, 300, threads=1, queue_depth=4) as (engine, slots, sources):
-        with engine.hold_wakeups():  # more than the queue holds (a full queue wakes the workers), and a wait inside
-            handles = [slots.write(i, s) for i, s in enumerate(sources)]
-            assert handles[-1].wait() == engine.checksum(sources[-1])
-        assert [h.wait() for h in handles] == [engine.checksum(s) for s in sources]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from angel_ptm.errors import BudgetError, ChecksumError, PageIOError
-from angel_ptm.io import WRITE, native_available
+from angel_ptm.io import WRITE
 from angel_ptm.memory import BeladyPolicy, BufferPool, DiskTier, PageManager, PageState, Tier
 from angel_ptm.memory.page import RESTING_STATE
 from angel_ptm.trace import TraceRecorder
@@ -223,40 +223,6 @@ def test_evict_moves_a_batch_down_two_tiers(tmp_path, io_engine):
     manager.acquire(pages, Tier.DEVICE)
     assert [float(p.view()[0]) for p in pages] == [0.0, 1.0, 2.0, 3.0]
     manager.close()
-
-
-@pytest.mark.skipif(not native_available(), reason="the native engine is not built")
-def test_a_batch_evicted_or_acquired_together_goes_to_disk_in_merged_transfers(tmp_path):
-    from angel_ptm.io.engine import NativeEngine
-
-    class Spy:  # the native engine, telling whether each transfer was submitted held (wake=False)
-        def __init__(self, inner):
-            self.inner, self.woken = inner, []
-
-        def submit(self, *args):
-            self.woken.append(args[-1])
-            return self.inner.submit(*args)
-
-        def __getattr__(self, name):
-            return getattr(self.inner, name)
-
-    engine = NativeEngine(threads=1, queue_depth=32)
-    engine._engine = spy = Spy(engine._engine)
-    manager = make_manager(tmp_path, engine, device_pages=8, host_pages=8)
-    pages = [manager.create_page("exp_avg", torch.float32, tier=Tier.HOST) for _ in range(8)]
-    for i, page in enumerate(pages):
-        page.view().fill_(i)
-        page.mark_dirty()
-    manager.evict(pages, Tier.DISK)  # 8 writes into adjacent slots, queued together (whether the workers would
-    assert spy.woken == [False] * 8  # have merged them unheld is a race this test cannot pin down)
-    manager.acquire(pages, Tier.HOST)  # 8 reads of them, likewise
-    assert spy.woken == [False] * 16
-    transfers, carried = engine.transfer_counts()
-    assert carried == 16 and transfers < 16
-    assert [float(p.view()[0]) for p in pages] == [float(i) for i in range(8)]
-    manager.release(pages)
-    manager.close()
-    engine.close()
 
 
 def test_pools_trade_slots_and_keep_their_capacity():
