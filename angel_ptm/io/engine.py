@@ -169,7 +169,6 @@ class ThreadEngine:
         self._slots = threading.BoundedSemaphore(queue_depth)
         self._fault_lock = threading.Lock()
         self._fault = (None, 0, 0)
-        self._transfers = 0
 
     def _take_fault(self, op: int) -> int:
         with self._fault_lock:
@@ -206,12 +205,8 @@ class ThreadEngine:
         """(The native engine's batching; each transfer here starts when submitted.)"""
         yield
 
-    def transfer_counts(self) -> tuple[int, int]:
-        return self._transfers, self._transfers
-
     def _submit(self, op, fd, buffer, offset, path, checksum) -> IOHandle:
         _, nbytes = _buffer_address(buffer)
-        self._transfers += 1
         view = memoryview(buffer.view(torch.uint8).numpy()).cast("B")
         self._slots.acquire()
         future = self._pool.submit(self._transfer, op, fd, view, offset, checksum)
