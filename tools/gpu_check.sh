@@ -3,11 +3,13 @@
 # torchrun as a world of 1 over NCCL), and the issues' GPU benchmarks. Each phase has its own time limit and log
 # (under $OUT, else ./gpu-out); a phase that fails or times out does not stop the next.
 #
-#     bash tools/gpu_check.sh [PHASE...]     phases: setup cuda_tests train benches suite (default: all but suite)
+#     bash tools/gpu_check.sh [PHASE...]     phases: setup cuda_tests train benches disk suite
+#                                           (default: setup cuda_tests train benches)
 #
 # Environment: BENCH_STEPS (default 5), SUITE_WORKERS (pytest-xdist workers for `suite`, default 8), SUITE_LIMIT (s),
 # SUITE_TESTS (test files for `suite`, default all),
-# TESTS (pytest arguments for `cuda_tests`, default tests/test_cuda.py).
+# TESTS (pytest arguments for `cuda_tests`, default tests/test_cuda.py), ZERO_ARGS (extra arguments for the zero bench).
+# Phase `disk` runs the CPU-side checkpoint and SSD-engine benches on that machine's disk.
 set -u
 OUT=${OUT:-gpu-out}
 mkdir -p "$OUT"
@@ -41,9 +43,12 @@ for p in $PHASES; do
       phase train 120 "cd $WORK && torchrun --nproc-per-node 1 -m angel_ptm train --set trainer.steps=30 \
         --set run.dir=$WORK/torchrun --set memory.device_budget=16MiB --set memory.host_budget=16MiB" ;;
     benches)
-      phase benches 150 "python3 -m tools.bench.zero --nproc 1 --device cuda --dir $WORK/zero --steps $STEPS --warmup 2"
+      phase benches 150 "python3 -m tools.bench.zero --nproc 1 --device cuda --dir $WORK/zero --steps $STEPS --warmup 2 ${ZERO_ARGS:-}"
       phase benches 120 "python3 -m tools.bench.tp --nproc 1 --device cuda --dir $WORK/tp --steps $STEPS --warmup 2"
       phase benches 150 "python3 -m tools.bench.activations --device cuda --dir $WORK/act --repeats $STEPS" ;;
+    disk)
+      phase disk 150 "python3 -m tools.bench.checkpoint --dir $WORK/ckpt"
+      phase disk 120 "python3 -m tools.bench.io --dir $WORK/io --repeats 3" ;;
     suite)
       # failures logged as they happen ($OUT/failures.log): a suite cut off by its limit still names them
       phase suite ${SUITE_LIMIT:-420} "OUT=$OUT python3 -m pytest -q -p no:cacheprovider -p tools.pytest_failures \
