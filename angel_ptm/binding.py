@@ -33,6 +33,7 @@ from angel_ptm.activations.recompute import checkpoint_modes
 from angel_ptm.errors import ParameterAccessError
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
 from angel_ptm.outside_units import OutsideUnits, keep, unpack_orphan, weakly
+from angel_ptm.outside_writes import OutsideWrites
 from angel_ptm.saved_tensors import PackedGathered, PackedPageTensor, Saved
 from angel_ptm.units import PagingUnit, unit_pages
 
@@ -103,6 +104,7 @@ class ParamBinder(OutsideUnits):
         self.before_grad_write = None  # called with a TensorSlot before its gradient is written into its pages
         self.before_unit_forward = None  # called before each unit's forward
         self.read_values: Callable[[TensorSlot], torch.Tensor] | None = None  # a copy of a parameter's values
+        self.outside_writes = OutsideWrites(read=self.copy_of, busy=self._busy_for_writes)  # (outside_writes.py)
         # Where pages are acquired: the scheduler (the step's front door), and for parameter pages under ZeRO-3 the
         # gatherer, which first all-gathers their groups.
         self.access = access  # acquire(pages, tier, label), release(pages, dirty), discard(pages)
@@ -221,6 +223,7 @@ class ParamBinder(OutsideUnits):
                 f"unit '{unit.name}' ran with gradients enabled outside engine(...): autograd would keep views of "
                 f"pages that move before backward; call engine(*inputs) instead of the model (under torch.no_grad() "
                 f"the model may be called directly)")
+        self.outside_writes.settle(publish=False)  # (a view of a parameter's values written since, outside)
         if self.before_unit_forward is not None:
             self.before_unit_forward()
         pages = self.unit_pages[id(unit)]

@@ -123,6 +123,8 @@ class Engine(StateAccess, EngineViews):
         self.binder = ParamBinder(model, self.layout, self.manager, self.pages["param"], self.pages["grad"],
                                   self.device, self.units, access=self.scheduler)
         self.binder.read_values = self.tensors.read_weights
+        self.binder.outside_writes.write = self._write_outside
+        self.binder.outside_writes.after_writes = lambda: self.data_parallel.params_updated()
         self._closed = False
         self._busy_lock, self._busy_thread, self._busy_depth = threading.Lock(), None, 0  # (_one_thread)
         self._steps_done = 0
@@ -248,10 +250,22 @@ class Engine(StateAccess, EngineViews):
 
     def _check_alive(self, reading: bool = False) -> None:
         """Refuse a call on a failed engine, or (unless it only `reading` state) on a closed one."""
+        self._settle_outside_writes()  # parameters written in place outside their units since: into the pages
         if self._closed and not reading:
             raise EngineClosedError("the engine was closed: its model holds the trained weights as ordinary tensors "
                                     "(model.state_dict()); angel_ptm.initialize(model, ...) trains on from them")
         self.failure.check()
+
+    def _write_outside(self, param: nn.Parameter, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """The elements of `values` where `mask` into `param`'s weight pages: a write the model made outside its
+        unit's forward (outside_writes.py); under mixed precision the master's and, rounded, the compute copy's."""
+        self.failure.check()
+        self.flush()  # staleness 1: the pending update lands first, as under load_state_dict
+        slot = self.binder.slots[id(param)]
+        kind = self.tensors.weights_kind(slot)
+        self.tensors.write_where(kind, slot, values, mask)
+        if kind == "master":
+            self.tensors.write_where("param", slot, values, mask)
 
     def close(self) -> None:
         """Stop the engine and free its pages; the model keeps its trained weights as ordinary CPU tensors (the
@@ -264,6 +278,7 @@ class Engine(StateAccess, EngineViews):
         values = None  # the weights the model keeps: none from a failed engine, or when the last update fails
         try:
             if self.failure.reason is None and self.failure.torn_load is None:
+                self.binder.outside_writes.settle(publish=False)  # (a parameter written through a view since)
                 self.flush()  # staleness 1: the pending update lands in the weights first
                 values = self.tensors.read_weights
         finally:

@@ -65,9 +65,10 @@ class UnboundParameter(nn.Parameter):
         resolved = owner.resolve(unbound) if owner is not None else None
         if resolved is True:  # bound now (a recomputation in backward): the op runs on their values
             return func(*args, **(kwargs or {}))
-        if isinstance(resolved, dict):  # no autograd to record: the op runs on copies of their values
-            swap = lambda a: resolved.get(id(a), a) if type(a) is UnboundParameter else a  # noqa: E731
-            return func(*tree_map(swap, tuple(args)), **tree_map(swap, dict(kwargs or {})))
+        if isinstance(resolved, dict):  # no autograd to record: the op runs on copies of their values, and what it
+            # writes into them goes into the pages (outside_writes.py)
+            one = lambda a: resolved.get(id(a), a) if type(a) is UnboundParameter else a  # noqa: E731
+            return owner.outside_writes.run(func, args, kwargs, unbound, resolved, lambda tree: tree_map(one, tree))
         offender = unbound[0] if unbound else None
         name = offender.__dict__.get("_angel_name", "?") if offender is not None else "?"
         unit = offender.__dict__.get("_angel_unit", "?") if offender is not None else "?"

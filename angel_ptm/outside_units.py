@@ -63,21 +63,31 @@ class OutsideUnits:
         Anything else stays an error: autograd would record a use whose gradient has no page to go to."""
         if any(id(p) not in self._unit_of for p in params):
             return None
+        self.outside_writes.settle(publish=False)  # (a view of their values written since: in first)
         if self.in_backward and torch.is_grad_enabled():
             for unit in dict.fromkeys(self._unit_of[id(p)] for p in params):
                 self.bind_lazy(unit)
             return True
         if not torch.is_grad_enabled():  # (in backward too: a reentrant checkpoint's forward inside a recomputation)
-            copies = {}
-            for param in params:
-                pages = self.unit_pages[id(self._unit_of[id(param)])]
-                self.param_access.acquire(pages, Tier.DEVICE, read_only=True)
-                try:
-                    with _disable_current_modes():
-                        copies[id(param)] = self._param_view(self.slots[id(param)]).clone()
-                finally:
-                    self.param_access.release(pages)
-            return copies
+            return {id(param): self.copy_of(param) for param in params}
+        return None
+
+    def copy_of(self, param: nn.Parameter) -> torch.Tensor:
+        """A copy of an unbound parameter's values (its compute-dtype pages), on the compute device."""
+        pages = self.unit_pages[id(self._unit_of[id(param)])]
+        self.param_access.acquire(pages, Tier.DEVICE, read_only=True)
+        try:
+            with _disable_current_modes():
+                return self._param_view(self.slots[id(param)]).clone()
+        finally:
+            self.param_access.release(pages)
+
+    def _busy_for_writes(self) -> str | None:
+        """Why a parameter cannot be written outside its unit now (OutsideWrites), or None."""
+        if self.in_backward:
+            return "the engine's backward runs"
+        if self._hooks_on or self._open_units:
+            return "a forward runs"
         return None
 
     def bind_lazy(self, unit) -> None:

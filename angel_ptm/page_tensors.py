@@ -99,6 +99,23 @@ class PageTensors:
             view[seg.offset : seg.offset + seg.numel].copy_(flat[seg.start : seg.start + seg.numel])
             self.manager.release([page], dirty=True)
 
+    def write_where(self, kind: str, slot: TensorSlot, values: torch.Tensor, mask: torch.Tensor) -> None:
+        """Write the elements of `values` where `mask` (both flat, the tensor's element count) into the tensor's
+        pages of `kind` on this rank; the others keep what the pages hold."""
+        flat, mask = values.reshape(-1), mask.reshape(-1)
+        for seg in slot.segments:
+            page = self.pages[kind][seg.page]
+            part = mask[seg.start : seg.start + seg.numel]
+            if page is None or page.home is not None or not bool(part.any()):
+                continue  # another rank's page (ZeRO: it makes the same write), or nothing written here
+            self.manager.acquire([page], Tier.HOST)
+            try:
+                view = page.view(self.dtype(kind, seg.page))[seg.offset : seg.offset + seg.numel]
+                new = flat[seg.start : seg.start + seg.numel].to(view.device, view.dtype)
+                view.copy_(torch.where(part.to(view.device), new, view))
+            finally:
+                self.manager.release([page], dirty=True)
+
     def fill_from(self, model: nn.Module) -> MaterializeReport | None:
         """The model's parameter values into their weight pages (the fp32 master pages under mixed precision). A
         model built on the meta device is materialized straight into them, a module at a time

@@ -274,13 +274,20 @@ class StateAccess:
 
     def master_parameter(self, name: str) -> torch.Tensor:
         """A copy of the weights the optimizer updates for `name`: the fp32 master under mixed precision."""
+        self._settle_outside_writes()
         slot = self.layout.slot(name)
         return self.tensors.read(self.tensors.weights_kind(slot), slot)
 
     def state(self, kind: str, name: str) -> torch.Tensor:
         """A copy of tensor `name` in the pages of `kind` (param, grad, master, exp_avg, exp_avg_sq), on the CPU.
         Pages are read where they are (a disk page into a scratch buffer): no page changes tier."""
+        self._settle_outside_writes()
         return self.tensors.read(kind, self.layout.slot(name))
+
+    def _settle_outside_writes(self) -> None:
+        """Parameters written in place outside their units through views (outside_writes.py): into the pages."""
+        if not self._closed and self.failure.reason is None:
+            self.binder.outside_writes.settle()
 
     def write_parameter(self, name: str, value: torch.Tensor) -> None:
         """Write `value` into `name`'s weight pages (the master under mixed precision: then `parameters_written`)."""

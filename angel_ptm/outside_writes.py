@@ -1,0 +1,135 @@
+"""Writes into parameters outside their units' forward, with no autograd recording: they reach the pages.
+
+Outside its unit's forward a parameter's op under `torch.no_grad()` runs on a copy of its values (guard.py,
+OutsideUnits.resolve). torch writes the parameter itself in such an op when it is in place (`nn.init.normal_(p)`,
+`p.mul_(0.5)`, `p[0] = 0`, `torch.add(a, b, out=p)`) or later through a view the op returned
+(`emb.weight[pad].zero_()`, `p.detach().clamp_(...)`). So must the engine, or the write is lost without a word:
+- an op that wrote its copy: the elements it changed are written into the parameter's pages at once;
+- a view of a copy that the op returned: watched while the user holds it; the next entry to the engine (a forward,
+  a step, a read of the weights, the next use of a parameter outside its unit) writes the elements changed
+  through it since, the one after its last view is gone too.
+Only the elements that changed are written (compared bit by bit with the values before), so the others keep what
+the pages hold: under mixed precision the fp32 master's full precision, and for a view written after a step the
+step's update. The weight pages (the master under mixed precision, and the compute copy rounded from it) are
+written on this rank only, without a collective: under data parallelism every rank makes the same write (as in
+plain torch's DDP); the next engine entry then lets the data-parallel copies know (`after_writes`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch import nn
+
+from angel_ptm.errors import ParameterAccessError
+
+
+def version(tensor: torch.Tensor) -> int | None:
+    """`tensor`'s version counter (an in-place write bumps it); None for an inference tensor, which has none."""
+    try:
+        return tensor._version
+    except RuntimeError:
+        return None
+
+
+def changed(values: torch.Tensor, before: torch.Tensor) -> torch.Tensor:
+    """Per element of `values`, flat: whether its bits differ from `before`'s (NaNs and -0.0 compare as bits)."""
+    n, size = values.numel(), values.element_size()
+    now = values.detach().contiguous().reshape(-1).view(torch.uint8).view(n, size)
+    then = before.detach().contiguous().reshape(-1).view(torch.uint8).view(n, size)
+    return (now != then).any(dim=1)
+
+
+@dataclass
+class _Watched:
+    """A copy of `param`'s values that views the op returned alias (`views`: weakly), and its values when last
+    written back. The copy is held until a settle after its last view is gone (a view written and dropped in one
+    statement, `p[0].zero_()`, still goes in)."""
+
+    param: nn.Parameter
+    copy: torch.Tensor
+    before: torch.Tensor
+    version: int | None
+    views: list
+
+
+class OutsideWrites:
+    """The writes a binder's unbound parameters take outside their units (see the module docstring).
+
+    `read(param)` is a copy of the parameter's values as its pages hold them now; `write(param, values, mask)` writes the elements of `values` where `mask` into `param`'s weight pages (the
+    engine's: PageTensors.write_where); `after_writes()` runs once at the next entry after any (the data-parallel
+    copies of the parameters are refreshed); `busy()` says why a write cannot go in now (a forward or backward
+    of the engine is running), or None."""
+
+    def __init__(self, read: Callable, write: Callable | None = None, after_writes: Callable[[], None] | None = None,
+                 busy: Callable[[], str | None] | None = None):
+        self.read, self.write, self.after_writes, self.busy = read, write, after_writes, busy
+        self._watched: list[_Watched] = []
+        self._written = False  # a write went in since after_writes last ran
+
+    def run(self, func, args, kwargs, unbound: list[nn.Parameter], copies: dict[int, torch.Tensor], swap):
+        """`func` on `copies` of the `unbound` parameters' values (`swap` maps an argument to its copy); what it
+        writes into them goes into the pages. An op in place returns the parameter, as in torch."""
+        mine = [(param, copies[id(param)]) for param in unbound]
+        # (an inference tensor has no version counter: its writes are seen by its bits, against a copy kept here)
+        before = [(version(copy), copy.clone() if version(copy) is None else None) for _param, copy in mine]
+        result = func(*swap(tuple(args)), **swap(dict(kwargs or {})))
+        for (param, copy), (then, values) in zip(mine, before):
+            if then is None or version(copy) != then:
+                self._write(param, copy, values if values is not None else self.read(param))
+        self._watch(result, mine)
+        if isinstance(result, torch.Tensor):
+            for param, copy in mine:
+                if result is copy:
+                    return param
+        return result
+
+    def settle(self, publish: bool = True) -> None:
+        """An entry to the engine: the writes made since through watched views go into the pages, then (with
+        `publish`: an entry between steps) the data-parallel copies learn of every write since the last time."""
+        if self._watched:
+            watched, self._watched = self._watched, []
+            for entry in watched:
+                copy = entry.copy
+                if entry.version is None or version(copy) != entry.version:
+                    self._write(entry.param, copy, entry.before)
+                    entry.before, entry.version = copy.clone(), version(copy)
+                if any(view() is not None for view in entry.views):
+                    self._watched.append(entry)  # a view of it is still held
+        if publish and self._written and self.after_writes is not None:
+            self._written = False
+            self.after_writes()
+
+    def _write(self, param: nn.Parameter, values: torch.Tensor, before: torch.Tensor) -> None:
+        mask = changed(values, before)
+        if not bool(mask.any()):
+            return
+        name = param.__dict__.get("_angel_name", "?")
+        reason = self.busy() if self.busy is not None else None
+        if reason is not None or self.write is None:
+            raise ParameterAccessError(
+                f"parameter '{name}' written in place outside its unit's forward while {reason or 'the engine is closing'}: "
+                f"the write cannot reach its pages now; write it between steps (under torch.no_grad())")
+        self.write(param, values, mask)
+        self._written = True
+
+    def _watch(self, result, mine) -> None:
+        """Copies aliased by a tensor in `result` (a view the op returned): watched for writes through it."""
+        leaves = result if isinstance(result, (tuple, list)) else (result,)
+        storages = {copy.untyped_storage().data_ptr(): (param, copy) for param, copy in mine}
+        entries: dict[int, _Watched] = {}
+        for leaf in leaves:
+            if not isinstance(leaf, torch.Tensor) or any(leaf is copy for _p, copy in mine):
+                continue
+            found = storages.get(leaf.untyped_storage().data_ptr())
+            if found is None:
+                continue
+            param, copy = found
+            entry = entries.get(id(copy))
+            if entry is None:
+                entry = entries[id(copy)] = _Watched(param, copy, copy.clone(), version(copy), [])
+                self._watched.append(entry)
+            entry.views.append(weakref.ref(leaf))

@@ -1,0 +1,178 @@
+"""Parameters written in place outside their units' forward, under torch.no_grad(), reach the pages, as torch writes
+the parameters (angel_ptm/outside_writes.py): `nn.init.*_`, `p.mul_()`, `p[i] = v`, a view written later
+(`emb.weight[0].zero_()`, `p.detach().clamp_()`), between steps, in any placement; training then matches plain
+torch with the same writes. Only the elements written change: a mixed-precision master keeps its fp32 values
+elsewhere, and a view written after a step leaves the step's update in the others."""
+
+import pytest
+import torch
+from torch import nn
+
+import angel_ptm
+from angel_ptm.errors import ParameterAccessError
+from conformance_cases import PAGE_BYTES, place
+from conformance_cases import one_compute_thread  # noqa: F401  (an autouse fixture)
+from test_engine_equivalence import assert_same_losses, engine_config
+
+STEPS = 6
+VOCAB = 64
+
+
+class Tagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 48, padding_idx=0)
+        self.mix = nn.Linear(48, 96)
+        self.norm = nn.LayerNorm(96)
+        self.head = nn.Linear(96, VOCAB)
+
+    def forward(self, tokens):
+        return self.head(self.norm(torch.tanh(self.mix(self.emb(tokens)))))
+
+
+def build():
+    torch.manual_seed(0)
+    return Tagger()
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, VOCAB, (4, 6), generator=g), torch.randint(0, VOCAB, (4, 6), generator=g))
+            for _ in range(STEPS)]
+
+
+def loss_of(model, tokens, labels):
+    return nn.functional.cross_entropy(model(tokens).reshape(-1, VOCAB), labels.reshape(-1))
+
+
+def edit(model, step: int):
+    """What a training script might do to the weights between steps, each a write torch makes in place."""
+    with torch.no_grad():
+        if step == 1:
+            nn.init.normal_(model.head.weight, std=0.05, generator=torch.Generator().manual_seed(3))
+            nn.init.zeros_(model.mix.bias)
+        elif step == 3:
+            model.emb.weight[0].zero_()  # a view, written and dropped in one statement
+            model.mix.weight.mul_(0.5)
+            model.norm.weight[:5] = 2.0
+            model.head.bias.detach().clamp_(-0.01, 0.01)
+
+
+def train(model, step_fn, edit_fn):
+    losses = []
+    for step, (x, y) in enumerate(batches()):
+        edit_fn(step)
+        losses.append(step_fn(x, y))
+    return losses
+
+
+def torch_losses():
+    model = build()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+    def step(x, y):
+        loss = loss_of(model, x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        return loss.item()
+    return train(model, step, lambda s: edit(model, s)), {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def make_engine(placement: str, tmp_path, scheduler="planned", dtype="float32"):
+    model = build()
+    memory = {"page_bytes": PAGE_BYTES, "disk_dir": str(tmp_path), "scheduler": scheduler}
+    return model, angel_ptm.initialize(model, place(engine_config(memory, dtype=dtype), model, placement))
+
+
+@pytest.mark.parametrize("placement, scheduler", [("device", "planned"), ("disk", "planned"), ("disk", "on_demand")])
+def test_writes_between_steps_train_as_torch(placement, scheduler, tmp_path):
+    expected, params = torch_losses()
+    model, engine = make_engine(placement, tmp_path, scheduler)
+    try:
+        def step(x, y):
+            loss = loss_of(engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            return loss.item()
+        assert_same_losses(expected, train(model, step, lambda s: edit(model, s)))
+        for name, value in params.items():
+            torch.testing.assert_close(engine.parameter(name), value, rtol=1e-5, atol=1e-6)
+    finally:
+        engine.close()
+
+
+def test_an_inplace_op_returns_the_parameter_and_reads_see_the_write(tmp_path):
+    model, engine = make_engine("disk", tmp_path)
+    try:
+        with torch.no_grad():
+            assert model.mix.weight.mul_(2.0) is model.mix.weight
+            model.mix.weight[1, 2] = 5.0
+            assert float(model.mix.weight[1, 2]) == 5.0  # (a read of the written element, outside the unit)
+        with torch.inference_mode():
+            nn.init.constant_(model.head.bias, 0.25)
+        assert torch.equal(engine.parameter("head.bias"), torch.full((VOCAB,), 0.25))
+        assert float(engine.parameter("mix.weight")[1, 2]) == 5.0
+        assert float(model.state_dict()["mix.weight"][1, 2]) == 5.0
+    finally:
+        engine.close()
+    assert float(model.mix.weight.detach()[1, 2]) == 5.0  # the model keeps it after close
+
+
+def test_a_view_written_after_a_step_changes_only_its_elements(tmp_path):
+    model, engine = make_engine("disk", tmp_path)
+    try:
+        with torch.no_grad():
+            row = model.emb.weight[2]  # held across a step
+        x, y = batches()[0]
+        engine.backward(loss_of(engine, x, y))
+        engine.step()
+        trained = engine.parameter("emb.weight")
+        with torch.no_grad():
+            row.fill_(3.0)
+        now = engine.parameter("emb.weight")
+        assert torch.equal(now[2], torch.full((48,), 3.0))
+        assert torch.equal(now[torch.arange(VOCAB) != 2], trained[torch.arange(VOCAB) != 2])
+        del row
+        engine.backward(loss_of(engine, x, y))  # (the entry after its last view is gone lets the copy go)
+        engine.step()
+        assert not engine.binder.outside_writes._watched
+    finally:
+        engine.close()
+
+
+def test_mixed_precision_keeps_the_master_where_nothing_was_written(tmp_path):
+    model, engine = make_engine("disk", tmp_path, dtype="bfloat16")
+    try:
+        x, y = batches()[0]
+        engine.backward(loss_of(engine, x, y))
+        engine.step()
+        master = engine.master_parameter("mix.weight")
+        with torch.no_grad():
+            model.mix.weight[0, 0] = 1.0
+        written = master.clone()
+        written[0, 0] = 1.0
+        assert torch.equal(engine.master_parameter("mix.weight"), written)
+        assert torch.equal(engine.parameter("mix.weight"), written.to(torch.bfloat16))
+    finally:
+        engine.close()
+
+
+def test_a_write_while_a_forward_runs_is_refused(tmp_path):
+    """Another unit's parameter written from inside a forward: the write cannot go in then (the unit's own are
+    refused by the binder at its end, test_torch_api_semantics)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.ModuleList([nn.Linear(8, 8), nn.Linear(8, 8)]))
+    blocks = model[0]
+    engine = angel_ptm.initialize(model, {"trainer": {"device": "cpu"}})
+
+    def write_other(_module, _args):
+        with torch.no_grad():
+            blocks[1].bias.zero_()
+    blocks[0].register_forward_pre_hook(write_other)
+    try:
+        with pytest.raises(ParameterAccessError, match="0.1.bias.*while a forward runs"):
+            with torch.no_grad():
+                blocks[0](torch.ones(2, 8))
+    finally:
+        engine.close()
