@@ -80,6 +80,9 @@ class ParamBinder(OutsideUnits):
         self.activation_bytes = 0  # saved activations alive now
         self._activation_high = 0  # the most alive at once since the scheduler's trace last sampled (take_peak)
         self._saved_storages: dict[int, list[int]] = {}  # storage address -> [saves not yet read, its bytes]
+        # Parameter pages a graph saved through a detached use (w.detach(), w.data): a backward node may read them
+        # after the parameter's own gradient is final, so they are not updated during that backward (step.py)
+        self.detached_saves: set[int] = set()
         self._bound: dict[int, int] = {}  # id(param) -> units binding it now
         self._versions: dict[int, int] = {}  # id(param) -> its version counter when bound (an in-place write bumps it)
         self._page_by_address: dict[int, Page] = {}  # device pages bound now, by buffer address
@@ -346,6 +349,8 @@ class ParamBinder(OutsideUnits):
                 storage = tensor.untyped_storage().data_ptr()
                 slot = self._gathered.get(storage)
                 if slot is not None:
+                    if not tensor.requires_grad:  # a detached use (w.detach()): read after w's gradient is final
+                        self.detached_saves.update(slot.pages)
                     return PackedGathered(slot, (tensor.data_ptr() - storage) // tensor.element_size(),
                                           tuple(tensor.size()), tuple(tensor.stride()))
             if self._page_by_address:
@@ -353,6 +358,8 @@ class ParamBinder(OutsideUnits):
                 for address, page in self._page_by_address.items():
                     if address <= tensor.data_ptr() < address + page.nbytes and base <= address:
                         offset_bytes = tensor.data_ptr() - address
+                        if not tensor.requires_grad:  # (as above)
+                            self.detached_saves.add(page.index)
                         return PackedPageTensor(page, offset_bytes // tensor.element_size(), tuple(tensor.size()),
                                                 tuple(tensor.stride()), tensor.dtype)
         if self.offload is not None:
@@ -408,6 +415,7 @@ class ParamBinder(OutsideUnits):
 
     def end_backward(self) -> None:
         self.release_lazy()
+        self.detached_saves.clear()
         self._current_node = None
         self.activation_bytes = 0
         self._saved_storages.clear()

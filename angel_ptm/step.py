@@ -178,6 +178,9 @@ class StepDriver:
             if self.eager_allowed and self.delayed is None:
                 self.optimizer.begin_step()
             self.pending = list(self.tensors_per_page)
+            for index in self.binder.detached_saves:  # read by a node after their gradients are final: never final
+                if index < len(self.pending):  # in this backward, so updated (and published) at step()
+                    self.pending[index] += 1
             self.ready = set()
             self.final_order = []
             dp.begin_backward()

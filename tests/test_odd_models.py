@@ -8,6 +8,7 @@ from torch import nn
 
 import angel_ptm
 from angel_ptm.errors import BudgetError, ConfigValueError
+from tests.conformance_cases import place
 from tests.test_engine_equivalence import assert_same_losses
 
 ADAMW = {"lr": 1e-2, "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": 0.1}
@@ -198,3 +199,55 @@ def test_the_estimates_trace_leaves_a_module_registered_twice_as_it_was(tmp_path
         finally:
             engine.close()
     assert losses[0] == losses[1]
+
+
+class DetachedUse(nn.Module):
+    """A weight also read detached (a stop-gradient) early in the forward: the node that reads it runs in backward
+    after the weight's own gradient is final, when the planned scheduler would already update its page."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.pre = nn.Linear(40, 40)
+        self.proj = nn.Linear(40, 40)
+        self.layers = nn.ModuleList([nn.Linear(40, 40) for _ in range(2)])
+        self.head = nn.Linear(40, 1)
+
+    def forward(self, x):
+        h = torch.tanh(self.pre(x))
+        h = torch.tanh(h @ self.proj.weight.detach().t())
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return (self.head(torch.tanh(self.proj(h))).squeeze(-1) - x.sum(1).sin()).pow(2).mean()
+
+
+@pytest.mark.parametrize("placement", ["device", "disk"])
+def test_a_weight_read_detached_is_not_updated_before_backward_reads_it(placement, tmp_path):
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(8, 40, generator=g) for _ in range(4)]
+    model = DetachedUse()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    expected = []
+    for x in batches:
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+    job = config(tmp_path)  # planned, no clipping: pages are updated during backward as they become final
+    job["memory"]["page_bytes"] = 4096
+    model = DetachedUse()
+    engine = angel_ptm.initialize(model, place(job, model, placement))
+    try:
+        losses = []
+        for x in batches:
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        if placement == "disk":
+            assert engine.memory_stats()["in_use"]["disk"] > 0
+        assert engine.optimizer.step_count == 4
+    finally:
+        engine.close()
+    assert_same_losses(expected, losses)
