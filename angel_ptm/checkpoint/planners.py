@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from angel_ptm.checkpoint.boxes import box_start, flat_boxes
 from angel_ptm.checkpoint.buffers import BufferPool
 from angel_ptm.errors import CheckpointError
+from angel_ptm.state_dict import _persistent_buffers
 from angel_ptm.memory import Page, PageLayout, PageState, Tier
 from angel_ptm.memory.store import PageKind
 from angel_ptm.memory.backing import Extent, Source, zero_outside
@@ -102,7 +103,8 @@ def global_fqn(engine, kind: str, name: str) -> str:
 
 def unexpected_tensors(engine, md) -> list[str]:
     """The checkpoint's parameters and optimizer states (`<kind>.<name>`) of tensors this model does not have: a
-    larger model's blocks or experts, an untied head of a model that ties it (torch's strict load refuses them too).
+    larger model's blocks or experts, an untied head of a model that ties it (torch's strict load refuses them too);
+    and its buffers (`buffer.<name>`) this model has no persistent buffer for (a BatchNorm taken out).
     Another rank's experts of a layer split over ep ranks are this model's (the unsplit layer's experts)."""
     from angel_ptm.parallel.moe.dispatch import ExpertParallelMoE
 
@@ -111,9 +113,11 @@ def unexpected_tensors(engine, md) -> list[str]:
         if isinstance(module, ExpertParallelMoE):
             tensors = {name.partition(".")[2] for name, _ in module.experts.named_parameters()}
             names |= {f"{prefix}.experts.{e}.{tensor}" for e in range(module.spec.experts) for tensor in tensors}
+    buffers = {f"buffer.{name}" for name in _persistent_buffers(engine.model)}
     return [fqn for fqn, saved in md.items()
-            if fqn.partition(".")[0] in SAVED_KINDS and isinstance(saved, TensorStorageMetadata)
-            and fqn.partition(".")[2] not in names]
+            if isinstance(saved, TensorStorageMetadata) and (
+                (fqn.partition(".")[0] in SAVED_KINDS and fqn.partition(".")[2] not in names)
+                or (fqn.startswith("buffer.") and fqn not in buffers))]
 
 
 def in_file_order(groups: list[list[ReadItem]], storage: dict | None) -> list[ReadItem]:

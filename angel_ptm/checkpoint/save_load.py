@@ -41,7 +41,8 @@ from angel_ptm.checkpoint.planners import PageLoadPlanner, PageSavePlanner, Page
 from angel_ptm.checkpoint.snapshot import Snapshot
 from angel_ptm.checkpoint.storage import CheckedReader, CheckedWriter, fault, fsync_dir
 from angel_ptm.config.loader import config_to_dict
-from angel_ptm.errors import AngelError, CheckpointCorruptError, CheckpointError, CheckpointWriteError
+from angel_ptm.errors import (AngelError, CheckpointCorruptError, CheckpointError, CheckpointWriteError,
+                              EngineClosedError)
 from angel_ptm.io.stream import Pace
 from angel_ptm.state_dict import _persistent_buffers
 from angel_ptm.step import copy_masters_into_params
@@ -231,6 +232,9 @@ class PendingSave:
 def load_checkpoint(engine, path: str | os.PathLike) -> Any:
     """Read directory `path` into the engine (every page, the step counts, RNG, loss scale) on every rank; returns
     the `extra` it was saved with. The checkpoint may come from any rank count, page size or placement."""
+    if engine._closed:  # (its model holds ordinary tensors now: a load would write only its buffers)
+        raise EngineClosedError("load_checkpoint: the engine was closed; angel_ptm.initialize(model, ...) again and "
+                                "load into the new engine")
     engine.failure.check(loading=True)  # a load that failed part-way may be followed by another
     _at_step_boundary(engine, "load_checkpoint")
     engine.wait_for_checkpoint()
