@@ -83,6 +83,7 @@ class ParamBinder(OutsideUnits):
         # Parameter pages a graph saved through a detached use (w.detach(), w.data): a backward node may read them
         # after the parameter's own gradient is final, so they are not updated during that backward (step.py)
         self.detached_saves: set[int] = set()
+        self.weights_generation = 0  # bumped when the weights change between steps (a graph saved before is stale)
         self._bound: dict[int, int] = {}  # id(param) -> units binding it now
         self._versions: dict[int, int] = {}  # id(param) -> its version counter when bound (an in-place write bumps it)
         self._page_by_address: dict[int, Page] = {}  # device pages bound now, by buffer address
@@ -352,7 +353,7 @@ class ParamBinder(OutsideUnits):
                     if not tensor.requires_grad:  # a detached use (w.detach()): read after w's gradient is final
                         self.detached_saves.update(slot.pages)
                     return PackedGathered(slot, (tensor.data_ptr() - storage) // tensor.element_size(),
-                                          tuple(tensor.size()), tuple(tensor.stride()))
+                                          tuple(tensor.size()), tuple(tensor.stride()), self.weights_generation)
             if self._page_by_address:
                 base = tensor.data_ptr() - tensor.storage_offset() * tensor.element_size()
                 for address, page in self._page_by_address.items():
@@ -361,7 +362,7 @@ class ParamBinder(OutsideUnits):
                         if not tensor.requires_grad:  # (as above)
                             self.detached_saves.add(page.index)
                         return PackedPageTensor(page, offset_bytes // tensor.element_size(), tuple(tensor.size()),
-                                                tuple(tensor.stride()), tensor.dtype)
+                                                tuple(tensor.stride()), tensor.dtype, self.weights_generation)
         if self.offload is not None:
             packed = self.offload.pack(tensor)
             if packed is not None:
@@ -387,6 +388,11 @@ class ParamBinder(OutsideUnits):
             return packed.tensor
         if isinstance(packed, PackedActivation):
             return self.offload.unpack(packed)
+        if isinstance(packed, (PackedGathered, PackedPageTensor)) and packed.generation != self.weights_generation:
+            raise ParameterAccessError(
+                "backward through a graph whose forward ran before the weights changed (engine.step(), a load or a "
+                "write since): the parameters it saved hold other values now (torch refuses it too: modified by an "
+                "inplace operation); run the forward again")
         if isinstance(packed, PackedGathered):
             self._enter_node()
             pages = [self.param_pages[i] for i in packed.slot.pages]

@@ -247,6 +247,7 @@ class Engine(StateAccess, EngineViews):
         """After weights were written into master pages: the compute copies (param pages) take them, on every rank."""
         copy_masters_into_params(self.scheduler, self.pages, self.layout, self.ownership)
         self.data_parallel.params_updated()
+        self.binder.weights_generation += 1
 
     def _check_alive(self, reading: bool = False) -> None:
         """Refuse a call on a failed engine, or (unless it only `reading` state) on a closed one."""
@@ -266,6 +267,7 @@ class Engine(StateAccess, EngineViews):
         self.tensors.write_where(kind, slot, values, mask)
         if kind == "master":
             self.tensors.write_where("param", slot, values, mask)
+        self.binder.weights_generation += 1
 
     def close(self) -> None:
         """Stop the engine and free its pages; the model keeps its trained weights as ordinary CPU tensors (the

@@ -14,11 +14,12 @@ from angel_ptm.memory import Page, TensorSlot
 class PackedPageTensor:
     """A saved tensor that lives in a page: enough to rebuild the same view after the page moved."""
 
-    __slots__ = ("_page", "offset", "size", "stride", "dtype")
+    __slots__ = ("_page", "offset", "size", "stride", "dtype", "generation")
 
-    def __init__(self, page: Page, offset: int, size, stride, dtype):
+    def __init__(self, page: Page, offset: int, size, stride, dtype, generation: int = 0):
         # (weakly: a graph kept without a backward would keep the page, its manager and so the engine alive)
         self._page, self.offset, self.size, self.stride, self.dtype = weakref.ref(page), offset, size, stride, dtype
+        self.generation = generation  # the weights' (ParamBinder.weights_generation) when saved
 
     @property
     def page(self) -> Page:
@@ -28,10 +29,10 @@ class PackedPageTensor:
 class PackedGathered:
     """A saved tensor that lives in the gathered copy of a parameter spanning pages: gathered again when unpacked."""
 
-    __slots__ = ("slot", "offset", "size", "stride")
+    __slots__ = ("slot", "offset", "size", "stride", "generation")
 
-    def __init__(self, slot: TensorSlot, offset: int, size, stride):
-        self.slot, self.offset, self.size, self.stride = slot, offset, size, stride
+    def __init__(self, slot: TensorSlot, offset: int, size, stride, generation: int = 0):
+        self.slot, self.offset, self.size, self.stride, self.generation = slot, offset, size, stride, generation
 
 
 class Saved:

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import angel_ptm
-from angel_ptm.errors import BudgetError, ConfigValueError
+from angel_ptm.errors import BudgetError, ConfigValueError, ParameterAccessError
 from tests.conformance_cases import place
 from tests.test_engine_equivalence import assert_same_losses
 
@@ -251,3 +251,23 @@ def test_a_weight_read_detached_is_not_updated_before_backward_reads_it(placemen
     finally:
         engine.close()
     assert_same_losses(expected, losses)
+
+
+def test_a_backward_through_a_graph_from_before_the_step_is_refused_as_torch_refuses_it(tmp_path):
+    model = DetachedUse()
+    engine = angel_ptm.initialize(model, config(tmp_path))
+    g = torch.Generator().manual_seed(1)
+    xa, xb, xc = (torch.randn(8, 40, generator=g) for _ in range(3))
+    try:
+        la, lb = engine(xa), engine(xb)
+        engine.backward(la)
+        engine.step()
+        with pytest.raises(ParameterAccessError, match="forward ran before the weights changed"):
+            engine.backward(lb)
+        del lb
+        engine.zero_grad()
+        engine.backward(engine(xc))  # a forward made now trains on
+        engine.step()
+        assert engine.optimizer.step_count == 2
+    finally:
+        engine.close()
