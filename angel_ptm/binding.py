@@ -32,7 +32,7 @@ from angel_ptm.activations import ActivationPages, PackedActivation, Recomputati
 from angel_ptm.activations.recompute import checkpoint_modes
 from angel_ptm.errors import ParameterAccessError
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
-from angel_ptm.outside_units import OutsideUnits, keep, unpack_orphan, weakly
+from angel_ptm.outside_units import OutsideUnits, keep, register_state_dict_post_hook, unpack_orphan, weakly
 from angel_ptm.outside_writes import OutsideWrites
 from angel_ptm.saved_tensors import PackedGathered, PackedPageTensor, Saved
 from angel_ptm.units import PagingUnit, unit_pages
@@ -58,12 +58,6 @@ def _padding_ranges(layout: PageLayout) -> list[list[tuple[int, int]]]:
             gaps.append((cursor, numel))
         ranges.append(gaps)
     return ranges
-
-
-def _register_state_dict_post_hook(module: nn.Module, hook):
-    """`register_state_dict_post_hook` where torch has it (2.5+), its private predecessor before."""
-    register = getattr(module, "register_state_dict_post_hook", None) or module._register_state_dict_hook
-    return register(lambda *args: hook(*args))  # a plain function: torch marks the hook with an attribute
 
 
 class ParamBinder(OutsideUnits):
@@ -162,7 +156,7 @@ class ParamBinder(OutsideUnits):
         for module in self.model.modules():
             if any(True for _ in module.parameters(recurse=False)):
                 self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
-                self._handles.append(_register_state_dict_post_hook(module, self._after_state_dict))
+                self._handles.append(register_state_dict_post_hook(module, self._after_state_dict))
         owner = {id(p): u.name for u in reversed(self.units) for p in u.params}
         for name, param in self.model.named_parameters():
             if param.requires_grad:  # (kept last of its hooks: a user's added later still sees .grad, guard.py)
