@@ -53,3 +53,57 @@ def test_a_closed_engine_refuses_a_load_and_its_model_keeps_its_state(tmp_path):
     with pytest.raises(EngineClosedError, match="load_checkpoint"):
         engine.load_checkpoint(tmp_path / "ck")
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+class Plain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * (1.0 + 0.01 * self.calls)
+
+
+class Counted(Plain):
+    """A module whose forward depends on extra state it keeps outside its tensors (torch's `_extra_state`)."""
+
+    def get_extra_state(self):
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state):
+        self.calls = state["calls"]
+
+
+def test_a_modules_extra_state_is_saved_and_restored_so_resume_is_exact(tmp_path):
+    g = torch.Generator().manual_seed(1)
+    xs = [torch.randn(8, 16, generator=g) for _ in range(6)]
+
+    def run(engine, batches):
+        losses = []
+        for x in batches:
+            loss = engine(x).pow(2).mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        return losses
+
+    first = angel_ptm.initialize(net(Counted()), job(tmp_path))
+    run(first, xs[:3])
+    first.save_checkpoint(tmp_path / "ck")
+    expected = run(first, xs[3:])
+    first.close()
+    second = angel_ptm.initialize(net(Counted()), job(tmp_path / "2"))
+    try:
+        second.load_checkpoint(tmp_path / "ck")
+        assert second.model[1].calls == 3
+        assert run(second, xs[3:]) == expected
+    finally:
+        second.close()
+    other = angel_ptm.initialize(net(Plain()), job(tmp_path / "3"))
+    try:
+        with pytest.raises(CheckpointError, match="extra states"):
+            other.load_checkpoint(tmp_path / "ck")
+    finally:
+        other.close()

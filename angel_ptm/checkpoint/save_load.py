@@ -9,7 +9,8 @@ What a checkpoint holds besides the tensors (planners.py), as DCP bytes items:
                           LR schedule drives the lr, the fp16 loss scaler, whether the param pages lag the master
                           (optimizer.staleness 1: update t ran, its parameters are published during step t+1), the
                           saving job's config, world size, ZeRO stage, page size and layout fingerprint, and the
-                          model's state_dict names (and a HuggingFace config) for `angel-ptm export`
+                          model's state_dict names (and a HuggingFace config) for `angel-ptm export`, and the
+                          `get_extra_state()` of each module that has one
     angel_ptm.rng.<R>     rank R's RNG states (torch CPU and CUDA, numpy, python)
     angel_ptm.extra       the caller's picklable object (the trainer's step), returned by load_checkpoint
 
@@ -44,7 +45,7 @@ from angel_ptm.config.loader import config_to_dict
 from angel_ptm.errors import (AngelError, CheckpointCorruptError, CheckpointError, CheckpointWriteError,
                               EngineClosedError)
 from angel_ptm.io.stream import Pace
-from angel_ptm.state_dict import _persistent_buffers
+from angel_ptm.state_dict import _extra_states, _persistent_buffers
 from angel_ptm.step import copy_masters_into_params
 
 ENGINE, EXTRA, RNG = "angel_ptm.engine", "angel_ptm.extra", "angel_ptm.rng."
@@ -342,7 +343,9 @@ def engine_state(engine, lagging: bool, named: dict) -> dict:
             "world_size": engine.mesh.world_size, "zero": engine.ownership.stage,
             "page_bytes": engine.layout.page_bytes, "layout": engine.layout.fingerprint(),
             "state_dict_keys": named["state_dict_keys"], "hf_config": hf_config(engine.model),
-            "config": config_to_dict(engine.config)}
+            "config": config_to_dict(engine.config),
+            # what modules overriding get_extra_state return (torch's state dict holds them as `<module>._extra_state`)
+            "extra_states": {key: module.get_extra_state() for key, module in _extra_states(engine.model).items()}}
 
 
 def state_dict_keys(model) -> list[tuple[str, str, str]]:
@@ -374,6 +377,11 @@ def hf_config(model) -> dict | None:
 
 def apply_engine_state(engine, state: dict) -> None:
     opt = engine.optimizer
+    extra = _extra_states(engine.model)
+    saved_extra = state.get("extra_states")  # (none in a checkpoint from before they were saved)
+    if saved_extra is not None and set(saved_extra) != set(extra):
+        raise CheckpointError(f"checkpoint: does not fit this model: extra states {sorted(saved_extra)[:4]} saved, "
+                              f"{sorted(extra)[:4]} in the model")
     steps = state["slot_steps"]
     rename = engine.expert_names  # this rank's experts by their unsplit names
     unknown = sorted(rename.get(n, n) for n in opt.slot_steps if rename.get(n, n) not in steps)
@@ -396,6 +404,9 @@ def apply_engine_state(engine, state: dict) -> None:
         else:  # this job does not delay: its parameters are the masters now
             copy_masters_into_params(engine.scheduler, engine.pages, engine.layout, engine.ownership)
     engine.data_parallel.params_updated()  # gathered copies (ZeRO-3) and replicas refreshed from the owners
+    for key, module in extra.items():
+        if saved_extra is not None:
+            module.set_extra_state(saved_extra[key])
 
 
 def rng_state() -> dict:
