@@ -107,3 +107,25 @@ def test_a_modules_extra_state_is_saved_and_restored_so_resume_is_exact(tmp_path
             other.load_checkpoint(tmp_path / "ck")
     finally:
         other.close()
+
+
+@pytest.mark.parametrize("saved, loaded", [("bfloat16", "float16"), ("float16", "bfloat16")])
+def test_parameters_of_another_dtype_are_rounded_from_the_saved_master(saved, loaded, tmp_path):
+    def engine_of(dtype, where):
+        return angel_ptm.initialize(net(nn.Tanh()), dict(job(tmp_path / where), trainer={
+            "device": "cpu", "grad_clip": 0, "dtype": dtype}))
+
+    first = engine_of(saved, "a")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+    first.backward(first(x).float().pow(2).mean())
+    first.step()
+    first.save_checkpoint(tmp_path / "ck")
+    first.close()
+    second = engine_of(loaded, "b")
+    try:
+        second.load_checkpoint(tmp_path / "ck")
+        for name in ("0.weight", "2.bias"):
+            master = second.master_parameter(name)
+            assert torch.equal(second.parameter(name), master.to(getattr(torch, loaded)))
+    finally:
+        second.close()

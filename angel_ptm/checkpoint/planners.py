@@ -284,12 +284,16 @@ class PageSavePlanner(SavePlanner):
                                 offset=run.offset * run.dtype.itemsize).view(run.sizes)
 
 
-def _source(fqn: str, kind: str, name: str, saved: dict, job_has_master: bool) -> str:
-    """The checkpoint's tensor that page kind `kind` of tensor `name` loads from. The weights are the master
-    wherever one was saved: a job without master pages takes it into its parameters (under staleness 1 the saved
-    parameters lag it by one update); a job with master pages takes the parameters where no master was saved."""
+def _source(fqn: str, kind: str, name: str, saved: dict, job_has_master: bool, dtype: torch.dtype) -> str:
+    """The checkpoint's tensor that page kind `kind` (of element type `dtype`) of tensor `name` loads from. The
+    weights are the master wherever one was saved: a job without master pages takes it into its parameters (under
+    staleness 1 the saved parameters lag it by one update), and so does one whose parameters are of another dtype
+    than the saved ones (bf16 saved, fp16 or fp32 loaded: rounded from the master, not from the other rounding);
+    a job with master pages takes the parameters where no master was saved."""
     master, param = f"master.{name}", f"param.{name}"
-    if kind == "param" and not job_has_master and master in saved:
+    saved_param = saved.get(param)
+    other_dtype = saved_param is not None and getattr(saved_param.properties, "dtype", dtype) != dtype
+    if kind == "param" and (not job_has_master or other_dtype) and master in saved:
         return master
     if kind == "master" and master not in saved:
         return param
@@ -353,11 +357,11 @@ class PageLoadPlanner(LoadPlanner):
         for kind in SAVED_KINDS:
             for index, _page in held_pages(engine, kind):
                 groups.append([])
-                for fqn, offsets, run in page_runs(layout, on_page[index], kind, index,
-                                                   engine.tensors.dtype(kind, index)):
+                dtype = engine.tensors.dtype(kind, index)
+                for fqn, offsets, run in page_runs(layout, on_page[index], kind, index, dtype):
                     fqn = global_fqn(engine, kind, run.name)
                     source = _source(fqn, kind, engine.expert_names.get(run.name, run.name), md,
-                                     "master" in engine.pages)
+                                     "master" in engine.pages, dtype)
                     saved = md.get(source)
                     if not isinstance(saved, TensorStorageMetadata):
                         problems.append(f"no '{fqn}'")
