@@ -11,6 +11,7 @@ from angel_ptm.errors import ConfigValueError
 
 def refuse_unsupported(model: nn.Module) -> None:
     refuse_managed(model)
+    refuse_lazy(model)
     refuse_sparse_gradients(model)
     refuse_complex(model)
     refuse_compiled(model)
@@ -25,6 +26,15 @@ def refuse_managed(model: nn.Module) -> None:
             raise ConfigValueError(f"initialize: parameter '{name}' is managed by an engine already (one not "
                                    f"closed, or one that failed and left it without values): close that engine "
                                    f"first, or build a new model")
+
+
+def refuse_lazy(model: nn.Module) -> None:
+    """A ConfigValueError naming the first parameter a lazy module (nn.LazyLinear, ...) has not materialized yet:
+    its shape, so its pages, are known only after a forward."""
+    for name, param in model.named_parameters():
+        if isinstance(param, nn.parameter.UninitializedParameter):
+            raise ConfigValueError(f"initialize: parameter '{name}' is not materialized yet (a lazy module): run "
+                                   f"one forward of the model on an example batch before initialize")
 
 
 def refuse_sparse_gradients(model: nn.Module) -> None:

@@ -148,6 +148,15 @@ def test_offloaded_activations_of_an_unknown_footprint_warn_then_say_whose_room_
         engine.close()
 
 
+def test_a_lazy_module_not_materialized_is_refused_naming_its_parameter(tmp_path):
+    model = nn.Sequential(nn.LazyLinear(8), nn.Linear(8, 1))
+    with pytest.raises(ConfigValueError, match="'0.weight' is not materialized yet"):
+        angel_ptm.initialize(model, config(tmp_path))
+    model(torch.ones(2, 5))  # materialized: it trains
+    engine = angel_ptm.initialize(model, config(tmp_path))
+    engine.close()
+
+
 def test_a_model_an_open_engine_manages_is_refused_by_a_second_initialize(tmp_path):
     model = Normed()
     engine = angel_ptm.initialize(model, config(tmp_path / "a"))
