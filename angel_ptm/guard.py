@@ -62,13 +62,18 @@ class UnboundParameter(nn.Parameter):
                     f"dtype={param.dtype}: values in pages, unit {param.__dict__.get('_angel_unit', '?')!r})")
         unbound = list(dict.fromkeys(a for a in _tensors(args, kwargs) if type(a) is UnboundParameter))
         owner = _owner(unbound[0]) if unbound else None
-        resolved = owner.resolve(unbound) if owner is not None else None
+        # `.data` and `.detach()` record no autograd, with gradients on too; `p.data = t` would replace a copy's
+        setting = name == "data" and getattr(func, "__name__", "") != "__get__"
+        detached = name in ("data", "detach") and not setting
+        resolved = owner.resolve(unbound, detached) if owner is not None and not setting else None
         if resolved is True:  # bound now (a recomputation in backward): the op runs on their values
             return func(*args, **(kwargs or {}))
         if isinstance(resolved, dict):  # no autograd to record: the op runs on copies of their values, and what it
             # writes into them goes into the pages (outside_writes.py)
             one = lambda a: resolved.get(id(a), a) if type(a) is UnboundParameter else a  # noqa: E731
-            return owner.outside_writes.run(func, args, kwargs, unbound, resolved, lambda tree: tree_map(one, tree))
+            # (`.data` of the copy would count its writes apart: a view of it shares its version counter)
+            op = _same_version_alias if name == "data" else func  # (the getter: the setter is refused below)
+            return owner.outside_writes.run(op, args, kwargs, unbound, resolved, lambda tree: tree_map(one, tree))
         offender = unbound[0] if unbound else None
         name = offender.__dict__.get("_angel_name", "?") if offender is not None else "?"
         unit = offender.__dict__.get("_angel_unit", "?") if offender is not None else "?"
@@ -76,6 +81,11 @@ class UnboundParameter(nn.Parameter):
             f"parameter '{name}' used outside the forward of its paging unit '{unit}' ({_name_of(func) or func}): "
             f"its values live in pages; read it with engine.parameter('{name}') or engine.state_dict(), or make "
             f"the module that uses it part of that unit (initialize(..., units=...))")
+
+
+def _same_version_alias(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor.data`'s values, viewed: a write through the view bumps `tensor`'s version counter."""
+    return tensor.view(tensor.shape)
 
 
 def _tensors(args, kwargs):

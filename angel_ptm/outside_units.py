@@ -58,14 +58,15 @@ def unpack_orphan(packed):
 
 
 class OutsideUnits:
-    def resolve(self, params: list[nn.Parameter]):
+    def resolve(self, params: list[nn.Parameter], detached: bool = False):
         """Unbound `params` used outside their units' forward (guard.manage).
         - In the engine's backward with gradients on, the model recomputes some forward itself without running
           the unit's hooks (HuggingFace's gradient checkpointing wraps a layer's `forward`; torch.utils.checkpoint
           inside a unit): each owning unit is bound to copies of its values (`bind_lazy`).
-        - With no autograd recording (torch.no_grad, inference_mode): the op gets copies of the
-          values (a method of the model other than its forward: HuggingFace's encoder-decoder `generate` runs the
-          encoder by itself, CLIP's `get_text_features`).
+        - With no autograd recording (torch.no_grad, inference_mode; `detached`: `.data`, `.detach()`): the op gets
+          copies of the values (a method of the model other than its forward: HuggingFace's encoder-decoder
+          `generate` runs the encoder by itself, CLIP's `get_text_features`; `p.data.clamp_()` after a step), and
+          what it writes into them goes into the pages (outside_writes.py).
         Anything else stays an error: autograd would record a use whose gradient has no page to go to."""
         if any(id(p) not in self._unit_of for p in params):
             return None
@@ -74,7 +75,7 @@ class OutsideUnits:
             for unit in dict.fromkeys(self._unit_of[id(p)] for p in params):
                 self.bind_lazy(unit)
             return True
-        if not torch.is_grad_enabled():  # (in backward too: a reentrant checkpoint's forward inside a recomputation)
+        if detached or not torch.is_grad_enabled():  # (in backward too: a reentrant checkpoint's recomputed forward)
             return {id(param): self.copy_of(param) for param in params}
         return None
 

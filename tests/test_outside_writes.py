@@ -1,6 +1,7 @@
-"""Parameters written in place outside their units' forward, under torch.no_grad(), reach the pages, as torch writes
-the parameters (angel_ptm/outside_writes.py): `nn.init.*_`, `p.mul_()`, `p[i] = v`, a view written later
-(`emb.weight[0].zero_()`, `p.detach().clamp_()`), between steps, in any placement; training then matches plain
+"""Parameters written in place outside their units' forward, under torch.no_grad() (or through `.data` and
+`.detach()`), reach the pages, as torch writes the parameters (angel_ptm/outside_writes.py): `nn.init.*_`,
+`p.mul_()`, `p[i] = v`, a view written later (`emb.weight[0].zero_()`, `p.detach().clamp_()`, `p.data.clamp_()`),
+between steps, in any placement; training then matches plain
 torch with the same writes. Only the elements written change: a mixed-precision master keeps its fp32 values
 elsewhere, and a view written after a step leaves the step's update in the others."""
 
@@ -56,6 +57,10 @@ def edit(model, step: int):
             model.mix.weight.mul_(0.5)
             model.norm.weight[:5] = 2.0
             model.head.bias.detach().clamp_(-0.01, 0.01)
+    if step == 4:  # with gradients on: `.data` and `.detach()` record no autograd (WGAN's clipping, an EMA's read)
+        for param in model.head.parameters():
+            param.data.clamp_(-0.05, 0.05)
+        model.norm.bias.detach().add_(0.1)
 
 
 def train(model, step_fn, edit_fn):
@@ -137,6 +142,20 @@ def test_a_view_written_after_a_step_changes_only_its_elements(tmp_path):
         engine.backward(loss_of(engine, x, y))  # (the entry after its last view is gone lets the copy go)
         engine.step()
         assert not engine.binder.outside_writes._watched
+    finally:
+        engine.close()
+
+
+def test_assigning_data_is_refused_and_reads_through_data_see_the_pages(tmp_path):
+    model, engine = make_engine("device", tmp_path)
+    try:
+        assert torch.equal(model.mix.bias.data, engine.parameter("mix.bias"))
+        with pytest.raises(ParameterAccessError, match="'mix.bias'"):
+            model.mix.bias.data = torch.zeros(96)
+        with torch.no_grad(), pytest.raises(ParameterAccessError, match="'mix.bias'"):
+            model.mix.bias.data = torch.zeros(96)
+        with pytest.raises(ParameterAccessError, match="'mix.bias'"):
+            model.mix.bias.sum()  # (with gradients on, an op autograd records stays an error)
     finally:
         engine.close()
 
