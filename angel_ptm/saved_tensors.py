@@ -8,7 +8,16 @@ import weakref
 
 import torch
 
+from angel_ptm.errors import ActivationError
 from angel_ptm.memory import Page, TensorSlot
+
+
+def modified_in_place(saved_version: int, tensor: torch.Tensor) -> ActivationError:
+    """The error autograd raises without saved-tensor hooks (which turn its own check off), typed."""
+    return ActivationError(
+        f"a tensor the forward saved for backward (shape {tuple(tensor.shape)}, {tensor.dtype}) was modified by an "
+        f"in-place operation since (version {tensor._version}, saved at {saved_version}): backward would compute "
+        f"with the new values, as torch refuses; write into a copy, or run the forward again")
 
 
 class PackedPageTensor:
@@ -39,9 +48,11 @@ class Saved:
     """A saved activation (not in a page), counted while autograd holds it: its storage once, however many
     tensors autograd saves that view it (a layer's input saved by each of three projections, a transposed view)."""
 
-    __slots__ = ("tensor", "storage")
+    __slots__ = ("tensor", "storage", "version")
 
     def __init__(self, tensor: torch.Tensor):
         # detached: a node's saved output holding its own grad_fn is a cycle in C++ that no collector sees, which a
         # node backward never runs (a forward without backward, a branch off the loss) would keep, graph and engine
         self.tensor, self.storage = tensor.detach(), tensor.untyped_storage().data_ptr()
+        self.version = tensor._version  # (the detached tensor shares the version counter: a later in-place write
+        # bumps it, and the unpack refuses it as autograd does without hooks)

@@ -20,6 +20,7 @@ is sent on to disk at once, so the host holds only pages being filled or brought
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -28,6 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from angel_ptm.errors import ActivationError, BudgetError
 from angel_ptm.memory import Page, Tier
+from angel_ptm.saved_tensors import modified_in_place
 
 KIND = "activation"
 _ALIGN = 64  # bytes: a tensor starts at a multiple of it within its page (vectorized kernels, every dtype)
@@ -47,11 +49,13 @@ class _Region:
 class PackedActivation:
     """A saved tensor in activation pages: its region and how to view it again."""
 
-    __slots__ = ("owner", "region", "size", "stride", "dtype", "__weakref__")
+    __slots__ = ("owner", "region", "size", "stride", "dtype", "original", "version", "__weakref__")
 
     def __init__(self, owner: "ActivationPages", region: _Region, tensor: torch.Tensor):
         self.owner, self.region = owner, region
         self.size, self.stride, self.dtype = tuple(tensor.size()), tuple(tensor.stride()), tensor.dtype
+        # the tensor saved, while something else keeps it (a model's input): written in place since, it is refused
+        self.original, self.version = weakref.ref(tensor), tensor._version
 
     @property
     def pages(self) -> list[int]:
@@ -204,6 +208,9 @@ class ActivationPages:
             raise ActivationError(
                 f"a saved tensor of {packed.nbytes} bytes in activation page {packed.pages[0]} was read a second time "
                 f"(retain_graph, or a second backward through the same graph): not supported with activations.offload")
+        original = packed.original()
+        if original is not None and original._version != packed.version:
+            raise modified_in_place(packed.version, original)
         self._push_behind()
         out = torch.empty_strided(packed.size, packed.stride, dtype=packed.dtype, device=self.device)
         flat = out.as_strided((packed.nbytes // out.element_size(),), (1,)).view(torch.uint8)
