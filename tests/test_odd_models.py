@@ -280,3 +280,39 @@ def test_a_backward_through_a_graph_from_before_the_step_is_refused_as_torch_ref
         assert engine.optimizer.step_count == 2
     finally:
         engine.close()
+
+
+class NormedBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Linear(24, 24, bias=False), nn.BatchNorm1d(24), nn.ReLU())
+                                     for _ in range(2)])
+        self.head = nn.Linear(24, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return (self.head(x) - x.sum(-1, keepdim=True).sin()).pow(2).mean()
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_a_recomputed_unit_updates_batch_norm_statistics_once_as_torch_does(mode, tmp_path):
+    g = torch.Generator().manual_seed(3)
+    batches = [torch.randn(16, 24, generator=g) for _ in range(3)]
+    model = NormedBlocks()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    for x in batches:
+        model(x).backward()
+        opt.step()
+        opt.zero_grad()
+    engine = angel_ptm.initialize(NormedBlocks(), dict(config(tmp_path), activations={"checkpoint": mode}))
+    try:
+        for x in batches:
+            engine.backward(engine(x))
+            engine.step()
+        buffers = dict(engine.model.named_buffers())
+        for name, expected in model.named_buffers():
+            assert torch.allclose(buffers[name], expected, rtol=1e-6, atol=1e-7), name
+    finally:
+        engine.close()

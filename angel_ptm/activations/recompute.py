@@ -200,6 +200,7 @@ class _Recompute:
         self._owner, self._unit = weakref.ref(owner), weakref.ref(unit)
         self.call, self.policy = call, policy
         self.watch = _Outputs()
+        self._buffers: list = []  # (module, name, buffer, its values) at the recomputation's start
 
     @property
     def owner(self) -> "Recomputation":
@@ -217,6 +218,9 @@ class _Recompute:
         binder.count_activations(-self.call.kept - owner.rebuilt)
         self.call.kept = owner.rebuilt = 0
         binder.bind_copies(self.unit)
+        # The forward ran once already: what it did to buffers (BatchNorm's running statistics) is not done twice
+        self._buffers = [(module, name, buffer, buffer.clone()) for module in self.unit.module.modules()
+                         for name, buffer in module._buffers.items() if buffer is not None]
         try:
             self.policy.__enter__()
             self.watch.__enter__()
@@ -232,10 +236,20 @@ class _Recompute:
                 self.policy.__exit__(*exc)
             finally:
                 self.owner.binder.unbind_copies(self.unit)
+                self._restore_buffers()
         rebuilt = self.watch.alive_bytes((self.call.out, self.call.inputs))
         self.call.out = self.call.inputs = None
         self.owner.rebuilt = rebuilt
         self.owner.binder.count_activations(rebuilt)
+
+
+    def _restore_buffers(self) -> None:
+        with torch.no_grad():
+            for module, name, buffer, values in self._buffers:
+                module._buffers[name] = buffer  # (one the recomputation replaced, the forward's again)
+                if not torch.equal(buffer, values):  # (one it left as it was is not written: no version bump)
+                    buffer.copy_(values)
+        self._buffers = []
 
 
 MODES = ("none", "full", "selective")
