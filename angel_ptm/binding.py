@@ -34,7 +34,7 @@ from angel_ptm.errors import ParameterAccessError
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
 from angel_ptm.outside_units import OutsideUnits, keep, register_state_dict_post_hook, unpack_orphan, weakly
 from angel_ptm.outside_writes import OutsideWrites
-from angel_ptm.saved_tensors import PackedGathered, PackedPageTensor, Saved
+from angel_ptm.saved_tensors import PackedGathered, PackedPageTensor, Saved, modified_in_place
 from angel_ptm.units import PagingUnit, unit_pages
 
 log = logging.getLogger("angel_ptm")
@@ -77,7 +77,8 @@ class ParamBinder(OutsideUnits):
         # Parameter pages a graph saved through a detached use (w.detach(), w.data): a backward node may read them
         # after the parameter's own gradient is final, so they are not updated during that backward (step.py)
         self.detached_saves: set[int] = set()
-        self.weights_generation = 0  # bumped when the weights change between steps (a graph saved before is stale)
+        # Bumped when the weights change (a graph saved before is stale); `steps_generation` by a step or load only
+        self.weights_generation = self.steps_generation = 0
         self._bound: dict[int, int] = {}  # id(param) -> units binding it now
         self._versions: dict[int, int] = {}  # id(param) -> its version counter when bound (an in-place write bumps it)
         self._page_by_address: dict[int, Page] = {}  # device pages bound now, by buffer address
@@ -102,7 +103,8 @@ class ParamBinder(OutsideUnits):
         self.before_grad_write = None  # called with a TensorSlot before its gradient is written into its pages
         self.before_unit_forward = None  # called before each unit's forward
         self.read_values: Callable[[TensorSlot], torch.Tensor] | None = None  # a copy of a parameter's values
-        self.outside_writes = OutsideWrites(read=self.copy_of, busy=self._busy_for_writes)  # (outside_writes.py)
+        self.outside_writes = OutsideWrites(read=self.copy_of, busy=self._busy_for_writes,  # (outside_writes.py)
+                                            steps=lambda: self.steps_generation)
         # Where pages are acquired: the scheduler (the step's front door), and for parameter pages under ZeRO-3 the
         # gatherer, which first all-gathers their groups.
         self.access = access  # acquire(pages, tier, label), release(pages, dirty), discard(pages)
@@ -379,6 +381,8 @@ class ParamBinder(OutsideUnits):
                 if count[0] == 0:
                     self.activation_bytes -= count[1]
                     del self._saved_storages[packed.storage]
+            if packed.tensor._version != packed.version:
+                raise modified_in_place(packed.version, packed.tensor)
             return packed.tensor
         if isinstance(packed, PackedActivation):
             return self.offload.unpack(packed)

@@ -125,6 +125,7 @@ class Engine(StateAccess, EngineViews):
         self.binder.read_values = self.tensors.read_weights
         self.binder.outside_writes.write = self._write_outside
         self.binder.outside_writes.after_writes = lambda: self.data_parallel.params_updated()
+        self.binder.outside_writes.busy = self._busy_for_writes
         self._closed = False
         self._busy_lock, self._busy_thread, self._busy_depth = threading.Lock(), None, 0  # (_one_thread)
         self._steps_done = 0
@@ -203,6 +204,7 @@ class Engine(StateAccess, EngineViews):
                 self.rebalancer.after_step(self._steps_done + 1)
         self._steps_done = self.failure.steps_done = self._steps_done + 1
         self.failure.step_ended()
+        self.binder.outside_writes.refresh()  # views of parameters the user holds read the new values
         self._schedule.apply(self.optimizer, self._steps_done)
         self._step_ends.append(time.perf_counter())
 
@@ -247,7 +249,8 @@ class Engine(StateAccess, EngineViews):
         """After weights were written into master pages: the compute copies (param pages) take them, on every rank."""
         copy_masters_into_params(self.scheduler, self.pages, self.layout, self.ownership)
         self.data_parallel.params_updated()
-        self.binder.weights_generation += 1
+        self.binder.weights_changed()
+        self.binder.outside_writes.refresh()
 
     def _check_alive(self, reading: bool = False) -> None:
         """Refuse a call on a failed engine, or (unless it only `reading` state) on a closed one."""
@@ -256,6 +259,12 @@ class Engine(StateAccess, EngineViews):
             raise EngineClosedError("the engine was closed: its model holds the trained weights as ordinary tensors "
                                     "(model.state_dict()); angel_ptm.initialize(model, ...) trains on from them")
         self.failure.check()
+
+    def _busy_for_writes(self) -> str | None:
+        """Why a parameter cannot be written outside its unit now (outside_writes.py), or None."""
+        if self.driver.eager_done:  # (torch's write would come before the update, ours after some)
+            return "pages were updated during this step's backward (write before engine.backward or after step())"
+        return self.binder._busy_for_writes()
 
     def _write_outside(self, param: nn.Parameter, values: torch.Tensor, mask: torch.Tensor) -> None:
         """The elements of `values` where `mask` into `param`'s weight pages: a write the model made outside its

@@ -89,6 +89,11 @@ class OutsideUnits:
         finally:
             self.param_access.release(pages)
 
+    def weights_changed(self) -> None:
+        """Every parameter's values changed (a step, a load): graphs saved before, and views of copies, are stale."""
+        self.weights_generation += 1
+        self.steps_generation += 1
+
     def _busy_for_writes(self) -> str | None:
         """Why a parameter cannot be written outside its unit now (OutsideWrites), or None."""
         if self.in_backward:

@@ -9,8 +9,9 @@ OutsideUnits.resolve). torch writes the parameter itself in such an op when it i
   a step, a read of the weights, the next use of a parameter outside its unit) writes the elements changed
   through it since, the one after its last view is gone too.
 Only the elements that changed are written (compared bit by bit with the values before), so the others keep what
-the pages hold: under mixed precision the fp32 master's full precision, and for a view written after a step the
-step's update. The weight pages (the master under mixed precision, and the compute copy rounded from it) are
+the pages hold: under mixed precision the fp32 master's full precision. The copies views hold follow the
+parameter: a write through one reaches the others of the same parameter, and after a step or load each takes the
+new values (`refresh`), so a view held across a step reads, and writes from, what torch's would. The weight pages (the master under mixed precision, and the compute copy rounded from it) are
 written on this rank only, without a collective: under data parallelism every rank makes the same write (as in
 plain torch's DDP); the next engine entry then lets the data-parallel copies know (`after_writes`).
 """
@@ -54,19 +55,21 @@ class _Watched:
     before: torch.Tensor
     version: int | None
     views: list
+    stamp: int  # OutsideWrites.steps() when the copy last held the parameter's values
 
 
 class OutsideWrites:
     """The writes a binder's unbound parameters take outside their units (see the module docstring).
 
-    `read(param)` is a copy of the parameter's values as its pages hold them now; `write(param, values, mask)` writes the elements of `values` where `mask` into `param`'s weight pages (the
-    engine's: PageTensors.write_where); `after_writes()` runs once at the next entry after any (the data-parallel
-    copies of the parameters are refreshed); `busy()` says why a write cannot go in now (a forward or backward
-    of the engine is running), or None."""
+    `read(param)`: a copy of the parameter's values as its pages hold them now; `write(param, values, mask)`: the
+    elements of `values` where `mask` into its weight pages (the engine's: PageTensors.write_where);
+    `after_writes()`: run once at the next entry after any write (the data-parallel copies refreshed); `busy()`:
+    why a write cannot go in now (a forward or backward of the engine runs), or None; `steps()`: a count that a
+    step or load of the weights bumps (then `refresh` runs)."""
 
     def __init__(self, read: Callable, write: Callable | None = None, after_writes: Callable[[], None] | None = None,
-                 busy: Callable[[], str | None] | None = None):
-        self.read, self.write, self.after_writes, self.busy = read, write, after_writes, busy
+                 busy: Callable[[], str | None] | None = None, steps: Callable[[], int] = lambda: 0):
+        self.read, self.write, self.after_writes, self.busy, self.steps = read, write, after_writes, busy, steps
         self._watched: list[_Watched] = []
         self._written = False  # a write went in since after_writes last ran
 
@@ -90,18 +93,30 @@ class OutsideWrites:
     def settle(self, publish: bool = True) -> None:
         """An entry to the engine: the writes made since through watched views go into the pages, then (with
         `publish`: an entry between steps) the data-parallel copies learn of every write since the last time."""
-        if self._watched:
-            watched, self._watched = self._watched, []
-            for entry in watched:
-                copy = entry.copy
-                if entry.version is None or version(copy) != entry.version:
-                    self._write(entry.param, copy, entry.before)
-                    entry.before, entry.version = copy.clone(), version(copy)
-                if any(view() is not None for view in entry.views):
-                    self._watched.append(entry)  # a view of it is still held
+        for entry in list(self._watched):
+            if entry.version is None or version(entry.copy) != entry.version:
+                if entry.stamp != self.steps():  # (a change refresh missed: the view's other elements are old)
+                    self._watched.remove(entry)
+                    self._stale(entry)
+                self._write(entry.param, entry.copy, entry.before)  # (refused now, e.g. in a forward: stays)
+                self._synced(entry)
+        self._watched = [entry for entry in self._watched if any(view() is not None for view in entry.views)]
         if publish and self._written and self.after_writes is not None:
             self._written = False
             self.after_writes()
+
+    def refresh(self) -> None:
+        """The weights changed (a step, a load): each watched copy takes its parameter's new values, so the views
+        the user holds read them, as views of the parameter would in torch."""
+        self._watched = [entry for entry in self._watched if any(view() is not None for view in entry.views)]
+        for entry in self._watched:
+            with torch.no_grad():
+                entry.copy.copy_(self.read(entry.param))
+            self._synced(entry)
+
+    def _synced(self, entry: _Watched) -> None:
+        """`entry`'s copy holds its parameter's values now."""
+        entry.before, entry.version, entry.stamp = entry.copy.clone(), version(entry.copy), self.steps()
 
     def _write(self, param: nn.Parameter, values: torch.Tensor, before: torch.Tensor) -> None:
         mask = changed(values, before)
@@ -111,10 +126,22 @@ class OutsideWrites:
         reason = self.busy() if self.busy is not None else None
         if reason is not None or self.write is None:
             raise ParameterAccessError(
-                f"parameter '{name}' written in place outside its unit's forward while {reason or 'the engine is closing'}: "
-                f"the write cannot reach its pages now; write it between steps (under torch.no_grad())")
+                f"parameter '{name}' written in place outside its unit's forward while "
+                f"{reason or 'the engine is closing'}: the write cannot reach its pages now; write it between steps")
         self.write(param, values, mask)
         self._written = True
+        for other in self._watched:  # other copies of its values take the elements written
+            if other.param is param and other.copy is not values:
+                with torch.no_grad():
+                    flat = other.copy.view(-1)
+                    flat[mask] = values.reshape(-1)[mask].to(flat.dtype)
+                self._synced(other)
+
+    def _stale(self, entry: _Watched) -> None:
+        name = entry.param.__dict__.get("_angel_name", "?")
+        raise ParameterAccessError(
+            f"a view of parameter '{name}' taken outside its unit was written after the parameter changed under it: "
+            f"the view holds the values of when it was taken, so nothing was written; take it again")
 
     def _watch(self, result, mine) -> None:
         """Copies aliased by a tensor in `result` (a view the op returned): watched for writes through it."""
@@ -130,6 +157,6 @@ class OutsideWrites:
             param, copy = found
             entry = entries.get(id(copy))
             if entry is None:
-                entry = entries[id(copy)] = _Watched(param, copy, copy.clone(), version(copy), [])
+                entry = entries[id(copy)] = _Watched(param, copy, copy.clone(), version(copy), [], self.steps())
                 self._watched.append(entry)
             entry.views.append(weakref.ref(leaf))

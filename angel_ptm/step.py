@@ -314,7 +314,7 @@ class StepDriver:
                 self._landing = True
             else:
                 self.optimizer.step(self._update_order(), without_grad=self.binder.without_grad)
-            self.binder.weights_generation += 1  # a graph saved before this step reads other weights now
+            self.binder.weights_changed()  # a graph saved before this step reads other weights now
         self.data_parallel.params_updated()  # the owners' new parameters reach every rank
         if self.loss_scaler is not None:
             self.loss_scaler.update(self.last_step_skipped)

@@ -124,21 +124,26 @@ def test_an_inplace_op_returns_the_parameter_and_reads_see_the_write(tmp_path):
     assert float(model.mix.weight.detach()[1, 2]) == 5.0  # the model keeps it after close
 
 
-def test_a_view_written_after_a_step_changes_only_its_elements(tmp_path):
+def test_views_of_a_parameter_follow_it_across_writes_and_steps_as_torchs_do(tmp_path):
     model, engine = make_engine("disk", tmp_path)
     try:
         with torch.no_grad():
-            row = model.emb.weight[2]  # held across a step
+            row, rows = model.emb.weight[2], model.emb.weight[1:4]
+        row.fill_(3.0)  # (written through a view outside no_grad too: the view records no autograd)
+        assert torch.equal(engine.parameter("emb.weight")[2], torch.full((48,), 3.0))
+        assert torch.equal(rows[1], torch.full((48,), 3.0))  # another view of it sees the write, as in torch
+        rows[2].fill_(4.0)
+        now = engine.parameter("emb.weight")
+        assert torch.equal(now[2], torch.full((48,), 3.0)) and torch.equal(now[3], torch.full((48,), 4.0))
         x, y = batches()[0]
         engine.backward(loss_of(engine, x, y))
         engine.step()
         trained = engine.parameter("emb.weight")
-        with torch.no_grad():
-            row.fill_(3.0)
-        now = engine.parameter("emb.weight")
-        assert torch.equal(now[2], torch.full((48,), 3.0))
-        assert torch.equal(now[torch.arange(VOCAB) != 2], trained[torch.arange(VOCAB) != 2])
-        del row
+        assert torch.equal(row, trained[2])  # the view reads the step's values
+        row.mul_(2.0)
+        assert torch.equal(engine.parameter("emb.weight")[2], 2.0 * trained[2])
+        assert torch.equal(engine.parameter("emb.weight")[3], trained[3])
+        del row, rows
         engine.backward(loss_of(engine, x, y))  # (the entry after its last view is gone lets the copy go)
         engine.step()
         assert not engine.binder.outside_writes._watched

@@ -268,7 +268,8 @@ def load_checkpoint(engine, path: str | os.PathLike) -> Any:
             engine.failure.load_failed(path, exc)
         raise
     engine.failure.torn_load = None
-    engine.binder.weights_generation += 1  # a graph saved before the load reads other weights now
+    engine.binder.weights_changed()  # a graph saved before the load reads other weights now
+    engine.binder.outside_writes.refresh()
     return planner.objects.get(EXTRA)
 
 
