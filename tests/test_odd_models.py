@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import angel_ptm
-from angel_ptm.errors import BudgetError, ConfigValueError, ParameterAccessError
+from angel_ptm.errors import ActivationError, BudgetError, ConfigValueError, ParameterAccessError
 from tests.conformance_cases import place
 from tests.test_engine_equivalence import assert_same_losses
 
@@ -314,5 +314,31 @@ def test_a_recomputed_unit_updates_batch_norm_statistics_once_as_torch_does(mode
         buffers = dict(engine.model.named_buffers())
         for name, expected in model.named_buffers():
             assert torch.allclose(buffers[name], expected, rtol=1e-6, atol=1e-7), name
+    finally:
+        engine.close()
+
+
+class ScaledInput(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(32, 32) for _ in range(2)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = torch.tanh(block(x))
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("activations", [{}, {"checkpoint": "full"}, {"offload": "host", "offload_min_bytes": 0}])
+def test_an_input_changed_in_place_between_forward_and_backward_is_refused_as_torch_refuses_it(activations, tmp_path):
+    x = torch.randn(64, 32, generator=torch.Generator().manual_seed(1))
+    engine = angel_ptm.initialize(ScaledInput(), dict(config(tmp_path), activations=activations),
+                                  example_inputs=(x,))
+    try:
+        loss = engine(x)
+        x.mul_(2)  # torch: "modified by an inplace operation" at backward
+        with pytest.raises(ActivationError, match="modified by an in-place operation"):
+            engine.backward(loss)
     finally:
         engine.close()
