@@ -217,6 +217,7 @@ def run_estimate(args: argparse.Namespace) -> int:
     from angel_ptm.estimate import estimate_job
     from angel_ptm.memory import compute_device
     from angel_ptm.parallel import Ownership
+    from angel_ptm.parallel.mesh import mesh_shape
 
     from angel_ptm.config.combinations import engine_config_for_trainer
 
@@ -234,7 +235,8 @@ def run_estimate(args: argparse.Namespace) -> int:
     world = args.world_size if args.world_size is not None else (config.parallel.dp or 1) * tp
     if world < 1 or world % tp:
         raise ConfigValueError(f"--world-size: must be a positive multiple of parallel.tp ({tp}), got {world}")
-    ownership = Ownership(rank=0, dp=world // tp, stage=config.parallel.zero)
+    dp, _tp, _ep = mesh_shape(config.parallel, world)  # (the rules training's mesh enforces)
+    ownership = Ownership(rank=0, dp=dp, stage=config.parallel.zero)
     estimate = estimate_job(config, device=device, gpu_memory=gpu_memory, ownership=ownership,
                             local_world_size=world)
     print(estimate.to_json() if args.json else estimate.format_table())

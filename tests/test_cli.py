@@ -167,3 +167,14 @@ def test_a_run_started_with_relative_paths_resumes_from_any_directory(capsys, ca
     assert any("nothing to train" in r.getMessage() for r in caplog.records)
     run_error(capsys, ["train", "--resume", str(run_dir), *set_args("run.dir=other")], "--resume", "'run.dir=other'")
     run_error(capsys, ["train", *set_args("trainer.seed=18446744073709551616")], "trainer.seed: must be >= 0 and < 2**64")
+
+
+@pytest.mark.parametrize("world, setting, message", [
+    ("3", "parallel.ep=2", "parallel.ep: 2 expert-parallel ranks do not divide parallel.dp 3"),
+    ("2", "parallel.dp=4", "parallel.dp: 4 does not divide the world size 2"),
+])
+def test_estimate_refuses_a_world_the_training_mesh_refuses(world, setting, message, capsys):
+    args = ["estimate", str(Path(__file__).parent.parent / "configs" / "moe.yaml"), "--world-size", world,
+            "--set", setting]
+    assert cli.main(args) == 2
+    assert message in capsys.readouterr().err

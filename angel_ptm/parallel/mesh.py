@@ -177,6 +177,25 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
                                        f"MASTER_PORT={os.environ.get('MASTER_PORT')}): {exc}") from None
     local_world = _env_int("LOCAL_WORLD_SIZE", 1 if world == 1 else world)
     local_rank = _env_int("LOCAL_RANK", rank % max(1, local_world))
+    dp, tp, ep = mesh_shape(parallel, world)
+    dp_group = tp_group = None
+    if tp > 1:  # the groups of the mesh, every one made on every rank in the same order
+        tp_group = _make_groups("tp", mesh_groups("tp", dp, tp), rank, backend, parallel.timeout_s)
+        dp_group = (_make_groups("dp", mesh_groups("dp", dp, tp), rank, backend, parallel.timeout_s) if dp > 1
+                    else Group("dp", (rank,)))
+    ep_group = expert_dp_group = None
+    if 1 < ep < dp:  # (tp 1: data-parallel ranks are the world's)
+        ep_group = _make_groups("ep", mesh_groups("ep", dp, 1, ep), rank, backend, parallel.timeout_s)
+        expert_dp_group = _make_groups("expert-dp", mesh_groups("expert-dp", dp, 1, ep), rank, backend,
+                                       parallel.timeout_s)
+    return Mesh(rank, world, local_rank, local_world, dp, parallel.timeout_s, backend, tp,
+                parallel.sequence_parallel and tp > 1, ep, parallel.moe_a2a, dp_group, tp_group, ep_group,
+                expert_dp_group)
+
+
+def mesh_shape(parallel, world: int) -> tuple[int, int, int]:
+    """(dp, tp, ep) of a world of `world` ranks under the `parallel` config section, or the DistributedError that
+    says which rule it breaks (init_mesh's, and `angel-ptm estimate --world-size`'s)."""
     tp = parallel.tp
     if world % tp:
         raise DistributedError(f"parallel.tp: {tp} does not divide the world size {world}")
@@ -186,11 +205,6 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
     if dp * tp != world:
         raise DistributedError(f"parallel.dp x parallel.tp = {dp} x {tp} = {dp * tp}, but the world has {world} "
                                f"ranks; set parallel.dp to {world // tp} (or null)")
-    dp_group = tp_group = None
-    if tp > 1:  # the groups of the mesh, every one made on every rank in the same order
-        tp_group = _make_groups("tp", mesh_groups("tp", dp, tp), rank, backend, parallel.timeout_s)
-        dp_group = (_make_groups("dp", mesh_groups("dp", dp, tp), rank, backend, parallel.timeout_s) if dp > 1
-                    else Group("dp", (rank,)))
     ep = parallel.ep
     if ep > 1 and dp % ep:
         raise DistributedError(f"parallel.ep: {ep} expert-parallel ranks do not divide parallel.dp {dp}; each group "
@@ -198,14 +212,7 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
     if ep > 1 and tp > 1:
         raise DistributedError("parallel.ep with parallel.tp > 1: expert and tensor parallelism together are not "
                                "supported yet")
-    ep_group = expert_dp_group = None
-    if 1 < ep < dp:  # (tp 1: data-parallel ranks are the world's)
-        ep_group = _make_groups("ep", mesh_groups("ep", dp, 1, ep), rank, backend, parallel.timeout_s)
-        expert_dp_group = _make_groups("expert-dp", mesh_groups("expert-dp", dp, 1, ep), rank, backend,
-                                       parallel.timeout_s)
-    return Mesh(rank, world, local_rank, local_world, dp, parallel.timeout_s, backend, tp,
-                parallel.sequence_parallel and tp > 1, ep, parallel.moe_a2a, dp_group, tp_group, ep_group,
-                expert_dp_group)
+    return dp, tp, ep
 
 
 def _use_local_gpu(device_type: str, local_rank: int) -> None:
