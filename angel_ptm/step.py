@@ -16,7 +16,7 @@ import collections
 
 import torch
 
-from angel_ptm.errors import ConfigValueError
+from angel_ptm.errors import ActivationError, ConfigValueError
 from angel_ptm.memory import PageLayout, Tier
 from angel_ptm.optim import PagedAdamW
 from angel_ptm.optim.delayed import DelayedUpdates
@@ -58,6 +58,12 @@ def cast_master_into_parameters(model, scheduler, pages, layout: PageLayout, own
 
 
 NESTED_BACKWARD_NODES = frozenset(("CheckpointFunctionBackward",))  # torch.utils.checkpoint(use_reentrant=True)
+
+
+def replay_failed(exc: BaseException) -> bool:
+    """Whether `exc` is torch's checkpoint finding that a recomputation saved other tensors than its forward did
+    (non-reentrant checkpoint: a count or metadata that differs; selective: an op the forward's log lacks)."""
+    return isinstance(exc, torch.utils.checkpoint.CheckpointError) or "not found in storage" in str(exc)
 
 
 def runs_nested_backward(loss: torch.Tensor) -> bool:
@@ -186,7 +192,16 @@ class StepDriver:
             dp.begin_backward()
         self.binder.in_backward = True
         try:
-            (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
+            try:
+                (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
+            except (torch.utils.checkpoint.CheckpointError, RuntimeError) as exc:
+                if not replay_failed(exc):
+                    raise
+                raise ActivationError(
+                    f"a recomputation in backward (activations.checkpoint, or the model's own checkpointing) did "
+                    f"not replay its forward ({str(exc).strip().splitlines()[0][:160]}): the unit's forward depends "
+                    f"on state its first run changed (HuggingFace T5's decoder); use the model's own "
+                    f"gradient_checkpointing_enable(), or activations.unit_modes to leave that unit type out") from exc
             if self.eager_now:
                 self._flush_updates()
                 self._update_landed()
