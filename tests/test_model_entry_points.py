@@ -14,7 +14,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 import angel_ptm
-from angel_ptm.errors import ConfigValueError, ParameterAccessError
+from angel_ptm.errors import ActivationError, ConfigValueError, ParameterAccessError
 from tests.test_any_model import config, torch_losses
 from tests.test_engine_equivalence import assert_same_losses, run_steps
 
@@ -144,6 +144,24 @@ def test_encoder_decoder_generate_runs_the_encoder_by_itself_and_equals_the_plai
             assert torch.equal(model.generate(input_ids=ids, max_new_tokens=6, do_sample=False), expected)
         with pytest.raises(ParameterAccessError, match="'shared.weight' used outside"):
             model.get_encoder()(input_ids=ids)  # with gradients on, the use would need a gradient page
+    finally:
+        engine.close()
+
+
+def test_a_unit_whose_recomputation_does_not_replay_its_forward_is_a_typed_error(tmp_path):
+    """HuggingFace T5's decoder blocks depend on state their first run changed: torch's checkpoint refuses the
+    recomputation, and the engine says so with what to use instead."""
+    torch.manual_seed(0)
+    model = transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, decoder_start_token_id=0,
+        dropout_rate=0.0))
+    job = dict(config(memory(tmp_path)), activations={"checkpoint": "full"})
+    engine = angel_ptm.initialize(model, job)
+    ids = torch.randint(1, 64, (2, 7), generator=torch.Generator().manual_seed(3))
+    try:
+        loss = engine(input_ids=ids, labels=ids[:, :6].contiguous()).loss
+        with pytest.raises(ActivationError, match="did not replay its forward.*gradient_checkpointing_enable"):
+            engine.backward(loss)
     finally:
         engine.close()
 
