@@ -93,6 +93,8 @@ class OutsideWrites:
     def settle(self, publish: bool = True) -> None:
         """An entry to the engine: the writes made since through watched views go into the pages, then (with
         `publish`: an entry between steps) the data-parallel copies learn of every write since the last time."""
+        if not self._watched and not self._written:
+            return
         for entry in list(self._watched):
             if entry.version is None or version(entry.copy) != entry.version:
                 if entry.stamp != self.steps():  # (a change refresh missed: the view's other elements are old)
