@@ -35,7 +35,7 @@ from angel_ptm.memory.placement import CREATION_ORDER, compute_dtype, creation_o
 from angel_ptm.model_checks import refuse_compiled, refuse_unsupported
 from angel_ptm.page_tensors import PageTensors
 from angel_ptm.paging import Paging, choose_disk_dir, open_paging
-from angel_ptm.parallel.data_parallel import agree_on_job, join
+from angel_ptm.parallel.data_parallel import agree_on_job, broadcast_buffers, join
 from angel_ptm.parallel.moe.placement import rebalancer_for
 from angel_ptm.parallel.ownership import with_experts
 from angel_ptm.parallel.split import split_model
@@ -141,6 +141,8 @@ class Engine(StateAccess, EngineViews):
         self._schedule.apply(self.optimizer, 0)
         self.tensors.replicas = getattr(self.data_parallel, "replicas", None)  # reads of experts' sharded states
         self.rebalancer = rebalancer_for(self)  # parallel.moe_rebalance_every: experts move to balance the load
+        # modules whose buffers are this rank's own (its experts under parallel.ep): not made rank 0's after steps
+        self._local_modules = frozenset(name.rsplit(".", 1)[0] + "." for name in self.expert_names)
 
     # ------------------------------------------------------------------ the step
     def __call__(self, *args, **kwargs):
@@ -200,6 +202,8 @@ class Engine(StateAccess, EngineViews):
         self._check_alive()
         with self._one_thread("step"), self.failure.step(self.optimizer, self.delayed):
             self.driver.step()
+            if self.collectives is not None and self.model.training:  # ranks updated them with their own batches
+                broadcast_buffers(self.model, self.collectives, self._local_modules)
             if self.rebalancer is not None:  # at the step boundary, on every rank
                 self.rebalancer.after_step(self._steps_done + 1)
         self._steps_done = self.failure.steps_done = self._steps_done + 1

@@ -43,6 +43,14 @@ def branchy_batches():
     return [(torch.randn(8, 24, generator=g).abs() * (1.0 if i in (0, 3, 4) else -1.0),) for i in range(8)]
 
 
+class Normed(nn.Sequential):
+    """An MLP with BatchNorm: its running statistics are buffers each rank updates with its own micro-batches."""
+
+    def __init__(self):
+        torch.manual_seed(0)
+        super().__init__(nn.Linear(24, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 1))
+
+
 def hf_llama_tp():
     """conformance_cases.hf_llama (4 heads, 2 kv heads, tied embeddings) with sdpa attention."""
     from conformance_cases import hf_llama
@@ -107,7 +115,7 @@ def gpt_moe_hash_batches():
 
 
 # a copy: other modules parametrize over theirs
-CASES = {**CASES, "branchy": (Branchy, branchy_batches, mlp_loss), "llama": (hf_llama_tp, llama_batches, llama_loss),
+CASES = {**CASES, "branchy": (Branchy, branchy_batches, mlp_loss), "normed": (Normed, CASES["mlp"][1], mlp_loss), "llama": (hf_llama_tp, llama_batches, llama_loss),
          "qwen2": (hf_qwen2_tp, llama_batches, llama_loss),
          "gpt-moe": (gpt_moe, gpt_moe_batches, CASES["gpt"][2]),
          "gpt-moe-hash": (gpt_moe_hash, gpt_moe_hash_batches, CASES["gpt"][2])}

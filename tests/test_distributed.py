@@ -24,6 +24,7 @@ JOBS = (
     + [job("zero2-mlp-accum2", zero=2, model="mlp", accum=2), job("zero3-tied", zero=3, model="tied",
                                                                     placement="device+host")]
     + [job(f"zero{z}-branchy", zero=z, model="branchy", placement="device+host") for z in (2, 3)]
+    + [job("zero3-batchnorm", zero=3, model="normed", placement="device", state_dicts=True)]
     + [job("zero3-osdp", zero=3, osdp=True, steps=5)]
     # the defaults: auto budgets, on a model smaller than ZeRO-3's gathered groups' room (16 KiB pages)
     + [job("zero3-auto-budgets", zero=3, placement="device", page_bytes="16KiB",
@@ -41,7 +42,9 @@ JOBS = (
 )
 BY_NAME = {spec["name"]: spec for spec in JOBS}
 # torch on the global batch: not for the branchy model, whose branch is decided per micro-batch, nor a dropped step
-FP32_JOBS = [s["name"] for s in JOBS if s["dtype"] == "float32" and not s["staleness"] and s["model"] != "branchy"
+# (nor BatchNorm, whose batch statistics are a micro-batch's)
+FP32_JOBS = [s["name"] for s in JOBS if s["dtype"] == "float32" and not s["staleness"]
+             and s["model"] not in ("branchy", "normed")
              and "drop_at" not in s]
 
 
@@ -149,6 +152,15 @@ def test_state_dicts_read_from_every_rank_equal_one_ranks_bitwise(two_ranks, zer
     alone = one_rank(BY_NAME[name], 2, tmp_path)["states"]
     for rank in (0, 1):
         assert two_ranks[rank][name]["states"] == alone, rank  # model.state_dict() and AdamW's state, every tensor
+
+
+def test_buffers_are_rank_0s_after_every_step_so_state_dicts_agree_as_under_ddp(two_ranks, tmp_path):
+    """BatchNorm's running statistics: each rank updates them with its own micro-batch, then takes rank 0's after
+    the step (DDP's broadcast_buffers); the losses are one rank's (batch statistics in training)."""
+    name = "zero3-batchnorm"
+    states = [two_ranks[rank][name]["states"]["model"] for rank in (0, 1)]
+    assert states[0] == states[1] and "1.running_mean" in states[0]
+    assert two_ranks[0][name]["losses"] == one_rank(BY_NAME[name], 2, tmp_path)["losses"]
 
 
 def test_zero3_gathers_parameter_groups_and_stages_1_2_do_not_gather_before_use(two_ranks):

@@ -53,7 +53,7 @@ def agree_on_job(mesh: Mesh, collectives: Collectives | None, config, layout: Pa
         return None
     world = collectives if collectives is not None and mesh.tp == 1 else Collectives(mesh, trace,
                                                                                        group=world_group(mesh))
-    check_same_job(world, config_digest(config_to_dict(config)), layout)
+    check_same_job(world, config_digest(config_to_dict(config)), layout, model)
     if collectives is not None:
         broadcast_module(model, collectives, local)
     return world
@@ -212,18 +212,42 @@ def broadcast_module(model: nn.Module, collectives: Collectives, skip: set[str] 
                 tensor.data.copy_(carrier)
 
 
-def check_same_job(collectives: Collectives, config_digest: str, layout: PageLayout) -> None:
-    """Every rank runs the same job: the config (less per-rank paths) and the page layout match rank 0's, else a
-    ConfigMismatchError on every rank naming the ranks that differ."""
-    mine = (config_digest, layout.fingerprint())
+def check_same_job(collectives: Collectives, config_digest: str, layout: PageLayout,
+                   model: nn.Module | None = None) -> None:
+    """Every rank runs the same job: the config (less per-rank paths), the page layout and the model's buffers
+    (names, shapes, dtypes) match rank 0's, else a ConfigMismatchError on every rank naming the ranks that differ."""
+    buffers = "" if model is None else hashlib.sha256(repr(
+        [(name, tuple(b.shape), str(b.dtype)) for name, b in model.named_buffers()]).encode()).hexdigest()[:16]
+    mine = (config_digest, layout.fingerprint(), buffers)
     everyone = collectives.all_gather_object(mine, "config and layout fingerprints")
     differ = [rank for rank, theirs in enumerate(everyone) if theirs != everyone[0]]
     if differ:
-        what = "config" if any(everyone[r][0] != everyone[0][0] for r in differ) else "page layout"
+        at = next(i for i in range(3) if any(everyone[r][i] != everyone[0][i] for r in differ))
+        what = ("config", "page layout", "buffers (names, shapes or dtypes)")[at]
         raise ConfigMismatchError(
             f"rank {collectives.rank}: ranks {differ} started with a different {what} than rank 0 "
-            f"(fingerprints {[everyone[r][0 if what == 'config' else 1] for r in differ]} vs "
-            f"{everyone[0][0 if what == 'config' else 1]}); every rank must run the same job")
+            f"(fingerprints {[everyone[r][at] for r in differ]} vs {everyone[0][at]}); every rank must run the "
+            f"same job")
+
+
+def broadcast_buffers(model: nn.Module, collectives: Collectives, skip: frozenset[str] = frozenset()) -> None:
+    """Rank 0's buffers on every rank of the data-parallel group, one broadcast per dtype: each rank updated them
+    with its own micro-batches (BatchNorm's running statistics), so after each step they agree again, as DDP's
+    broadcast_buffers makes them agree (state dicts, checkpoints and evaluations are then the same on every rank).
+    `skip`: rank-local modules' buffers (each rank's own experts)."""
+    buffers = [b for name, b in model.named_buffers()
+               if b is not None and not b.is_meta and not any(name.startswith(prefix) for prefix in skip)]
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for buffer in dict.fromkeys(buffers):
+        by_dtype.setdefault(buffer.dtype, []).append(buffer)
+    with torch.no_grad():
+        for dtype, group in by_dtype.items():
+            flat = torch.cat([b.reshape(-1).to(collectives.mesh.comm_device) for b in group])
+            collectives.broadcast(flat, 0, f"buffers ({dtype})")
+            at = 0
+            for buffer in group:
+                buffer.copy_(flat[at : at + buffer.numel()].view(buffer.shape))
+                at += buffer.numel()
 
 
 def config_digest(config_dict: dict) -> str:
