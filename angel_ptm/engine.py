@@ -264,24 +264,6 @@ class Engine(StateAccess, EngineViews):
                                     "(model.state_dict()); angel_ptm.initialize(model, ...) trains on from them")
         self.failure.check()
 
-    def _busy_for_writes(self) -> str | None:
-        """Why a parameter cannot be written outside its unit now (outside_writes.py), or None."""
-        if self.driver.eager_done:  # (torch's write would come before the update, ours after some)
-            return "pages were updated during this step's backward (write before engine.backward or after step())"
-        return self.binder._busy_for_writes()
-
-    def _write_outside(self, param: nn.Parameter, values: torch.Tensor, mask: torch.Tensor) -> None:
-        """The elements of `values` where `mask` into `param`'s weight pages: a write the model made outside its
-        unit's forward (outside_writes.py); under mixed precision the master's and, rounded, the compute copy's."""
-        self.failure.check()
-        self.flush()  # staleness 1: the pending update lands first, as under load_state_dict
-        slot = self.binder.slots[id(param)]
-        kind = self.tensors.weights_kind(slot)
-        self.tensors.write_where(kind, slot, values, mask)
-        if kind == "master":
-            self.tensors.write_where("param", slot, values, mask)
-        self.binder.weights_generation += 1
-
     def close(self) -> None:
         """Stop the engine and free its pages; the model keeps its trained weights as ordinary CPU tensors (the
         fp32 master weights under mixed precision), usable and saveable; a failed one leaves placeholders.
