@@ -9,6 +9,7 @@ from torch import nn
 import angel_ptm
 from angel_ptm.errors import ConfigValueError, StateDictError
 from tests.test_engine_equivalence import assert_same_losses
+from tests.test_odd_models import torch_losses
 
 SPARED = ["*.bias", "*norm.*"]
 
@@ -52,14 +53,7 @@ def torch_run(model, data):
     kept = [p for n, p in model.named_parameters() if spared(n)]
     opt = torch.optim.AdamW([{"params": decayed}, {"params": kept, "weight_decay": 0.0}], lr=1e-2,
                             betas=(0.9, 0.95), eps=1e-8, weight_decay=0.5)
-    losses = []
-    for x in data:
-        loss = model(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, opt
+    return torch_losses(model, data, opt), opt
 
 
 def job(tmp_path, placement="device", no_decay=SPARED):

@@ -19,6 +19,31 @@ def config(tmp_path, **trainer):
             "trainer": {"device": "cpu", "grad_clip": 0, **trainer}}
 
 
+def torch_losses(model: nn.Module, batches, opt=None) -> list[float]:
+    """Plain torch: the model's own loss per batch, one step of `opt` each (default AdamW with the settings of
+    `config`)."""
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    losses = []
+    for x in batches:
+        loss = model(x)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def engine_losses(engine, batches) -> list[float]:
+    """The same through the engine."""
+    losses = []
+    for x in batches:
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    return losses
+
+
 class OddParameters(nn.Module):
     """A learnable 0-dim temperature and a float64 vector beside an ordinary layer."""
 
@@ -98,12 +123,7 @@ def test_batch_norm_under_bf16_keeps_its_running_statistics_in_bf16_as_model_to_
     model = Normed()
     engine = angel_ptm.initialize(model, config(tmp_path, dtype="bfloat16"))
     try:
-        losses = []
-        for x in batches:
-            loss = engine(x)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = engine_losses(engine, batches)
         bn, ref = model.net[1], plain.net[1]
         assert bn.running_mean.dtype == torch.bfloat16 and bn.num_batches_tracked.dtype == torch.int64
         assert torch.equal(bn.running_mean, ref.running_mean) and torch.equal(bn.running_var, ref.running_var)
@@ -234,26 +254,13 @@ class DetachedUse(nn.Module):
 def test_a_weight_read_detached_is_not_updated_before_backward_reads_it(placement, tmp_path):
     g = torch.Generator().manual_seed(1)
     batches = [torch.randn(8, 40, generator=g) for _ in range(4)]
-    model = DetachedUse()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    expected = []
-    for x in batches:
-        loss = model(x)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        expected.append(loss.item())
+    expected = torch_losses(DetachedUse(), batches)
     job = config(tmp_path)  # planned, no clipping: pages are updated during backward as they become final
     job["memory"]["page_bytes"] = 4096
     model = DetachedUse()
     engine = angel_ptm.initialize(model, place(job, model, placement))
     try:
-        losses = []
-        for x in batches:
-            loss = engine(x)
-            engine.backward(loss)
-            engine.step()
-            losses.append(loss.item())
+        losses = engine_losses(engine, batches)
         if placement == "disk":
             assert engine.memory_stats()["in_use"]["disk"] > 0
         assert engine.optimizer.step_count == 4
@@ -301,16 +308,10 @@ def test_a_recomputed_unit_updates_batch_norm_statistics_once_as_torch_does(mode
     g = torch.Generator().manual_seed(3)
     batches = [torch.randn(16, 24, generator=g) for _ in range(3)]
     model = NormedBlocks()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    for x in batches:
-        model(x).backward()
-        opt.step()
-        opt.zero_grad()
+    torch_losses(model, batches)
     engine = angel_ptm.initialize(NormedBlocks(), dict(config(tmp_path), activations={"checkpoint": mode}))
     try:
-        for x in batches:
-            engine.backward(engine(x))
-            engine.step()
+        engine_losses(engine, batches)
         buffers = dict(engine.model.named_buffers())
         for name, expected in model.named_buffers():
             assert torch.allclose(buffers[name], expected, rtol=1e-6, atol=1e-7), name
