@@ -34,7 +34,7 @@ from angel_ptm.errors import ParameterAccessError
 from angel_ptm.memory import Page, PageLayout, PageManager, TensorSlot, Tier
 from angel_ptm.outside_units import OutsideUnits, keep, register_state_dict_post_hook, unpack_orphan, weakly
 from angel_ptm.outside_writes import OutsideWrites
-from angel_ptm.saved_tensors import PackedGathered, PackedPageTensor, Saved, modified_in_place
+from angel_ptm.saved_tensors import PackedGathered, PackedPageTensor, Saved, modified_in_place, stale_graph
 from angel_ptm.units import PagingUnit, unit_pages
 
 log = logging.getLogger("angel_ptm")
@@ -387,10 +387,7 @@ class ParamBinder(OutsideUnits):
         if isinstance(packed, PackedActivation):
             return self.offload.unpack(packed)
         if isinstance(packed, (PackedGathered, PackedPageTensor)) and packed.generation != self.weights_generation:
-            raise ParameterAccessError(
-                "backward through a graph whose forward ran before the weights changed (engine.step(), a load or a "
-                "write since): the parameters it saved hold other values now (torch refuses it too: modified by an "
-                "inplace operation); run the forward again")
+            raise stale_graph()
         if isinstance(packed, PackedGathered):
             self._enter_node()
             pages = [self.param_pages[i] for i in packed.slot.pages]

@@ -11,9 +11,10 @@ OutsideUnits.resolve). torch writes the parameter itself in such an op when it i
 Only the elements that changed are written (compared bit by bit with the values before), so the others keep what
 the pages hold: under mixed precision the fp32 master's full precision. The copies views hold follow the
 parameter: a write through one reaches the others of the same parameter, and after a step or load each takes the
-new values (`refresh`), so a view held across a step reads, and writes from, what torch's would. The weight pages (the master under mixed precision, and the compute copy rounded from it) are
-written on this rank only, without a collective: under data parallelism every rank makes the same write (as in
-plain torch's DDP); the next engine entry then lets the data-parallel copies know (`after_writes`).
+new values (`refresh`), so a view held across a step reads, and writes from, what torch's would. The weight pages
+(the master under mixed precision, and the compute copy rounded from it) are written on this rank only, without a
+collective: under data parallelism every rank makes the same write (as in plain torch's DDP); the next engine
+entry then lets the data-parallel copies know (`after_writes`).
 """
 
 from __future__ import annotations

@@ -8,8 +8,16 @@ import weakref
 
 import torch
 
-from angel_ptm.errors import ActivationError
+from angel_ptm.errors import ActivationError, ParameterAccessError
 from angel_ptm.memory import Page, TensorSlot
+
+
+def stale_graph() -> ParameterAccessError:
+    """A parameter saved (as its page) by a forward that ran before the weights changed, read by its backward."""
+    return ParameterAccessError(
+        "backward through a graph whose forward ran before the weights changed (engine.step(), a load or a write "
+        "since): the parameters it saved hold other values now (torch refuses it too: modified by an inplace "
+        "operation); run the forward again")
 
 
 def modified_in_place(saved_version: int, tensor: torch.Tensor) -> ActivationError:
