@@ -69,6 +69,29 @@ def hf_qwen2_tp():
     return transformers.Qwen2ForCausalLM(config)
 
 
+def hf_qwen3_tp():
+    """A HuggingFace Qwen3: per-head RMS norms of q and k inside the attention (whole parameters used on each tp
+    rank's heads)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.Qwen3Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, tie_word_embeddings=True,
+        attn_implementation="sdpa", bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    return transformers.Qwen3ForCausalLM(config)
+
+
+def hf_llama_bias_tp():
+    """A HuggingFace Llama with biases everywhere: the row-parallel o_proj's and down_proj's are whole."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, attention_bias=True, mlp_bias=True,
+        attn_implementation="sdpa", bos_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
 def llama_loss(model, input_ids, labels):
     return model(input_ids, labels=labels).loss
 
@@ -116,7 +139,8 @@ def gpt_moe_hash_batches():
 
 # a copy: other modules parametrize over theirs
 CASES = {**CASES, "branchy": (Branchy, branchy_batches, mlp_loss), "normed": (Normed, CASES["mlp"][1], mlp_loss), "llama": (hf_llama_tp, llama_batches, llama_loss),
-         "qwen2": (hf_qwen2_tp, llama_batches, llama_loss),
+         "qwen2": (hf_qwen2_tp, llama_batches, llama_loss), "qwen3": (hf_qwen3_tp, llama_batches, llama_loss),
+         "llama-bias": (hf_llama_bias_tp, llama_batches, llama_loss),
          "gpt-moe": (gpt_moe, gpt_moe_batches, CASES["gpt"][2]),
          "gpt-moe-hash": (gpt_moe_hash, gpt_moe_hash_batches, CASES["gpt"][2])}
 

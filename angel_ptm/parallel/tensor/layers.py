@@ -25,7 +25,7 @@ from torch import nn
 
 from angel_ptm.errors import TensorParallelError
 from angel_ptm.parallel.collectives import FAKE_TRACE
-from angel_ptm.parallel.tensor.comm import TPComm, enter_region, leave_region, reduce_from
+from angel_ptm.parallel.tensor.comm import TPComm, copy_to, enter_region, leave_region, reduce_from
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,10 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = leave_region(F.linear(x, self.weight), self.comm)
-        return y if self.bias is None else y + self.bias
+        if self.bias is None:
+            return y
+        # with sequence parallelism the output is this rank's sequence shard: the bias's gradient is a partial sum
+        return y + (copy_to(self.bias, self.comm) if self.comm.sequence_parallel else self.bias)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, tp={self.comm.size} (row)"
@@ -244,9 +247,9 @@ class VocabParallelEmbedding(nn.Embedding):
         """`whole`: the output stays whole on every rank (all-reduced) even with sequence parallelism."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        if emb.max_norm is not None or emb.sparse:
-            raise TensorParallelError(f"{name}: a vocabulary-parallel embedding with max_norm or sparse gradients "
-                                      f"is not supported")
+        if emb.max_norm is not None or emb.sparse or emb.scale_grad_by_freq:
+            raise TensorParallelError(f"{name}: a vocabulary-parallel embedding with max_norm, sparse gradients or "
+                                      f"scale_grad_by_freq is not supported")
         self.num_embeddings, self.embedding_dim = emb.num_embeddings, emb.embedding_dim
         self.padding_idx, self.max_norm, self.norm_type = emb.padding_idx, None, emb.norm_type
         self.scale_grad_by_freq, self.sparse = emb.scale_grad_by_freq, False

@@ -58,6 +58,7 @@ class Plan:
     styles: dict[str, tuple[str, ...]]  # pattern -> styles applied to each module it matches, in order
     divide: dict[str, tuple[str, ...]] = field(default_factory=dict)  # pattern -> head-count attributes
     random: bool | None = None  # dropout's per-rank streams (rng.py); None: where the model has dropout
+    config_divide: tuple[str, ...] = ()  # `model.config` head counts tp must divide (HuggingFace), checked only
 
 
 def gpt_plan(model: nn.Module) -> Plan:
@@ -86,7 +87,8 @@ def llama_plan(model: nn.Module) -> Plan:
                 "model.layers.*.mlp.down_proj": ("rowwise",),
                 "model.layers.*.input_layernorm": ("norm",), "model.layers.*.post_attention_layernorm": ("norm",),
                 "model.norm": ("norm",), "lm_head": ("enter", "vocab_output"),
-                "model.layers.*": ("seq_sharded",)})
+                "model.layers.*": ("seq_sharded",)},
+        config_divide=("num_attention_heads", "num_key_value_heads"))
 
 
 def plan_for(model: nn.Module) -> Plan:
@@ -143,6 +145,12 @@ def parallelize(model: nn.Module, comm: TPComm, plan: Plan) -> nn.Module:
                 if value % comm.size:
                     raise TensorParallelError(f"{name}.{attr} ({value}) does not divide over parallel.tp "
                                               f"{comm.size}")
+    config = getattr(model, "config", None)
+    for attr in plan.config_divide:
+        value = getattr(config, attr, None)
+        if isinstance(value, int) and value % comm.size:
+            raise TensorParallelError(f"{type(model).__name__}: config.{attr} ({value}) does not divide over "
+                                      f"parallel.tp {comm.size}")
     for pattern, styles in plan.styles.items():  # every split dimension checked before any communication
         for name in matches[pattern]:
             for style in styles:
@@ -225,6 +233,10 @@ def _expect(module: nn.Module, cls: type, name: str, style: str) -> None:
                                                           VocabParallelEmbedding)):
         raise TensorParallelError(f"tensor-parallel plan: {name} is a {type(module).__name__}; style '{style}' "
                                   f"takes an nn.{cls.__name__}")
+    if type(module).forward is not cls.forward:  # (Gemma's scaled embedding): its parallel version would drop it
+        raise TensorParallelError(f"tensor-parallel plan: {name} is a {type(module).__name__}, an nn.{cls.__name__} "
+                                  f"with a forward of its own, which style '{style}' would replace; leave it out "
+                                  f"of the plan or give it a parallel version")
 
 
 def _first_input(transform):
@@ -249,6 +261,11 @@ def _anchor_entry(module: nn.Module, comm: TPComm) -> None:
     def enter(mod, args, kwargs):
         if not weights:
             weights.extend(m.weight for m in mod.modules() if isinstance(m, ColumnParallelLinear))
+            for inner in mod.modules():  # a whole parameter used inside on this rank's share (Qwen3's per-head
+                # q/k norms): its gradient is a partial sum, all-reduced over tp
+                if not isinstance(inner, PARALLEL) and any(p.requires_grad for p in inner._parameters.values()
+                                                           if p is not None):
+                    _reduce_param_grads(inner, comm)
         comm.stashes.append(None)  # (first: the forward hook pops one whatever happens next)
 
         def anchored(x):
@@ -264,9 +281,15 @@ def _anchor_entry(module: nn.Module, comm: TPComm) -> None:
     module.register_forward_hook(leave, always_call=True)
 
 
+PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+
+
 def _reduce_param_grads(module: nn.Module, comm: TPComm) -> None:
     """While `module` runs, its own parameters pass through copy_to: identity forward, gradient all-reduced over tp
-    (each rank saw only its sequence shard)."""
+    (each rank saw only its sequence shard, or its share of the heads). Once per module."""
+    if getattr(module, "_angel_tp_reduced", False):
+        return
+    module._angel_tp_reduced = True
     forward = module.forward
 
     def sequence_parallel_forward(*args, **kwargs):
