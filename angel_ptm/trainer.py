@@ -120,11 +120,11 @@ class Trainer:
         run_dir = agree_run_dir(cfg.run.dir, mesh, collectives, refuse_used=resume is None, name=cfg.run.name)
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)))
         checkpoints = Checkpoints(cfg.checkpoint.dir or run_dir / "checkpoints", keep=cfg.checkpoint.keep)
+        if cfg.checkpoint.dir and mesh.is_main:  # (a directory the user names: usable, and this run's alone)
+            checkpoints.prepare(new_run=resume is None)
         if cfg.memory.disk_dir is None:  # page files live in the run directory unless the job says otherwise
             cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, disk_dir=str(run_dir / "pages")))
         cfg = with_absolute_paths(cfg)  # (config.yaml resumes from any directory)
-        if mesh.is_main:
-            save_config(cfg, run_dir / "config.yaml")
 
         losses: list[float] = []
         final_val_loss: Optional[float] = None
@@ -162,6 +162,8 @@ class Trainer:
                         f"nothing to train; raise trainer.steps (--set trainer.steps=N) to go on")
             # The data stream goes on where the checkpoint left it, whatever grad_accum or dp the run has now
             first_micro = done * micro_per_step if consumed is None else consumed
+            if mesh.is_main:  # (written once the start succeeded: a refused --resume leaves the run's own config)
+                save_config(cfg, run_dir / "config.yaml")
             if mesh.is_main:  # metrics of the steps done so far are kept (a resumed run appends after them)
                 keep_metrics_until(run_dir / "metrics.jsonl", done)
                 metrics = cleanup.enter_context(open(run_dir / "metrics.jsonl", "a", encoding="utf-8"))

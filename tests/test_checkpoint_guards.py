@@ -129,3 +129,20 @@ def test_parameters_of_another_dtype_are_rounded_from_the_saved_master(saved, lo
             assert torch.equal(second.parameter(name), master.to(getattr(torch, loaded)))
     finally:
         second.close()
+
+
+def test_a_signal_that_lands_inside_a_save_ends_the_run_as_a_signal_not_a_checkpoint_error():
+    """DCP reports what a save raised as a CheckpointException: a second SIGTERM (or Ctrl-C) during the signal's
+    own save comes out as itself (exit 143 or 130), not as a failed checkpoint (exit 2)."""
+    import types
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from angel_ptm.checkpoint.save_load import _run
+    from angel_ptm.errors import Terminated
+
+    def save():
+        raise CheckpointException("save", {0: (Terminated(15), None)})
+
+    with pytest.raises(Terminated):
+        _run(types.SimpleNamespace(world=None), "save", save)

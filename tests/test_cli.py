@@ -178,3 +178,24 @@ def test_estimate_refuses_a_world_the_training_mesh_refuses(world, setting, mess
             "--set", setting]
     assert cli.main(args) == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_checkpoint_dir_is_checked_at_start_and_a_refused_resume_keeps_the_runs_config(capsys, tmp_path):
+    """checkpoint.dir that cannot be a directory, or that holds another run's checkpoints (a resume would take them
+    for its own, and pruning would delete them): one-line errors before any step; a --resume refused at start
+    (another model) leaves the run's config.yaml as it was, so the run still resumes."""
+    pytest.importorskip("angel_ptm.engine")
+    (tmp_path / "a-file").write_text("")
+    run_error(capsys, ["train", *set_args(*TINY, "trainer.steps=1", f"run.dir={tmp_path / 'r0'}",
+                                          f"checkpoint.dir={tmp_path / 'a-file'}")], "checkpoint.dir: cannot create")
+    assert not (tmp_path / "r0" / "metrics.jsonl").exists()
+    job = [*TINY, "trainer.eval_every=0", "trainer.steps=2", "checkpoint.every=2",
+           f"checkpoint.dir={tmp_path / 'ckpts'}"]
+    assert cli.main(["train", "--no-progress", *set_args(*job, f"run.dir={tmp_path / 'r1'}")]) == 0
+    run_error(capsys, ["train", *set_args(*job, f"run.dir={tmp_path / 'r2'}")],
+              "checkpoint.dir:", "holds another run's checkpoints (step-2)")
+    config = (tmp_path / "r1" / "config.yaml").read_bytes()
+    assert cli.main(["train", "--no-progress", "--resume", str(tmp_path / "r1"), *set_args("model.dim=64")]) == 2
+    assert (tmp_path / "r1" / "config.yaml").read_bytes() == config
+    capsys.readouterr()
+    assert cli.main(["train", "--no-progress", "--resume", str(tmp_path / "r1"), *set_args("trainer.steps=3")]) == 0

@@ -14,6 +14,7 @@ single `.metadata` requires); every rank calls save and load.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import warnings
@@ -33,6 +34,22 @@ class Checkpoints:
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.root, self.keep = Path(root).expanduser().absolute(), keep
+
+    def prepare(self, new_run: bool) -> None:
+        """The directory a job names (checkpoint.dir), checked at start rather than at the first save: created,
+        a writable directory, and (`new_run`) holding no other run's checkpoints, which a resume would take for
+        its own and whose pruning would delete them. A CheckpointError naming it otherwise."""
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise CheckpointError(f"checkpoint.dir: cannot create {self.root}: {err.strerror or err}",
+                                  str(self.root)) from None
+        if not os.access(self.root, os.W_OK | os.X_OK):
+            raise CheckpointError(f"checkpoint.dir: {self.root} is not writable", str(self.root))
+        if new_run and self.latest() is not None:
+            raise CheckpointError(f"checkpoint.dir: {self.root} holds another run's checkpoints "
+                                  f"({self.latest().name}); give this run an empty directory, or resume that run "
+                                  f"(--resume)", str(self.root))
 
     def path(self, step: int) -> Path:
         return self.root / f"step-{step}"

@@ -295,6 +295,8 @@ def _run(engine, what: str, fn) -> None:
             fn()
     except CheckpointException as exc:
         failed_rank, (error, _trace) = min(exc.failures.items())
+        if isinstance(error, KeyboardInterrupt):  # (a second SIGTERM or Ctrl-C during the save: the signal's exit)
+            raise error from None
         raise _typed(error, failed_rank, engine.world is not None) from None
     except (AngelError, KeyboardInterrupt):
         raise
