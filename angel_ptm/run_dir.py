@@ -3,8 +3,10 @@ what a resumed run keeps of it (the trainer's helpers, angel_ptm/trainer.py)."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -28,6 +30,7 @@ def agree_run_dir(requested: Optional[str], mesh: Mesh, collectives: Optional[Co
             run_dir = make_run_dir(requested, name)
             if refuse_used:
                 refuse_an_earlier_run(run_dir)
+            lock_run_dir(run_dir)
             outcome = str(run_dir)
         except (ConfigValueError, RunDirInUseError) as err:
             outcome = err
@@ -58,6 +61,34 @@ def make_run_dir(requested: Optional[str], name: str = "default") -> Path:
         raise ConfigValueError(f"run.dir: no free name for a new run directory next to {base}")
     except OSError as err:
         raise ConfigValueError(f"run.dir: cannot create {err.filename or requested}: {err.strerror}") from None
+
+
+LOCK = ".angel_ptm.lock"
+_HELD: dict[Path, int] = {}  # run directories this process trains in now -> the descriptor holding their lock
+
+
+def lock_run_dir(run_dir: Path) -> None:
+    """Hold `run_dir` for this process's run (an advisory lock, released with the process, or by
+    `release_run_dirs`): a second run there, a `--resume` of a run still training, is a RunDirInUseError (it
+    swapped the running one's metrics.jsonl and collided with its checkpoints)."""
+    fd = os.open(run_dir / LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise RunDirInUseError(f"run.dir: {run_dir} is in use by a run training now (pid {holder}); let it end, "
+                               f"or choose another run.dir") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    _HELD[run_dir] = fd
+
+
+def release_run_dir(run_dir: Path | None) -> None:
+    """The run in `run_dir` is over: its lock goes (nothing if this process holds none there)."""
+    fd = _HELD.pop(Path(run_dir), None) if run_dir is not None else None
+    if fd is not None:
+        os.close(fd)
 
 
 def refuse_an_earlier_run(run_dir: Path) -> None:

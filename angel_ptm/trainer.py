@@ -52,7 +52,7 @@ from angel_ptm.models import build_model
 from angel_ptm.models.moe import moe_metrics, set_moe_step
 from angel_ptm.parallel import Mesh, init_mesh, rank_device
 from angel_ptm.parallel.collectives import Collectives, world_group
-from angel_ptm.run_dir import agree_run_dir, keep_metrics_until, resume_run, set_aside
+from angel_ptm.run_dir import agree_run_dir, keep_metrics_until, release_run_dir, resume_run, set_aside
 from angel_ptm.trace import TraceRecorder
 
 
@@ -83,7 +83,11 @@ class Trainer:
     def run(self) -> TrainResult:
         with StopSignals() as signals:
             self.signals = signals
-            return self._run()
+            self._run_dir = None
+            try:
+                return self._run()
+            finally:
+                release_run_dir(self._run_dir)  # (the run directory's lock: agree_run_dir took it)
 
     def _run(self) -> TrainResult:
         cfg = self.config
@@ -117,7 +121,8 @@ class Trainer:
         resume = cfg.run.resume
         if resume is None and _env_int("TORCHELASTIC_RESTART_COUNT") > 0:
             resume = "auto"
-        run_dir = agree_run_dir(cfg.run.dir, mesh, collectives, refuse_used=resume is None, name=cfg.run.name)
+        run_dir = self._run_dir = agree_run_dir(cfg.run.dir, mesh, collectives, refuse_used=resume is None,
+                                                name=cfg.run.name)
         cfg = dataclasses.replace(cfg, run=dataclasses.replace(cfg.run, dir=str(run_dir)))
         checkpoints = Checkpoints(cfg.checkpoint.dir or run_dir / "checkpoints", keep=cfg.checkpoint.keep)
         if cfg.checkpoint.dir and mesh.is_main:  # (a directory the user names: usable, and this run's alone)

@@ -199,3 +199,25 @@ def test_a_checkpoint_dir_is_checked_at_start_and_a_refused_resume_keeps_the_run
     assert (tmp_path / "r1" / "config.yaml").read_bytes() == config
     capsys.readouterr()
     assert cli.main(["train", "--no-progress", "--resume", str(tmp_path / "r1"), *set_args("trainer.steps=3")]) == 0
+
+
+def test_a_run_dir_a_run_is_training_in_is_refused_to_another_start_or_resume(capsys, tmp_path):
+    """The run directory is locked while its run trains (here: held as a running run holds it): a --resume of it,
+    or a new run there, is refused instead of swapping its metrics and colliding with its checkpoints."""
+    from angel_ptm.run_dir import lock_run_dir, release_run_dir
+
+    pytest.importorskip("angel_ptm.engine")
+    run_dir, fresh = tmp_path / "live", tmp_path / "fresh"
+    job = [*TINY, "trainer.eval_every=0", "trainer.steps=1", "checkpoint.every=1", f"run.dir={run_dir}"]
+    assert cli.main(["train", "--no-progress", *set_args(*job)]) == 0
+    fresh.mkdir()
+    lock_run_dir(run_dir)
+    lock_run_dir(fresh)
+    try:
+        run_error(capsys, ["train", "--resume", str(run_dir), *set_args("trainer.steps=2")],
+                  f"run.dir: {run_dir} is in use by a run training now (pid {os.getpid()})")
+        run_error(capsys, ["train", *set_args(*TINY, f"run.dir={fresh}")], "is in use by a run training now")
+    finally:
+        release_run_dir(run_dir)
+        release_run_dir(fresh)
+    assert cli.main(["train", "--no-progress", "--resume", str(run_dir), *set_args("trainer.steps=2")]) == 0

@@ -95,7 +95,7 @@ def test_torchrun_two_ranks_log_the_losses_of_one_rank_with_grad_accum_2(launche
 def test_every_rank_writes_its_trace_and_rank_0_the_metrics(launched):
     tmp = launched[0]
     assert sorted(p.name for p in (tmp / "two").iterdir()) == \
-        ["config.yaml", "metrics.jsonl", "pages", "trace.rank0.jsonl", "trace.rank1.jsonl"]
+        [".angel_ptm.lock", "config.yaml", "metrics.jsonl", "pages", "trace.rank0.jsonl", "trace.rank1.jsonl"]
     assert list((tmp / "two" / "pages").iterdir()) == []  # each rank's page files (pages/rank<R>) removed
 
 
