@@ -24,6 +24,7 @@ import logging
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
@@ -118,6 +119,8 @@ def add_export_command(commands: argparse._SubParsersAction) -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)  # exits 2 with a usage message on a bad command line
+    formatwarning = warnings.formatwarning  # a warning of the library's is one line here, as the CLI's own
+    warnings.formatwarning = lambda message, category, *_: f"{PROG}: warning: {message}\n"
     try:
         return args.handler(args)
     except AngelError as err:
@@ -131,6 +134,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except BrokenPipeError:  # `angel-ptm estimate | head`: the reader left; nothing more to say
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # no second error when Python flushes
         return 0
+    finally:
+        warnings.formatwarning = formatwarning
 
 
 def load_job_config(args: argparse.Namespace):
@@ -261,6 +266,10 @@ def run_viz(args: argparse.Namespace) -> int:
               f"every rank a process on one time axis)")
         return 0
     with warnings_to_stderr("angel_ptm.viz"):
+        if rank_traces(args.run_dir):  # a segment at another data-parallel size: its ranks' traces are not drawn
+            logging.getLogger("angel_ptm.viz").warning(
+                f"{args.run_dir} also holds per-rank traces ({', '.join(rank_traces(args.run_dir).values())}) of "
+                f"a part of the run trained at another data-parallel size; this report draws trace.jsonl only")
         result = build_report(args.run_dir, args.output, args.chrome_trace)
     print(f"report: {result.html_path} ({format_bytes(result.html_bytes)})")
     print(f"chrome trace: {result.chrome_path} ({format_bytes(result.chrome_bytes)}, {result.chrome_events:,} events)")

@@ -221,3 +221,33 @@ def test_a_run_dir_a_run_is_training_in_is_refused_to_another_start_or_resume(ca
         release_run_dir(run_dir)
         release_run_dir(fresh)
     assert cli.main(["train", "--no-progress", "--resume", str(run_dir), *set_args("trainer.steps=2")]) == 0
+
+
+def test_viz_of_a_run_resumed_at_another_data_parallel_size_says_what_it_leaves_out(capsys, tmp_path):
+    """A run trained on 2 ranks then resumed on 1 holds trace.rank<R>.jsonl beside trace.jsonl: the report draws
+    trace.jsonl and says that the ranks' part is not in it."""
+    pytest.importorskip("angel_ptm.engine")
+    run_dir = tmp_path / "run"
+    assert cli.main(["train", "--no-progress", *set_args(*TINY, "trainer.eval_every=0", "trainer.steps=1",
+                                                         f"run.dir={run_dir}")]) == 0
+    (run_dir / "trace.rank0.jsonl").write_bytes((run_dir / "trace.jsonl").read_bytes())
+    (run_dir / "trace.rank1.jsonl").write_bytes((run_dir / "trace.jsonl").read_bytes())
+    capsys.readouterr()
+    assert cli.main(["viz", str(run_dir)]) == 0
+    err = capsys.readouterr().err
+    assert "also holds per-rank traces (trace.rank0.jsonl, trace.rank1.jsonl)" in err and "Traceback" not in err
+
+
+def test_a_library_warning_under_the_cli_is_one_line(capsys, tmp_path):
+    """The newest checkpoint corrupt: --resume falls back to the one before, and its warning is one
+    `angel-ptm: warning:` line, not Python's file, line and source."""
+    pytest.importorskip("angel_ptm.engine")
+    run_dir = tmp_path / "run"
+    job = [*TINY, "trainer.eval_every=0", "trainer.steps=2", "checkpoint.every=1", f"run.dir={run_dir}"]
+    assert cli.main(["train", "--no-progress", *set_args(*job)]) == 0
+    (run_dir / "checkpoints" / "step-2" / ".metadata").write_bytes(b"not a checkpoint")
+    resumed = subprocess.run([sys.executable, "-m", "angel_ptm", "train", "--no-progress", "--resume", str(run_dir),
+                              *set_args("trainer.steps=3")], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr
+    lines = [line for line in resumed.stderr.splitlines() if "corrupt" in line]
+    assert len(lines) == 1 and lines[0].startswith("angel-ptm: warning: skipping corrupt checkpoint"), lines
