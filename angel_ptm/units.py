@@ -217,6 +217,14 @@ def device_pages_at_once(units: Sequence[PagingUnit],
     return best_name, best
 
 
+def pages_around(units: Sequence[PagingUnit], slot_pages: Callable[[nn.Parameter], Iterable[int]]) -> int:
+    """The most param pages the units around one unit (whose forwards are running when it starts) pin at once: what
+    is pinned on the device before that unit's own pages are acquired."""
+    own = {id(u): set(unit_pages(u, slot_pages)) for u in units}
+    return max((len(set().union(*(own[id(u)] for u in unit.chain() if u is not unit))) for unit in units),
+               default=0)
+
+
 # How soon an expert can run, by the state of its weights' pages (the slowest of them): resting on the device,
 # on their way to it, on the host, leaving the device, on their way from disk, on disk.
 _READINESS = {PageState.DEVICE: 0, PageState.TO_DEVICE: 1, PageState.HOST: 2, PageState.TO_HOST: 2,

@@ -198,3 +198,45 @@ def test_state_dicts_hold_the_pending_update_and_leave_the_run_as_it_was(tmp_pat
     _, master = train_delayed_reference(build(), batches[:3], loss_fn, flush=True)
     for (name, value), expected in zip(state.items(), master):
         assert torch.equal(value, expected), name
+
+
+class Residual(torch.nn.Module):
+    """Three residual blocks of one 61x61 page-sized linear each, between an input and an output layer (the root's)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = torch.nn.Linear(13, 61)
+        self.layers = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(61, 61), torch.nn.LayerNorm(61))
+                                          for _ in range(3))
+        self.out = torch.nn.Linear(61, 3)
+
+    def forward(self, x, y):
+        h = self.inp(x)
+        for layer in self.layers:
+            h = h + torch.tanh(layer(h))
+        return (self.out(h) - y).pow(2).mean()
+
+
+def test_a_device_too_small_for_the_delayed_update_beside_the_open_units_is_refused_at_start(tmp_path):
+    """The delayed update runs its page groups during the next step's forward and backward, beside the pages the
+    open units pin: a device budget that holds the largest unit but not that is refused at start (it trained one
+    step, then raised a BudgetError mid-forward); one page more trains."""
+    from angel_ptm.errors import BudgetError
+
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(8, 13, generator=g), torch.randn(8, 3, generator=g)) for _ in range(3)]
+
+    def job(device_kib):
+        return {"optimizer": {"lr": 1e-2, "staleness": 1},
+                "memory": {"page_bytes": "20KiB", "device_budget": f"{device_kib}KiB", "host_budget": "84KiB",
+                           "disk_dir": str(tmp_path)}, "trainer": {"device": "cpu", "grad_clip": 0}}
+    with pytest.raises(BudgetError, match="delayed update's page group \\(4 pages"):
+        angel_ptm.initialize(Residual(), job(104))
+    engine = angel_ptm.initialize(Residual(), job(120))
+    try:
+        for x, y in data:
+            engine.backward(engine(x, y))
+            engine.step()
+    finally:
+        engine.close()
