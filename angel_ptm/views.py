@@ -21,8 +21,10 @@ class EngineViews:
 
     def memory_stats(self) -> dict:
         """Bytes in use per tier and moved per tier pair, the experts' moves, the last step's schedule and the
-        collectives' figures."""
-        return {"in_use": self.manager.in_use(), "moved": dict(self.manager.bytes_moved),
+        collectives' figures. After close() nothing is in use (the pages and their files are gone); the rest is
+        the run's record."""
+        in_use = {tier: 0 for tier in self.manager.in_use()} if self._closed else self.manager.in_use()
+        return {"in_use": in_use, "moved": dict(self.manager.bytes_moved),
                 **({"expert_moved": dict(self.manager.watched_moved),
                     "expert_prefetch_wasted": self.manager.watched_wasted} if self.manager.watched else {}),
                 **({"moe_rebalance": self.rebalancer.stats()} if self.rebalancer is not None else {}),

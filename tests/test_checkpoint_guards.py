@@ -146,3 +146,11 @@ def test_a_signal_that_lands_inside_a_save_ends_the_run_as_a_signal_not_a_checkp
 
     with pytest.raises(Terminated):
         _run(types.SimpleNamespace(world=None), "save", save)
+
+
+def test_memory_stats_after_close_show_nothing_in_use_and_keep_the_record(tmp_path):
+    engine = trained(net(nn.Tanh()), tmp_path)
+    moved = engine.memory_stats()["moved"]
+    engine.close()
+    stats = engine.memory_stats()
+    assert set(stats["in_use"].values()) == {0} and stats["moved"] == moved
