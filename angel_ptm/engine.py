@@ -41,6 +41,7 @@ from angel_ptm.parallel.ownership import with_experts
 from angel_ptm.parallel.split import split_model
 from angel_ptm.schedule import Scheduler
 from angel_ptm.state_dict import StateAccess
+from angel_ptm.saved_tensors import OpenGraphs
 from angel_ptm.step import build_step, cast_master_into_parameters, copy_masters_into_params
 from angel_ptm.trace import TraceRecorder
 from angel_ptm.views import EngineViews
@@ -143,6 +144,7 @@ class Engine(StateAccess, EngineViews):
         self.rebalancer = rebalancer_for(self)  # parallel.moe_rebalance_every: experts move to balance the load
         # modules whose buffers are this rank's own (its experts under parallel.ep): not made rank 0's after steps
         self._local_modules = frozenset(name.rsplit(".", 1)[0] + "." for name in self.expert_names)
+        self.graphs = OpenGraphs()  # training forwards not yet backwarded (a checkpoint refuses to cut a step)
 
     # ------------------------------------------------------------------ the step
     def __call__(self, *args, **kwargs):
@@ -153,7 +155,10 @@ class Engine(StateAccess, EngineViews):
         with self._one_thread("forward"), self.failure.in_step("forward"), self.failure.reads(), \
                 self.binder.saved_tensor_hooks():
             try:
-                return self.model(*args, **kwargs)
+                output = self.model(*args, **kwargs)
+                if self.model.training:  # (a checkpoint waits for its backward: saved_tensors.OpenGraphs)
+                    self.graphs.add(output)
+                return output
             except BaseException:
                 self.binder.abort_forward()  # (a KeyboardInterrupt skips torch's always-call forward hooks)
                 raise
@@ -166,6 +171,7 @@ class Engine(StateAccess, EngineViews):
         with self._one_thread("backward"), self.failure.in_step("backward"), \
                 self.failure.step(self.optimizer, self.delayed):  # (all or nothing)
             self.driver.backward(loss)
+        self.graphs.clear()
 
     def flush(self) -> None:
         """staleness 1: finish the pending update and put its result in the parameters (the end of training, or

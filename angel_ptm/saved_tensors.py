@@ -64,3 +64,25 @@ class Saved:
         self.tensor, self.storage = tensor.detach(), tensor.untyped_storage().data_ptr()
         self.version = tensor._version  # (the detached tensor shares the version counter: a later in-place write
         # bumps it, and the unpack refuses it as autograd does without hooks)
+
+
+class OpenGraphs:
+    """The outputs of training forwards whose backward has not run yet, weakly: a graph the user still holds (a
+    loss not yet backwarded) means the step is half done; one dropped unused is no step at all."""
+
+    def __init__(self):
+        self._outputs: list[weakref.ref] = []
+
+    def add(self, output) -> None:
+        if torch.is_grad_enabled():
+            from torch.utils._pytree import tree_leaves
+
+            self._outputs += [weakref.ref(t) for t in tree_leaves(output)
+                              if isinstance(t, torch.Tensor) and t.requires_grad]
+
+    def clear(self) -> None:
+        self._outputs = []
+
+    def alive(self) -> bool:
+        self._outputs = [ref for ref in self._outputs if ref() is not None]
+        return bool(self._outputs)

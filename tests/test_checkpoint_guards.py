@@ -154,3 +154,21 @@ def test_memory_stats_after_close_show_nothing_in_use_and_keep_the_record(tmp_pa
     engine.close()
     stats = engine.memory_stats()
     assert set(stats["in_use"].values()) == {0} and stats["moved"] == moved
+
+
+def test_a_checkpoint_between_a_forward_and_its_backward_is_refused_and_a_dropped_forward_is_no_step(tmp_path):
+    """The forward moved the RNG and BatchNorm's statistics, not yet the weights: a checkpoint there would not
+    resume the run. Once the output is dropped (the step abandoned) or backwarded and stepped, saving goes on."""
+    engine = trained(net(nn.BatchNorm1d(16)), tmp_path)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(2))
+    try:
+        loss = engine(x).pow(2).mean()
+        with pytest.raises(CheckpointError, match="between a training forward and its backward"):
+            engine.save_checkpoint(tmp_path / "ck")
+        del loss
+        engine.save_checkpoint(tmp_path / "ck")
+        engine.backward(engine(x).pow(2).mean())
+        engine.step()
+        engine.save_checkpoint(tmp_path / "ck2")
+    finally:
+        engine.close()

@@ -278,6 +278,9 @@ def _at_step_boundary(engine, what: str) -> None:
     if driver.micro or driver.grads_final:
         raise CheckpointError(f"{what}: called between backward() and step() ({driver.micro} micro-batches taken); "
                               f"call it between steps")
+    if engine.graphs.alive():  # (its RNG and buffers moved on, its weights not yet: a resume would not continue it)
+        raise CheckpointError(f"{what}: called between a training forward and its backward (its output is still "
+                              f"held); call it between steps, or drop the output (del loss) if that step is abandoned")
 
 
 def _agree(engine, outcome, what: str):
