@@ -43,8 +43,8 @@ from angel_ptm.memory import PageLayout, build_layout, compute_device
 from angel_ptm.units import PagingUnit, device_pages_at_once, experts_as_units, find_units, pages_around
 from angel_ptm.memory.budgets import plan_budgets
 from angel_ptm.memory.placement import (CREATION_ORDER, Problem, StartPlacement, compute_dtype, creation_order,
-                                        device_reserve_pages, disk_reservations, place_pages, staging_host_pages,
-                                        update_batch_groups, update_group_kinds, update_tier)
+                                        delayed_update_need, device_reserve_pages, disk_reservations, place_pages,
+                                        staging_host_pages, update_batch_groups, update_group_kinds, update_tier)
 from angel_ptm.memory.disk_dir import check_disk_dir, free_disk_bytes
 from angel_ptm.memory.store import PageKind
 from angel_ptm.models import build_model
@@ -335,19 +335,9 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         problems.append(Problem("device", (largest + open_page) * page_bytes, budgets["device"],
                                 f"unit '{largest_name}' ({largest} pages of {format_bytes(page_bytes)})"
                                 + (" and the activation page being filled (activations.offload)" if open_page else "")))
-    # optimizer.staleness 1 with the update on the device: the delayed update runs its page groups within the next
-    # step, beside what is pinned then (before a unit's forward, the units around it; in backward, a node's saved
-    # tensor's pages)
-    stale, pinned, delayed = 0, 0, len(update_group_kinds(config))
-    if config.optimizer.staleness == 1 and update == "device":
-        names = {id(p): n for n, p in model.named_parameters()}
-        pinned = max(pages_around(units, lambda param: layout.slot(names[id(param)]).pages), max_tensor_pages)
-        stale = pinned + open_page + delayed
-    if stale > slots["device"]:
-        problems.append(Problem("device", stale * page_bytes, budgets["device"],
-                                f"a delayed update's page group ({delayed} pages: optimizer.staleness 1 updates "
-                                f"during the next step) beside the pages pinned then (up to {pinned} of "
-                                f"{format_bytes(page_bytes)}: the units around a unit, or a saved tensor's)"))
+    stale, problem = delayed_update_need(config, update, open_page, page_bytes, budgets["device"], lambda: max(
+        pages_around(units, lambda param: layout.slot(names[id(param)]).pages), max_tensor_pages))
+    problems += [problem] if stale > slots["device"] else []
     expert_pages, expert_layer = 0, ""
     if own.sharded_local("param"):  # ZeRO-3 with ep < dp: a layer's expert groups all on the device at once
         from angel_ptm.parallel.zero import expert_groups

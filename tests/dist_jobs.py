@@ -8,7 +8,6 @@ import hashlib
 import os
 import time
 
-import pytest
 import torch
 
 import angel_ptm
@@ -16,6 +15,7 @@ from angel_ptm.models.moe import moe_metrics
 from angel_ptm.parallel import collectives as collectives_module
 from torch import nn
 
+from hf_cases import hf_llama_bias_tp, hf_llama_tp, hf_qwen2_tp, hf_qwen3_tp
 from test_engine_equivalence import CASES, engine_config, mlp_loss
 
 
@@ -49,47 +49,6 @@ class Normed(nn.Sequential):
     def __init__(self):
         torch.manual_seed(0)
         super().__init__(nn.Linear(24, 32), nn.BatchNorm1d(32), nn.Tanh(), nn.Linear(32, 1))
-
-
-def hf_llama_tp():
-    """conformance_cases.hf_llama (4 heads, 2 kv heads, tied embeddings) with sdpa attention."""
-    from conformance_cases import hf_llama
-
-    return hf_llama()
-
-
-def hf_qwen2_tp():
-    """A HuggingFace Qwen2 laid out like Llama (the built-in Llama plan), with biases on q, k and v."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen2Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, tie_word_embeddings=True, attn_implementation="sdpa",
-        bos_token_id=0, eos_token_id=1)
-    torch.manual_seed(0)
-    return transformers.Qwen2ForCausalLM(config)
-
-
-def hf_qwen3_tp():
-    """A HuggingFace Qwen3: per-head RMS norms of q and k inside the attention (whole parameters used on each tp
-    rank's heads)."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.Qwen3Config(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, max_position_embeddings=32, tie_word_embeddings=True,
-        attn_implementation="sdpa", bos_token_id=0, eos_token_id=1)
-    torch.manual_seed(0)
-    return transformers.Qwen3ForCausalLM(config)
-
-
-def hf_llama_bias_tp():
-    """A HuggingFace Llama with biases everywhere: the row-parallel o_proj's and down_proj's are whole."""
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=32, attention_bias=True, mlp_bias=True,
-        attn_implementation="sdpa", bos_token_id=0, eos_token_id=1)
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
 
 
 def llama_loss(model, input_ids, labels):

@@ -381,38 +381,6 @@ def test_a_dimension_tp_does_not_divide_is_a_typed_error_naming_it(field, cfg, m
         parallelize(model, fake_comm(), gpt_plan(model))
 
 
-def test_what_the_llama_plan_cannot_split_right_is_a_typed_error_at_start():
-    """Head counts tp does not divide (the split would go through the middle of a head), a module with a forward of
-    its own that the parallel version would drop (Gemma's scaled embedding), scale_grad_by_freq (a shard would
-    count the other ranks' tokens)."""
-    transformers = pytest.importorskip("transformers")
-
-    def llama(**cfg):
-        torch.manual_seed(0)
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
-            "vocab_size": 64, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1,
-            "num_attention_heads": 4, "num_key_value_heads": 2, **cfg}))
-
-    for cfg, message in ((dict(num_attention_heads=3, num_key_value_heads=3), "num_attention_heads \\(3\\)"),
-                         (dict(num_key_value_heads=1), "num_key_value_heads \\(1\\)")):
-        model = llama(**cfg)
-        with pytest.raises(TensorParallelError, match=message):
-            parallelize(model, fake_comm(), plan_for(model))
-
-    class Scaled(nn.Embedding):
-        def forward(self, ids):
-            return super().forward(ids) * 2.0
-
-    model = llama()
-    model.model.embed_tokens = Scaled(64, 48)
-    with pytest.raises(TensorParallelError, match="embed_tokens is a Scaled, an nn.Embedding with a forward of its"):
-        parallelize(model, fake_comm(), plan_for(model))
-    gpt = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, dim=32))
-    gpt.tok_embeddings.scale_grad_by_freq = True
-    with pytest.raises(TensorParallelError, match="scale_grad_by_freq"):
-        parallelize(gpt, fake_comm(), gpt_plan(gpt))
-
-
 def test_a_plan_naming_a_module_the_model_lacks_is_a_typed_error():
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4))
     with pytest.raises(TensorParallelError, match="'attention' names no module of Sequential"):

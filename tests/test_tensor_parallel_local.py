@@ -3,7 +3,8 @@
 step, recomputation redraws the same masks, dropout is found in modules and in rate attributes, and a model without
 dropout gets no scopes (its random stream is a 1-rank run's). The 2-rank behaviour (shared masks on replicated
 activations, own masks on sequence shards, recomputation and offload bitwise) is tested in test_tensor_parallel.py's
-ranks."""
+ranks. What the built-in Llama plan cannot split right (head counts tp does not divide, a module with a forward of its
+own, scale_grad_by_freq) is a typed error before any communication."""
 
 from __future__ import annotations
 
@@ -130,3 +131,35 @@ def test_tp_collectives_give_their_shapes_in_a_fake_tensor_trace():
         FAKE_TRACE.on = False
     with pytest.raises(TensorParallelError):
         comm.all_reduce(x, "t")
+
+
+def test_what_the_llama_plan_cannot_split_right_is_a_typed_error_at_start():
+    """Head counts tp does not divide (the split would go through the middle of a head), a module with a forward of
+    its own that the parallel version would drop (Gemma's scaled embedding), scale_grad_by_freq (a shard would
+    count the other ranks' tokens)."""
+    transformers = pytest.importorskip("transformers")
+
+    def llama(**cfg):
+        torch.manual_seed(0)
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(**{
+            "vocab_size": 64, "hidden_size": 48, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 4, "num_key_value_heads": 2, **cfg}))
+
+    for cfg, message in ((dict(num_attention_heads=3, num_key_value_heads=3), "num_attention_heads \\(3\\)"),
+                         (dict(num_key_value_heads=1), "num_key_value_heads \\(1\\)")):
+        model = llama(**cfg)
+        with pytest.raises(TensorParallelError, match=message):
+            parallelize(model, TPComm.planning(2), plan_for(model))
+
+    class Scaled(nn.Embedding):
+        def forward(self, ids):
+            return super().forward(ids) * 2.0
+
+    model = llama()
+    model.model.embed_tokens = Scaled(64, 48)
+    with pytest.raises(TensorParallelError, match="embed_tokens is a Scaled, an nn.Embedding with a forward of its"):
+        parallelize(model, TPComm.planning(2), plan_for(model))
+    gpt = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, dim=32))
+    gpt.tok_embeddings.scale_grad_by_freq = True
+    with pytest.raises(TensorParallelError, match="scale_grad_by_freq"):
+        parallelize(gpt, TPComm.planning(2), plan_for(gpt))

@@ -10,7 +10,7 @@ these functions; none of them keeps a copy of a rule.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -52,6 +52,22 @@ def update_group_kinds(config) -> tuple[str, ...]:
     published from them later)."""
     kinds = creation_order(config)
     return tuple(k for k in kinds if k != "param") if config.optimizer.staleness == 1 else kinds
+
+
+def delayed_update_need(config, update: str, open_page: int, page_bytes: int, budget: int,
+                        pinned: Callable[[], int]) -> tuple[int, Problem]:
+    """optimizer.staleness 1 with the update on the device: the delayed update runs its page groups within the next
+    step, beside what is pinned then (before a unit's forward, the units around it; in backward, a node's saved
+    tensor's pages: `pinned()`). The device pages that needs (0 otherwise), and the Problem when it does not fit."""
+    delayed = len(update_group_kinds(config))
+    around = pinned() if config.optimizer.staleness == 1 and update == "device" else 0
+    need = around + open_page + delayed if around else 0
+    from angel_ptm.config import format_bytes
+
+    return need, Problem("device", need * page_bytes, budget,
+                         f"a delayed update's page group ({delayed} pages: optimizer.staleness 1 updates during the "
+                         f"next step) beside the pages pinned then (up to {around} of {format_bytes(page_bytes)}: the "
+                         f"units around a unit, or a saved tensor's)")
 
 
 def compute_dtype(config) -> Optional[torch.dtype]:
