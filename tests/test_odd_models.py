@@ -343,3 +343,23 @@ def test_an_input_changed_in_place_between_forward_and_backward_is_refused_as_to
             engine.backward(loss)
     finally:
         engine.close()
+
+
+def test_example_inputs_the_forward_cannot_take_are_one_warning_line_not_a_traceback(tmp_path, capfd, caplog):
+    """A wrong shape in example_inputs: the activations are not counted (a warning says why, once), and torch's
+    fake-tensor code does not print its own traceback of the failed kernel to stderr."""
+    import logging
+
+    fake_records: list = []
+    handler = logging.Handler()
+    handler.emit = fake_records.append
+    logging.getLogger("torch._subclasses.fake_tensor").addHandler(handler)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 1))
+    try:
+        with caplog.at_level("WARNING", logger="angel_ptm"):
+            engine = angel_ptm.initialize(model, config(tmp_path), example_inputs=(torch.ones(8, 31),))
+        engine.close()
+    finally:
+        logging.getLogger("torch._subclasses.fake_tensor").removeHandler(handler)
+    assert any("could not be traced with example_inputs" in r.getMessage() for r in caplog.records)
+    assert not fake_records and "Traceback" not in capfd.readouterr().err

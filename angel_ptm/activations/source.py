@@ -90,6 +90,9 @@ class ActivationSource:
         if key not in self._traced:
             from angel_ptm.activations.footprint import trace_activations
 
+            fake_log = logging.getLogger("torch._subclasses.fake_tensor")  # (its own traceback of a failed kernel:
+            level = fake_log.level  # the warning below says it in one line)
+            fake_log.setLevel(logging.CRITICAL)
             try:
                 self._traced[key] = trace_activations(self.model, self.example_inputs, checkpointed,
                                                       compute_dtype(self.config), self.device)
@@ -103,6 +106,8 @@ class ActivationSource:
                                 f"activations are not counted in the estimate")
                 self.example_inputs = None
                 return None
+            finally:
+                fake_log.setLevel(level)
         return self._traced[key]
 
 
