@@ -77,8 +77,7 @@ class ParamBinder(OutsideUnits):
         # Parameter pages a graph saved through a detached use (w.detach(), w.data): a backward node may read them
         # after the parameter's own gradient is final, so they are not updated during that backward (step.py)
         self.detached_saves: set[int] = set()
-        # Bumped when the weights change (a graph saved before is stale); `steps_generation` by a step or load only
-        self.weights_generation = self.steps_generation = 0
+        self.weights_generation = 0  # bumped when the weights change (a graph saved before is stale)
         self._bound: dict[int, int] = {}  # id(param) -> units binding it now
         self._versions: dict[int, int] = {}  # id(param) -> its version counter when bound (an in-place write bumps it)
         self._page_by_address: dict[int, Page] = {}  # device pages bound now, by buffer address
@@ -103,8 +102,7 @@ class ParamBinder(OutsideUnits):
         self.before_grad_write = None  # called with a TensorSlot before its gradient is written into its pages
         self.before_unit_forward = None  # called before each unit's forward
         self.read_values: Callable[[TensorSlot], torch.Tensor] | None = None  # a copy of a parameter's values
-        self.outside_writes = OutsideWrites(read=self.copy_of, busy=self._busy_for_writes,  # (outside_writes.py)
-                                            steps=lambda: self.steps_generation)
+        self.outside_writes = OutsideWrites(read=self.copy_of, busy=self.writes_refused)  # (outside_writes.py)
         # Where pages are acquired: the scheduler (the step's front door), and for parameter pages under ZeRO-3 the
         # gatherer, which first all-gathers their groups.
         self.access = access  # acquire(pages, tier, label), release(pages, dirty), discard(pages)

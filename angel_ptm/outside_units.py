@@ -90,11 +90,10 @@ class OutsideUnits:
             self.param_access.release(pages)
 
     def weights_changed(self) -> None:
-        """Every parameter's values changed (a step, a load): graphs saved before, and views of copies, are stale."""
+        """Every parameter's values changed (a step, a load): graphs saved before are stale."""
         self.weights_generation += 1
-        self.steps_generation += 1
 
-    def _busy_for_writes(self) -> str | None:
+    def writes_refused(self) -> str | None:
         """Why a parameter cannot be written outside its unit now (OutsideWrites), or None."""
         if self.in_backward:
             return "the engine's backward runs"

@@ -56,7 +56,6 @@ class _Watched:
     before: torch.Tensor
     version: int | None
     views: list
-    stamp: int  # OutsideWrites.steps() when the copy last held the parameter's values
 
 
 class OutsideWrites:
@@ -65,14 +64,18 @@ class OutsideWrites:
     `read(param)`: a copy of the parameter's values as its pages hold them now; `write(param, values, mask)`: the
     elements of `values` where `mask` into its weight pages (the engine's: PageTensors.write_where);
     `after_writes()`: run once at the next entry after any write (the data-parallel copies refreshed); `busy()`:
-    why a write cannot go in now (a forward or backward of the engine runs), or None; `steps()`: a count that a
-    step or load of the weights bumps (then `refresh` runs)."""
+    why a write cannot go in now (a forward or backward of the engine runs), or None. The engine `attach`es the
+    last three; `refresh` must run after every step or load of the weights."""
 
-    def __init__(self, read: Callable, write: Callable | None = None, after_writes: Callable[[], None] | None = None,
-                 busy: Callable[[], str | None] | None = None, steps: Callable[[], int] = lambda: 0):
-        self.read, self.write, self.after_writes, self.busy, self.steps = read, write, after_writes, busy, steps
+    def __init__(self, read: Callable, busy: Callable[[], str | None]):
+        self.read, self.busy = read, busy
+        self.write: Callable | None = None
+        self.after_writes: Callable[[], None] | None = None
         self._watched: list[_Watched] = []
         self._written = False  # a write went in since after_writes last ran
+
+    def attach(self, write: Callable, after_writes: Callable[[], None], busy: Callable[[], str | None]) -> None:
+        self.write, self.after_writes, self.busy = write, after_writes, busy
 
     def run(self, func, args, kwargs, unbound: list[nn.Parameter], copies: dict[int, torch.Tensor], swap):
         """`func` on `copies` of the `unbound` parameters' values (`swap` maps an argument to its copy); what it
@@ -98,9 +101,6 @@ class OutsideWrites:
             return
         for entry in list(self._watched):
             if entry.version is None or version(entry.copy) != entry.version:
-                if entry.stamp != self.steps():  # (a change refresh missed: the view's other elements are old)
-                    self._watched.remove(entry)
-                    self._stale(entry)
                 self._write(entry.param, entry.copy, entry.before)  # (refused now, e.g. in a forward: stays)
                 self._synced(entry)
         self._watched = [entry for entry in self._watched if any(view() is not None for view in entry.views)]
@@ -119,7 +119,7 @@ class OutsideWrites:
 
     def _synced(self, entry: _Watched) -> None:
         """`entry`'s copy holds its parameter's values now."""
-        entry.before, entry.version, entry.stamp = entry.copy.clone(), version(entry.copy), self.steps()
+        entry.before, entry.version = entry.copy.clone(), version(entry.copy)
 
     def _write(self, param: nn.Parameter, values: torch.Tensor, before: torch.Tensor) -> None:
         mask = changed(values, before)
@@ -140,12 +140,6 @@ class OutsideWrites:
                     flat[mask] = values.reshape(-1)[mask].to(flat.dtype)
                 self._synced(other)
 
-    def _stale(self, entry: _Watched) -> None:
-        name = entry.param.__dict__.get("_angel_name", "?")
-        raise ParameterAccessError(
-            f"a view of parameter '{name}' taken outside its unit was written after the parameter changed under it: "
-            f"the view holds the values of when it was taken, so nothing was written; take it again")
-
     def _watch(self, result, mine) -> None:
         """Copies aliased by a tensor in `result` (a view the op returned): watched for writes through it."""
         leaves = result if isinstance(result, (tuple, list)) else (result,)
@@ -160,6 +154,6 @@ class OutsideWrites:
             param, copy = found
             entry = entries.get(id(copy))
             if entry is None:
-                entry = entries[id(copy)] = _Watched(param, copy, copy.clone(), version(copy), [], self.steps())
+                entry = entries[id(copy)] = _Watched(param, copy, copy.clone(), version(copy), [])
                 self._watched.append(entry)
             entry.views.append(weakref.ref(leaf))

@@ -288,7 +288,7 @@ class StateAccess:
         """Why a parameter cannot be written outside its unit now (outside_writes.py), or None."""
         if self.driver.eager_done:  # (torch's write would come before the update, ours after some)
             return "pages were updated during this step's backward (write before engine.backward or after step())"
-        return self.binder._busy_for_writes()
+        return self.binder.writes_refused()
 
     def _write_outside(self, param: nn.Parameter, values: torch.Tensor, mask: torch.Tensor) -> None:
         """The elements of `values` where `mask` into `param`'s weight pages: a write the model made outside its
