@@ -257,9 +257,11 @@ def _anchor_entry(module: nn.Module, comm: TPComm) -> None:
     """`module`'s input enters the region (enter_region) through an anchor for the column-parallel linears in it,
     whose weight gradients are then computed while the input gradient's collective runs (layers.WeightGradStash)."""
     weights: list = []  # found at the first forward: a later style may still replace the module (vocab_output)
+    found = []  # (whether that first forward has looked: a region may hold no column-parallel linear)
 
     def enter(mod, args, kwargs):
-        if not weights:
+        if not found:
+            found.append(True)
             weights.extend(m.weight for m in mod.modules() if isinstance(m, ColumnParallelLinear))
             for inner in mod.modules():  # a whole parameter used inside on this rank's share (Qwen3's per-head
                 # q/k norms): its gradient is a partial sum, all-reduced over tp
