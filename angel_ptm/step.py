@@ -194,7 +194,7 @@ class StepDriver:
         try:
             try:
                 (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
-            except (torch.utils.checkpoint.CheckpointError, RuntimeError) as exc:
+            except RuntimeError as exc:  # (torch.utils.checkpoint.CheckpointError is one)
                 if not replay_failed(exc):
                     raise
                 raise ActivationError(
