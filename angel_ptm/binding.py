@@ -155,7 +155,7 @@ class ParamBinder(OutsideUnits):
                 unit.module.forward = self.recomputation.wrap(unit, unit.module.forward, mode)
         for module in self.model.modules():
             if any(True for _ in module.parameters(recurse=False)):
-                self._handles.append(module.register_state_dict_pre_hook(self._before_state_dict))
+                self._handles.append(module.register_state_dict_pre_hook(guard.EngineHook(self._before_state_dict)))
                 self._handles.append(register_state_dict_post_hook(module, self._after_state_dict))
         owner = {id(p): u.name for u in reversed(self.units) for p in u.params}
         for name, param in self.model.named_parameters():
@@ -199,12 +199,12 @@ class ParamBinder(OutsideUnits):
             if next(reversed(hooks)) != post:
                 hooks.move_to_end(post)
             self.bind_unit(unit)
-        return hook
+        return guard.EngineHook(hook)
 
     def _unit_post_hook(self, unit: PagingUnit):
         def hook(_module, _args, _output):
             self.unbind_unit(unit)
-        return hook
+        return guard.EngineHook(hook)
 
     def bind_unit(self, unit: PagingUnit) -> None:
         if self._recomputing and not self._hooks_on:  # a unit inside one being recomputed (an MoE block's experts)

@@ -43,6 +43,12 @@ class UnboundParameter(nn.Parameter):
     def __new__(cls, *args, **kwargs):
         raise TypeError("UnboundParameter is not constructed: the engine sets it as a parameter's class")
 
+    def __reduce_ex__(self, protocol):
+        raise ParameterAccessError(f"parameter '{self.__dict__.get('_angel_name', '?')}': {NOT_COPIED}")
+
+    def __deepcopy__(self, memo):
+        raise ParameterAccessError(f"parameter '{self.__dict__.get('_angel_name', '?')}': {NOT_COPIED}")
+
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         name = _name_of(func)
@@ -81,6 +87,28 @@ class UnboundParameter(nn.Parameter):
             f"parameter '{name}' used outside the forward of its paging unit '{unit}' ({_name_of(func) or func}): "
             f"its values live in pages; read it with engine.parameter('{name}') or engine.state_dict(), or make "
             f"the module that uses it part of that unit (initialize(..., units=...))")
+
+
+NOT_COPIED = ("a model an engine manages is not pickled or deep-copied (torch.save(model), copy.deepcopy(model)): its "
+              "values live in the engine's pages and its modules carry the engine's hooks; save engine.state_dict() "
+              "or engine.save_checkpoint(), or load engine.state_dict() into a model built again for a plain copy")
+
+
+class EngineHook:
+    """A hook the engine puts on a user's module, called as the function it wraps; pickling or deep-copying it (what
+    torch.save(model) and copy.deepcopy(model) reach first) is a ParameterAccessError saying what to do instead."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol):
+        raise ParameterAccessError(NOT_COPIED)
+
+    def __deepcopy__(self, memo):
+        raise ParameterAccessError(NOT_COPIED)
 
 
 def _same_version_alias(tensor: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,7 @@ def weakly(method, gone=lambda *args: None):
 def register_state_dict_post_hook(module: nn.Module, hook):
     """`register_state_dict_post_hook` where torch has it (2.5+), its private predecessor before."""
     register = getattr(module, "register_state_dict_post_hook", None) or module._register_state_dict_hook
-    return register(lambda *args: hook(*args))  # a plain function: torch marks the hook with an attribute
+    return register(guard.EngineHook(hook))  # (torch marks the hook with an attribute: not the bound method)
 
 
 def keep(tensor):

@@ -99,6 +99,33 @@ def test_a_forward_that_writes_a_parameter_in_place_is_refused_naming_it(tmp_pat
         engine.close()
 
 
+@pytest.mark.parametrize("copy_of", ["torch.save", "deepcopy"])
+def test_pickling_or_deep_copying_a_managed_model_is_refused_saying_what_to_do(copy_of, tmp_path):
+    """torch.save(model) and copy.deepcopy(model) reached the engine's hooks (local functions: pickle's
+    AttributeError) or a parameter's guard class (a TypeError); both are a ParameterAccessError naming the way to
+    save or copy, and the engine trains on unharmed, as the state dict it points to shows."""
+    import copy
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    engine = angel_ptm.initialize(model, config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
+    try:
+        engine.backward(engine(torch.randn(3, 8)).sum())
+        engine.step()
+        attempt = (lambda: torch.save(model, io.BytesIO())) if copy_of == "torch.save" else (
+            lambda: copy.deepcopy(model))
+        with pytest.raises(ParameterAccessError, match=r"not pickled or deep-copied.*engine\.state_dict\(\)"):
+            attempt()
+        plain = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+        plain.load_state_dict(engine.state_dict())
+        x = torch.randn(5, 8)
+        with torch.no_grad():
+            torch.testing.assert_close(plain(x), engine(x), rtol=0, atol=0)
+    finally:
+        engine.close()
+
+
 def test_set_lr_takes_what_torch_optimizers_take_and_refuses_the_rest_leaving_the_engine_usable(tmp_path):
     torch.manual_seed(0)
     engine = angel_ptm.initialize(nn.Linear(4, 4), config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
