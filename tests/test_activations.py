@@ -436,7 +436,7 @@ def test_the_estimate_traces_a_gpt_moe_at_its_routing_bound(tmp_path, gate, cf):
                                                 ("full", "host")]):
         torch.manual_seed(0)
         model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=32,
-                              moe={"experts": 4, "top_k": 2, "gate": gate, "capacity_factor": cf}))
+                              moe={"experts": 4, "gate": gate, "capacity_factor": cf}))
         job = {"memory": {"page_bytes": "4KiB", "disk_dir": str(tmp_path / str(i))}, "trainer": {"device": "cpu"},
                "data": {"batch_size": 4}, "activations": {"checkpoint": checkpoint, "offload": offload,
                                                           "offload_min_bytes": 512}}

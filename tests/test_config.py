@@ -378,6 +378,16 @@ def test_keys_without_effect_in_this_job_are_said_once_and_a_null_lr_schedule_sp
                         "(this job: bfloat16)",
                         "data.token_dtype uint32 has no effect: it is the element type of a data.kind tokens file "
                         "(this job reads text)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="angel_ptm"):  # the dynamic scale's keys, where nothing is dynamic
+        load_config({"optimizer": {"loss_scale": 64, "loss_scale_growth": 3}, "trainer": {"dtype": "float16"}})
+        load_config({"optimizer": {"loss_scale_backoff": 0.25}, "trainer": {"dtype": "bfloat16"}})
+        load_config({"optimizer": {"loss_scale_initial": 8}, "trainer": {"dtype": "float16"}})  # (it acts here)
+    assert [r.getMessage() for r in caplog.records] == [
+        "optimizer.loss_scale_growth 3 has no effect: it drives the dynamic loss scale of trainer.dtype float16 "
+        "(this job: float16, optimizer.loss_scale 64.0)",
+        "optimizer.loss_scale_backoff 0.25 has no effect: it drives the dynamic loss scale of trainer.dtype float16 "
+        "(this job: bfloat16, optimizer.loss_scale dynamic)"]
     assert not schedule_given(load_config({"lr_schedule": None}))
     assert schedule_given(load_config({"lr_schedule": {"warmup_steps": 3}}))
     # a schedule set in code on a loaded config (given_sections says the source had none) is spelled out too

@@ -391,7 +391,7 @@ def test_an_engine_is_collected_though_its_model_kept_a_graph(tmp_path, backward
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=32,
-                          moe={"experts": 4, "top_k": 2, "gate": "switch", "capacity_factor": 0.5}))
+                          moe={"experts": 4, "gate": "switch", "capacity_factor": 0.5}))
     engine = angel_ptm.initialize(model, {"memory": {"page_bytes": "4KiB", "device_budget": "256KiB",
                                                      "host_budget": "1MiB", "disk_dir": str(tmp_path)},
                                           "trainer": {"device": "cpu", "grad_clip": 0},

@@ -98,7 +98,7 @@ def test_each_moe_expert_is_on_pages_of_its_own(page_kib):
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=256, seq_len=16, n_layer=3, n_head=2, dim=48,
-                          moe={"experts": 4, "top_k": 1, "every": 2}))
+                          moe={"experts": 4, "every": 2}))
     layout = build_layout(model, page_bytes=page_kib * KIB)
     names = {id(p): n for n, p in model.named_parameters()}
     assert len(moe_layers(model)) == 1

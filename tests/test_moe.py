@@ -22,8 +22,8 @@ DIM, HIDDEN, TOKENS = 12, 16, 24
 def build(gate: str, dtype=torch.float64, capacity_factor=0.5, **spec):
     torch.manual_seed(0)
     ids = TokenIds()
-    moe = MoE(DIM, HIDDEN, MoESpec(gate=gate, capacity_factor=capacity_factor, **{"experts": 6, "top_k": 2,
-                                                                                  **spec}), token_ids=ids)
+    moe = MoE(DIM, HIDDEN, MoESpec(gate=gate, capacity_factor=capacity_factor, **{"experts": 6, **spec}),
+              token_ids=ids)
     moe = moe.to(dtype)
     ids.ids = torch.arange(TOKENS) * 7 % 50
     return moe
@@ -191,7 +191,34 @@ def test_specs_that_cannot_route_are_refused():
     with pytest.raises(ConfigValueError, match="model.moe.top_k: 3 prototypes must divide model.moe.experts .8."):
         MoESpec(gate="ktop1", experts=8, top_k=3)
     with pytest.raises(ConfigValueError, match="model.moe.top_k: 9 choices"):
-        MoESpec(gate="gshard", experts=8, top_k=9)
+        MoESpec(gate="sam", experts=8, groups=1, top_k=9)
+    # a top_k the gate would ignore (gshard is top-2, switch/hash/base top-1, dts dense then top-1)
+    with pytest.raises(ConfigValueError, match="model.moe.top_k: gate gshard routes 2 choice.s. per token, so "
+                                               "top_k 3 would be ignored"):
+        MoESpec(gate="gshard", experts=8, top_k=3)
+    for gate in ("switch", "hash", "base", "dts"):
+        with pytest.raises(ConfigValueError, match=f"gate {gate} routes 1 choice"):
+            MoESpec(gate=gate, experts=8, top_k=2)
+        assert MoESpec(gate=gate, experts=8).top_k == MoESpec(gate=gate, experts=8, top_k=1).top_k == 1
+    with pytest.raises(ConfigValueError, match="model.moe.top_k: 2 choices for gate gshard with 1 experts"):
+        MoESpec(gate="gshard", experts=1)  # top-2 of one expert
+    with pytest.raises(ConfigValueError, match="model.moe.groups: must be >= 1, got 0"):
+        MoESpec(gate="sam", experts=8, groups=0)
+    assert MoESpec(gate="ktop1", experts=8).top_k == MoESpec(gate="sam", experts=8).top_k == 2
+
+
+def test_dts_dense_phase_counts_no_drops_for_inactive_experts():
+    """In DTS's dense phase an expert under the threshold is no choice of the token, not a dropped one: with no
+    capacity (dropless), the drop rate is 0, the choices counted are the active ones, and the tokens per expert
+    count each active expert."""
+    moe = build("dts", capacity_factor=0.0, experts=4, dts_threshold=0.3)
+    moe.train()
+    x = torch.randn(TOKENS, DIM, dtype=torch.float64)
+    moe(x)
+    stats = moe.stats.take()
+    assert stats["drop_rate"] == 0.0
+    active = sum(stats["tokens_per_expert"])
+    assert 0 < active < 4 * TOKENS  # some experts are under the threshold, every token has an active one
 
 
 # ------------------------------------------------------------------------------------------------- GPT-MoE, engine
@@ -200,7 +227,7 @@ def gpt_moe(**moe):
 
     torch.manual_seed(0)
     return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=32,
-                         moe={"experts": 8, "top_k": 2, "gate": "gshard", "capacity_factor": 0.5, "every": 1,
+                         moe={"experts": 8, "gate": "gshard", "capacity_factor": 0.5, "every": 1,
                               **moe}))
 
 

@@ -26,7 +26,7 @@ SPECS = {
 
 def layer(name: str) -> MoE:
     torch.manual_seed(0)
-    return MoE(DIM, HIDDEN, MoESpec(**{"experts": EXPERTS, "top_k": 2, **SPECS[name]})).eval()  # eval: no sampling
+    return MoE(DIM, HIDDEN, MoESpec(**{"experts": EXPERTS, **SPECS[name]})).eval()  # eval: no sampling
 
 
 def tokens(rank: int) -> torch.Tensor:

@@ -216,7 +216,7 @@ def test_the_estimate_counts_each_ranks_hot_expert_copies_beside_the_pools():
     from angel_ptm.parallel import Ownership
 
     base = {"model": {"vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 2, "dim": 32,
-                      "moe": {"experts": 4, "top_k": 1}},
+                      "moe": {"experts": 4}},
             "memory": {"page_bytes": "4KiB"}, "trainer": {"device": "cpu"},
             "parallel": {"dp": 2, "ep": 2, "zero": 1, "moe_rebalance_every": 4}}
     without = estimate_job(base, ownership=Ownership(0, 2, 1))

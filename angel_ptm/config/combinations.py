@@ -19,6 +19,14 @@ def check_combinations(config) -> None:
     if config.optimizer.loss_scale != "dynamic" and config.trainer.dtype != "float16":
         _warn_once(f"optimizer.loss_scale {config.optimizer.loss_scale} has no effect: loss scaling is for "
                    f"trainer.dtype float16 only (this job: {config.trainer.dtype})")
+    dynamic = {"loss_scale_initial": 65536.0, "loss_scale_growth": 2.0, "loss_scale_backoff": 0.5,
+               "loss_scale_growth_interval": 2000}  # (the schema's defaults)
+    if config.trainer.dtype != "float16" or config.optimizer.loss_scale != "dynamic":
+        for key, default in dynamic.items():
+            if getattr(config.optimizer, key) != default:
+                _warn_once(f"optimizer.{key} {getattr(config.optimizer, key):g} has no effect: it drives the dynamic "
+                           f"loss scale of trainer.dtype float16 (this job: {config.trainer.dtype}, "
+                           f"optimizer.loss_scale {config.optimizer.loss_scale})")
     if config.data.token_dtype != "uint16" and config.data.kind != "tokens":
         _warn_once(f"data.token_dtype {config.data.token_dtype} has no effect: it is the element type of a "
                    f"data.kind tokens file (this job reads {config.data.kind})")

@@ -249,6 +249,8 @@ class DTSGate(_LogitGate):
         if int(self.step) >= s.dts_top1_step:  # hard top-1 from here on, with capacity
             expert = soft.argmax(-1, keepdim=True)
             return self.routing(expert, soft.gather(-1, expert), logits, aux, 1)
-        # dense to sparse: every expert is a choice, kept where its weight exceeds the threshold (no capacity)
+        # dense to sparse: every expert whose weight exceeds the threshold is a choice, kept (no capacity); the
+        # others are no choice (-1), so the routing statistics count no drop for them
+        active = soft > s.dts_threshold
         experts = torch.arange(s.experts, device=x.device).expand(x.shape[0], -1)
-        return Routing(experts, soft, soft > s.dts_threshold, 0, self.with_z(aux, logits))
+        return Routing(torch.where(active, experts, -1), soft, active, 0, self.with_z(aux, logits))

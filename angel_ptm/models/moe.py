@@ -30,6 +30,7 @@ from torch import nn
 from angel_ptm.errors import ConfigValueError
 
 GATES = ("switch", "gshard", "ktop1", "hash", "base", "sam", "dts")
+FIXED_TOP_K = {"switch": 1, "hash": 1, "base": 1, "gshard": 2, "dts": 1}  # gates whose choices top_k does not set
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,9 @@ class MoESpec:
     """An MoE layer's settings (the `model.moe` mapping, less `every`)."""
 
     experts: int = 8
-    top_k: int = 2  # switch and hash route 1; ktop1: one per prototype (top_k prototypes); base: 1
+    # None: the gate's own. switch, hash and base route 1 choice per token, gshard 2, dts every expert (1 once
+    # hard top-1); ktop1 one per prototype (top_k prototypes, default 2), sam top_k inside the group (default 2)
+    top_k: Optional[int] = None
     gate: str = "gshard"
     capacity_factor: float = 1.25  # <= 0: dropless
     aux_loss_weight: float = 0.01
@@ -55,6 +58,14 @@ class MoESpec:
             raise ConfigValueError(f"model.moe.gate: {self.gate!r} is not a gate (known: {', '.join(GATES)})")
         if self.experts < 1:
             raise ConfigValueError(f"model.moe.experts: must be >= 1, got {self.experts}")
+        fixed = FIXED_TOP_K.get(self.gate)
+        if self.top_k is None:
+            object.__setattr__(self, "top_k", fixed or 2)
+        elif fixed is not None and self.top_k != fixed:
+            raise ConfigValueError(f"model.moe.top_k: gate {self.gate} routes {fixed} choice(s) per token, so top_k "
+                                   f"{self.top_k} would be ignored: leave it out or set {fixed}")
+        if self.groups < 1:
+            raise ConfigValueError(f"model.moe.groups: must be >= 1, got {self.groups}")
         k = self.choices
         if not 1 <= k <= self.experts:
             raise ConfigValueError(f"model.moe.top_k: {self.top_k} choices for gate {self.gate} with "
