@@ -8,7 +8,7 @@
     hash     no parameters: expert = a fixed multiplicative hash of the token id (Hash layers), weight 1; the ids
              come from a `TokenIds` holder the model fills before its blocks run
     base     BASE layers: a balanced assignment (each expert exactly T/E tokens; T must divide by E) maximizing
-             the sum of token . centroid scores, by an auction (Bertsekas, epsilon-scaled), output
+             the sum of token . centroid scores exactly (greedy, then cycle cancelling), output
              sigma(x . c_e) * expert(x) + (1 - sigma) * x; no aux loss
     sam      Switch-and-mixture over groups: the group with the largest summed probability (top-1 group), then
              top-k experts inside it with their probabilities renormalised within the group; aux = the balance
@@ -135,7 +135,7 @@ class HashGate(nn.Module):
 
 
 class BaseGate(nn.Module):
-    """BASE layers: expert centroids c_e; a balanced assignment by auction; sigma(x . c_e) mixes expert and token."""
+    """BASE layers: expert centroids c_e; the optimal balanced assignment; sigma(x . c_e) mixes expert and token."""
 
     def __init__(self, dim: int, spec: MoESpec):
         super().__init__()
@@ -161,41 +161,76 @@ class BaseGate(nn.Module):
 
 def balanced_assignment(scores: torch.Tensor, capacity: int) -> torch.Tensor:
     """The expert of each of T tokens, each expert taking exactly `capacity` tokens, maximizing the sum of
-    `scores[t, e]` within T * eps of the optimum: Bertsekas' auction over the T slots (expert e's slots are
-    objects e*capacity ..), Jacobi bidding, epsilon scaled down from the score range to 1e-4 of it / T."""
+    `scores[t, e]`: the optimum itself (a transportation problem), not one within a tolerance of it -- near-optimal
+    assignments are many, and which one an approximate method lands on changes with the last bits of the scores
+    (expert parallelism's), so the routing would. A greedy start (the highest scores first, while the expert has
+    room), then Klein's cycle cancelling on the experts' residual graph: moving one token from expert a to expert b
+    costs at best w[a, b] = min over a's tokens of (score[t, a] - score[t, b]); a cycle of such moves with a negative
+    sum keeps every expert's load and raises the total, and an assignment with no such cycle is optimal. Cycles are
+    found by Bellman-Ford over the E experts (a cycle gaining less than 1e-12 of the score range is noise)."""
     t, experts = scores.shape
-    values = scores.double().repeat_interleave(capacity, dim=1)  # [T, T]: token x slot
-    span = float(values.max() - values.min()) or 1.0
-    prices = torch.zeros(t, dtype=torch.float64)
-    eps = span / 4
-    final_eps = span * 1e-4 / t
-    owner = torch.full((t,), -1, dtype=torch.long)  # slot -> token
-    while True:
-        owner.fill_(-1)
-        assigned = torch.full((t,), -1, dtype=torch.long)  # token -> slot
-        while (assigned < 0).any():
-            bidders = (assigned < 0).nonzero(as_tuple=True)[0]
-            net = values[bidders] - prices
-            top2 = net.topk(2, dim=1)
-            best = top2.indices[:, 0]
-            bid = prices[best] + top2.values[:, 0] - top2.values[:, 1] + eps
-            # per slot, the highest bid wins it (ties: the lowest token index)
-            order = torch.argsort(bid, descending=True, stable=True)
-            winners: dict[int, int] = {}
-            for i in order.tolist():
-                winners.setdefault(int(best[i]), i)
-            for slot, i in winners.items():
-                token = int(bidders[i])
-                previous = int(owner[slot])
-                if previous >= 0:
-                    assigned[previous] = -1
-                owner[slot] = token
-                assigned[token] = slot
-                prices[slot] = bid[i]
-        if eps <= final_eps:
+    s = scores.detach().double().cpu()
+    if experts == 1:
+        return torch.zeros(t, dtype=torch.long, device=scores.device)
+    expert = torch.full((t,), -1, dtype=torch.long)
+    load = [0] * experts
+    order = torch.argsort(s.reshape(-1), descending=True, stable=True).tolist()
+    placed = 0
+    for flat in order:  # greedy: each token to the best expert with room left
+        token, e = divmod(flat, experts)
+        if expert[token] < 0 and load[e] < capacity:
+            expert[token] = e
+            load[e] += 1
+            placed += 1
+            if placed == t:
+                break
+    tolerance = 1e-12 * (float(s.max() - s.min()) or 1.0)
+    rows = torch.arange(t)
+    for _ in range(64 * t + 64):  # (each cancel gains more than the tolerance: a bound on the loop, never reached)
+        # w[a, b]: the cheapest move of one of a's tokens to b, and which token
+        loss = s[rows, expert].unsqueeze(1) - s  # [T, E]: what moving each token to each expert costs
+        home = expert.unsqueeze(1).expand(t, experts)
+        weight = torch.full((experts, experts), float("inf"), dtype=torch.float64).scatter_reduce(
+            0, home, loss, "amin")
+        cheapest = torch.where(loss == weight[expert], rows.unsqueeze(1), t)  # (the lowest such token: deterministic)
+        mover = torch.full((experts, experts), t, dtype=torch.long).scatter_reduce(0, home, cheapest, "amin")
+        weight.fill_diagonal_(float("inf"))
+        cycle = _negative_cycle(weight, tolerance)
+        if cycle is None:
             break
-        eps = max(final_eps, eps / 4)
-    return assigned // capacity
+        moves = [(int(mover[a, b]), b) for a, b in zip(cycle, cycle[1:] + cycle[:1])]
+        for token, b in moves:
+            expert[token] = b
+    return expert.to(scores.device)
+
+
+def _negative_cycle(weight: torch.Tensor, tolerance: float) -> list[int] | None:
+    """A cycle of nodes whose edges `weight[a, b]` sum to less than -tolerance (Bellman-Ford from every node at
+    once), or None."""
+    n = weight.shape[0]
+    dist = torch.zeros(n, dtype=torch.float64)
+    parent = torch.full((n,), -1, dtype=torch.long)
+    changed = -1
+    for _ in range(n):
+        through = dist.unsqueeze(1) + weight  # [a, b]: reaching b through a
+        best, via = through.min(dim=0)
+        better = best < dist - tolerance / n
+        if not bool(better.any()):
+            return None
+        dist = torch.where(better, best, dist)
+        parent = torch.where(better, via, parent)
+        changed = int(better.nonzero()[0])
+    node = changed
+    for _ in range(n):  # n steps back along the parents: surely on the cycle
+        node = int(parent[node])
+    cycle, at = [node], int(parent[node])
+    while at != node:
+        cycle.append(at)
+        at = int(parent[at])
+    cycle.reverse()  # parents point backwards: the moves go forwards
+    if float(sum(weight[a, b] for a, b in zip(cycle, cycle[1:] + cycle[:1]))) >= -tolerance:
+        return None  # (relaxations by less than the tolerance each: noise, no real cycle)
+    return cycle
 
 
 class SamGate(_LogitGate):
