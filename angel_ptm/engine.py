@@ -125,7 +125,7 @@ class Engine(StateAccess, EngineViews):
                                   self.device, self.units, access=self.scheduler)
         self.binder.read_values = self.tensors.read_weights
         self.binder.outside_writes.attach(self._write_outside, lambda: self.data_parallel.params_updated(),
-                                          self._busy_for_writes)
+                                          self._busy_for_writes, self._weights_lag, self.flush)
         self._closed = False
         self._busy_lock, self._busy_thread, self._busy_depth = threading.Lock(), None, 0  # (_one_thread)
         self._steps_done = 0

@@ -56,6 +56,7 @@ class _Watched:
     before: torch.Tensor
     version: int | None
     views: list
+    lagging: bool = False  # taken while the weights lagged a pending update (optimizer.staleness 1)
 
 
 class OutsideWrites:
@@ -71,28 +72,52 @@ class OutsideWrites:
         self.read, self.busy = read, busy
         self.write: Callable | None = None
         self.after_writes: Callable[[], None] | None = None
+        # optimizer.staleness 1: whether the weights the model computes with lag the master (an update pending or
+        # not yet in the param pages), and what puts them level (engine.flush)
+        self.lagging: Callable[[], bool] = lambda: False
+        self.catch_up: Callable[[], None] = lambda: None
         self._watched: list[_Watched] = []
         self._written = False  # a write went in since after_writes last ran
 
-    def attach(self, write: Callable, after_writes: Callable[[], None], busy: Callable[[], str | None]) -> None:
+    def attach(self, write: Callable, after_writes: Callable[[], None], busy: Callable[[], str | None],
+               lagging: Callable[[], bool] | None = None, catch_up: Callable[[], None] | None = None) -> None:
         self.write, self.after_writes, self.busy = write, after_writes, busy
+        if lagging is not None and catch_up is not None:
+            self.lagging, self.catch_up = lagging, catch_up
 
     def run(self, func, args, kwargs, unbound: list[nn.Parameter], copies: dict[int, torch.Tensor], swap):
         """`func` on `copies` of the `unbound` parameters' values (`swap` maps an argument to its copy); what it
         writes into them goes into the pages. An op in place returns the parameter, as in torch."""
-        mine = [(param, copies[id(param)]) for param in unbound]
-        # (an inference tensor has no version counter: its writes are seen by its bits, against a copy kept here)
-        before = [(version(copy), copy.clone() if version(copy) is None else None) for _param, copy in mine]
-        result = func(*swap(tuple(args)), **swap(dict(kwargs or {})))
+        lagging = self.lagging()
+        rng = _rng_state() if lagging else None
+        mine, before, result = self._attempt(func, args, kwargs, unbound, copies, swap)
+        wrote = [then is None or version(copy) != then for (_param, copy), (then, _values) in zip(mine, before)]
+        if lagging and any(wrote):
+            # optimizer.staleness 1: the op read the weights the model computes with, a step behind the master's
+            # (the pending update): the update goes in (engine.flush, as any write makes it), and the op runs again
+            # on the weights as torch's would hold them, with the random numbers it drew the first time
+            self.catch_up()
+            _set_rng_state(rng)
+            for param in unbound:
+                copies[id(param)] = self.read(param)
+            mine, before, result = self._attempt(func, args, kwargs, unbound, copies, swap)
+            lagging = False
         for (param, copy), (then, values) in zip(mine, before):
             if then is None or version(copy) != then:
                 self._write(param, copy, values if values is not None else self.read(param))
-        self._watch(result, mine)
+        self._watch(result, mine, lagging)
         if isinstance(result, torch.Tensor):
             for param, copy in mine:
                 if result is copy:
                     return param
         return result
+
+    @staticmethod
+    def _attempt(func, args, kwargs, unbound, copies, swap):
+        mine = [(param, copies[id(param)]) for param in unbound]
+        # (an inference tensor has no version counter: its writes are seen by its bits, against a copy kept here)
+        before = [(version(copy), copy.clone() if version(copy) is None else None) for _param, copy in mine]
+        return mine, before, func(*swap(tuple(args)), **swap(dict(kwargs or {})))
 
     def settle(self, publish: bool = True) -> None:
         """An entry to the engine: the writes made since through watched views go into the pages, then (with
@@ -101,6 +126,12 @@ class OutsideWrites:
             return
         for entry in list(self._watched):
             if entry.version is None or version(entry.copy) != entry.version:
+                if entry.lagging and self.lagging():
+                    self._watched.remove(entry)
+                    raise ParameterAccessError(
+                        f"parameter '{entry.param.__dict__.get('_angel_name', '?')}' written through a view taken "
+                        f"under optimizer.staleness 1 while the last step's update was pending: the view holds the "
+                        f"weights the model computes with, a step behind; call engine.flush() before taking it")
                 self._write(entry.param, entry.copy, entry.before)  # (refused now, e.g. in a forward: stays)
                 self._synced(entry)
         self._watched = [entry for entry in self._watched if any(view() is not None for view in entry.views)]
@@ -140,7 +171,7 @@ class OutsideWrites:
                     flat[mask] = values.reshape(-1)[mask].to(flat.dtype)
                 self._synced(other)
 
-    def _watch(self, result, mine) -> None:
+    def _watch(self, result, mine, lagging: bool = False) -> None:
         """Copies aliased by a tensor in `result` (a view the op returned): watched for writes through it."""
         leaves = result if isinstance(result, (tuple, list)) else (result,)
         storages = {copy.untyped_storage().data_ptr(): (param, copy) for param, copy in mine}
@@ -154,6 +185,18 @@ class OutsideWrites:
             param, copy = found
             entry = entries.get(id(copy))
             if entry is None:
-                entry = entries[id(copy)] = _Watched(param, copy, copy.clone(), version(copy), [])
+                entry = entries[id(copy)] = _Watched(param, copy, copy.clone(), version(copy), [], lagging)
                 self._watched.append(entry)
             entry.views.append(weakref.ref(leaf))
+
+
+def _rng_state():
+    """torch's random generators' states (CPU, and CUDA's where it runs), for `_set_rng_state`."""
+    return torch.get_rng_state(), (torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None)
+
+
+def _set_rng_state(state) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda is not None:
+        torch.cuda.set_rng_state_all(cuda)

@@ -290,6 +290,10 @@ class StateAccess:
             return "pages were updated during this step's backward (write before engine.backward or after step())"
         return self.binder.writes_refused()
 
+    def _weights_lag(self) -> bool:
+        """optimizer.staleness 1: the weights the model computes with are a step behind the master's."""
+        return not self._closed and self.delayed is not None and not self.delayed.idle
+
     def _write_outside(self, param: nn.Parameter, values: torch.Tensor, mask: torch.Tensor) -> None:
         """The elements of `values` where `mask` into `param`'s weight pages: a write the model made outside its
         unit's forward (outside_writes.py); under mixed precision the master's and, rounded, the compute copy's."""

@@ -200,3 +200,46 @@ def test_a_write_while_a_forward_runs_is_refused(tmp_path):
                 blocks[0](torch.ones(2, 8))
     finally:
         engine.close()
+
+
+def test_under_staleness_1_a_write_lands_on_the_pending_update_and_draws_torchs_random_numbers(tmp_path):
+    """optimizer.staleness 1: between steps the model computes with weights a step behind the master (its update is
+    pending). An op writing a parameter there read those lagging weights, and its write replaced the pending update
+    of the elements it wrote (p.mul_(0.5) gave 0.5 * theta_{t-1}, not 0.5 * theta_t). It now runs again on the
+    updated weights, with the random numbers it drew the first time; a view taken while they lag and written later
+    is refused, saying to flush first."""
+    model = build()
+    memory = {"page_bytes": PAGE_BYTES, "disk_dir": str(tmp_path)}
+    engine = angel_ptm.initialize(model, place(engine_config(memory, staleness=1), model, "disk"))
+    try:
+        for x, y in batches()[:2]:
+            engine.backward(loss_of(engine, x, y))
+            engine.step()
+        updated = engine.state_dict()  # (the pending update run: the weights after every step taken)
+        with torch.no_grad():
+            model.mix.weight.mul_(0.5)
+            torch.manual_seed(7)
+            nn.init.normal_(model.head.bias)
+            after_init = torch.rand(3)
+        torch.manual_seed(7)
+        drawn = torch.empty(VOCAB).normal_()
+        assert torch.equal(after_init, torch.rand(3))  # one draw, as torch's
+        now = engine.state_dict()
+        assert torch.equal(now["mix.weight"], 0.5 * updated["mix.weight"])
+        assert torch.equal(now["head.bias"], drawn)
+        assert torch.equal(now["mix.bias"], updated["mix.bias"])
+        x, y = batches()[2]
+        engine.backward(loss_of(engine, x, y))
+        engine.step()
+        view = model.norm.weight.detach()  # taken while the update of that step is pending
+        view.zero_()
+        with pytest.raises(ParameterAccessError, match=r"'norm.weight' written through a view taken under "
+                                                       r"optimizer.staleness 1.*engine.flush\(\)"):
+            engine(x)
+        engine.flush()
+        model.norm.weight.detach().zero_()
+        assert torch.equal(engine.state_dict()["norm.weight"], torch.zeros(96))
+        engine.backward(loss_of(engine, x, y))  # trains on
+        engine.step()
+    finally:
+        engine.close()
