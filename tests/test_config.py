@@ -388,6 +388,17 @@ def test_keys_without_effect_in_this_job_are_said_once_and_a_null_lr_schedule_sp
         "(this job: float16, optimizer.loss_scale 64.0)",
         "optimizer.loss_scale_backoff 0.25 has no effect: it drives the dynamic loss scale of trainer.dtype float16 "
         "(this job: bfloat16, optimizer.loss_scale dynamic)"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="angel_ptm"):  # keys whose section does not run in this job
+        load_config({"activations": {"offload_min_bytes": "1KiB"}, "memory": {"lookahead": 3, "scheduler": "on_demand"},
+                     "checkpoint": {"async_max_gbps": 1}, "trainer": {"eval_every": 0, "eval_steps": 2},
+                     "optimizer": {"overlap_updates": False}})
+        load_config({"model": {"moe": {"experts": 4, "gate": "hash", "z_loss_weight": 1, "groups": 4,
+                                       "dts_threshold": 0.3}}})
+    assert [r.getMessage().split(" has no effect")[0] for r in caplog.records] == [
+        "activations.offload_min_bytes 1024", "memory.lookahead 3", "checkpoint.async_max_gbps 1.0",
+        "trainer.eval_steps 2", "optimizer.overlap_updates false", "model.moe.dts_threshold", "model.moe.groups",
+        "model.moe.z_loss_weight"]
     assert not schedule_given(load_config({"lr_schedule": None}))
     assert schedule_given(load_config({"lr_schedule": {"warmup_steps": 3}}))
     # a schedule set in code on a loaded config (given_sections says the source had none) is spelled out too
@@ -436,3 +447,20 @@ def test_initialize_says_once_which_keys_only_the_trainers_loop_uses(caplog, tmp
                     "only `angel-ptm train`'s loop acts on them (its model, data, evaluation, logging, seeding, run "
                     "and checkpoint rotation); set here they change nothing"]
     assert combinations.warn_trainer_only(load_config({"trainer": {"steps": 9, "grad_accum": 2}})) == []
+
+
+@pytest.mark.parametrize("job, message", [
+    ({"model": {"n_layer": 2, "moe": {"experts": 4, "every": 3}}},
+     r"model.moe.every: 3 is more than model.n_layer \(2\): no block would be an MoE layer"),
+    ({"model": {"moe": {"gate": "dts", "dts_start_temperature": 0}}}, "model.moe.dts_start_temperature: must be > 0"),
+    ({"model": {"moe": {"gate": "dts", "dts_decay_steps": 0}}}, "model.moe.dts_decay_steps: must be > 0"),
+    ({"model": {"moe": {"gate": "dts", "dts_threshold": -1}}}, "model.moe.dts_threshold: must be >= 0 and < 1"),
+    ({"model": {"moe": {"aux_loss_weight": -100}}}, "model.moe.aux_loss_weight: must be >= 0"),
+    ({"optimizer": {"staleness": 1}, "parallel": {"osdp": True}}, "parallel.osdp: true needs optimizer.staleness 0"),
+])
+def test_settings_that_cannot_train_as_asked_are_refused_when_the_config_loads(job, message):
+    """A dense model where MoE was asked (every > n_layer), a division by a zero temperature at the first forward,
+    a negative aux loss weight trained on (loss -194), OSDP with staleness 1 accepted by estimate: now refused by
+    load_config, so estimate, train and initialize all refuse them."""
+    with pytest.raises(ConfigValueError, match=message):
+        load_config(job)

@@ -15,7 +15,25 @@ def check_combinations(config) -> None:
     if config.parallel.moe_rebalance_every and config.optimizer.staleness:
         raise ConfigValueError("parallel.moe_rebalance_every: needs optimizer.staleness 0 (experts cannot move "
                                "while their delayed update is pending), got staleness 1")
+    if config.parallel.osdp and config.optimizer.staleness:
+        raise ConfigValueError("parallel.osdp: true needs optimizer.staleness 0 (a replicated group is refreshed when "
+                               "the step ends; staleness 1 publishes the update during the next step)")
     # Keys that act only with another setting: said at once, not silently ignored
+    if config.activations.offload_min_bytes != 64 << 10 and config.activations.offload == "none":
+        _warn_once(f"activations.offload_min_bytes {config.activations.offload_min_bytes} has no effect: "
+                   f"activations.offload is none")
+    if config.memory.lookahead and config.memory.scheduler != "planned":
+        _warn_once(f"memory.lookahead {config.memory.lookahead} has no effect: it bounds the planned scheduler's "
+                   f"prefetches (this job: memory.scheduler {config.memory.scheduler})")
+    if config.checkpoint.async_max_gbps != "auto" and not config.checkpoint.async_save:
+        _warn_once(f"checkpoint.async_max_gbps {config.checkpoint.async_max_gbps} has no effect: it paces "
+                   f"checkpoint.async_save, which is off")
+    if config.trainer.eval_steps != 4 and not config.trainer.eval_every:
+        _warn_once(f"trainer.eval_steps {config.trainer.eval_steps} has no effect: trainer.eval_every is 0")
+    if not config.optimizer.overlap_updates and (config.trainer.grad_clip or config.memory.scheduler != "planned"):
+        _warn_once("optimizer.overlap_updates false has no effect: updates overlap backward only under "
+                   "memory.scheduler planned with no clipping (this job: "
+                   f"scheduler {config.memory.scheduler}, grad_clip {config.trainer.grad_clip})")
     if config.optimizer.loss_scale != "dynamic" and config.trainer.dtype != "float16":
         _warn_once(f"optimizer.loss_scale {config.optimizer.loss_scale} has no effect: loss scaling is for "
                    f"trainer.dtype float16 only (this job: {config.trainer.dtype})")

@@ -165,6 +165,9 @@ class ModelConfig(_Section):
             self._require("n_kv_head", self.n_head % self.n_kv_head == 0, f"a divisor of model.n_head ({self.n_head})")
         if self.ffn_hidden is not None:
             self._require("ffn_hidden", self.ffn_hidden > 0, "> 0 or null")
+        if self.moe is not None and self.moe["every"] > self.n_layer:
+            raise ConfigValueError(f"model.moe.every: {self.moe['every']} is more than model.n_layer "
+                                   f"({self.n_layer}): no block would be an MoE layer")
 
 
 @dataclass

@@ -76,6 +76,14 @@ class MoESpec:
         if self.gate == "sam" and (self.experts % self.groups or self.top_k > self.experts // self.groups):
             raise ConfigValueError(f"model.moe.groups: {self.groups} groups must divide model.moe.experts "
                                    f"({self.experts}) into groups of at least top_k ({self.top_k}) experts")
+        for key in ("aux_loss_weight", "z_loss_weight"):
+            if not getattr(self, key) >= 0:
+                raise ConfigValueError(f"model.moe.{key}: must be >= 0, got {getattr(self, key)}")
+        for key in ("dts_start_temperature", "dts_end_temperature", "dts_decay_steps"):
+            if not getattr(self, key) > 0:
+                raise ConfigValueError(f"model.moe.{key}: must be > 0, got {getattr(self, key)}")
+        if not 0 <= self.dts_threshold < 1:
+            raise ConfigValueError(f"model.moe.dts_threshold: must be >= 0 and < 1, got {self.dts_threshold}")
         if self.dts_decay not in ("exponential", "linear"):
             raise ConfigValueError(f"model.moe.dts_decay: exponential or linear, got {self.dts_decay!r}")
 
@@ -114,7 +122,21 @@ def moe_settings(value: dict, key: str = "model.moe") -> dict:
     if every < 1:
         raise ConfigValueError(f"{key}.every: must be >= 1, got {every}")
     spec = MoESpec(**out)
+    _warn_unused(spec, set(out), key)
     return {**dataclasses.asdict(spec), "every": every}
+
+
+def _warn_unused(spec: MoESpec, given: set, key: str) -> None:
+    """Keys set for a gate that does not use them: said in a warning (a config switching gates keeps them)."""
+    from angel_ptm.config.combinations import _warn_once
+
+    unused = {"groups"} if spec.gate != "sam" else set()
+    if spec.gate != "dts":
+        unused |= {name for name in given if name.startswith("dts_")}
+    if spec.gate in ("hash", "base"):  # no router: no balance or z-loss
+        unused |= {"aux_loss_weight", "z_loss_weight"}
+    for name in sorted(unused & given):
+        _warn_once(f"{key}.{name} has no effect: gate {spec.gate} does not use it")
 
 
 @dataclass
