@@ -38,21 +38,24 @@ def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, dev
         else:
             device_budget = max(states_bytes + gathered_bytes, device_floor_bytes)
     device_budget = min(int(device_budget), max(states_bytes + gathered_bytes, device_floor_bytes))
+    # The pools hold whole pages: what a budget holds is its bytes rounded down to pages (an 800 KiB device budget
+    # of 64 KiB pages holds 768 KiB, and the host and disk take the rest)
+    whole = lambda nbytes: nbytes // page_bytes * page_bytes  # noqa: E731
     if host_budget == "auto":
         ram_available = psutil.virtual_memory().available if ram_available is None else ram_available
-        rest = states_bytes - device_budget
+        rest = states_bytes - whole(device_budget)
         # At least the four pages one optimizer update needs (and room to stage disk reads).
         host_budget = min(max(rest + slack_bytes if rest > 0 else 0, 4 * page_bytes)
                           + (activation_bytes if activation_tier == "host" else 0),
                           ram_available // (2 * max(1, share)))
     host_budget = int(host_budget)
-    needed_on_disk = max(0, states_bytes - max(0, device_budget - gathered_bytes) - host_budget)
+    needed_on_disk = max(0, states_bytes - max(0, whole(device_budget) - gathered_bytes) - whole(host_budget))
     if disk_budget == "auto":  # room for a home slot per page, so clean copies are dropped, never rewritten
         # A device that cannot hold every state keeps `slack_bytes` free for the largest layer to come up
         # (placement.device_reserve_pages): what would rest there rests on the host or the disk instead.
-        room = device_budget - gathered_bytes
+        room = whole(device_budget) - gathered_bytes
         if 0 < room < states_bytes and not needed_on_disk:
-            needed_on_disk = max(0, states_bytes - max(0, room - slack_bytes) - host_budget)
+            needed_on_disk = max(0, states_bytes - max(0, room - slack_bytes) - whole(host_budget))
         # With activation pages on disk there is a disk tier, so any page may get its home slot there too.
         # Activation pages may spill to a disk tier too, and with them on disk any page may get its home slot there.
         on_disk = bool(needed_on_disk) or activation_tier == "disk"
