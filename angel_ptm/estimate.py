@@ -432,7 +432,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         host_ram_needed=host_ram, host_ram_available=ram_available, disk_dir=disk_dir,
         start_pages={"device": start.device, "host": start.host, "disk": start.disk},
         tiers=tiers, problems=tuple(problems),
-        master_note=STALE_MASTER_NOTE if config.trainer.dtype == "float32" else MIXED_MASTER_NOTE,
+        master_note=("" if not counts.get("master") else
+                     STALE_MASTER_NOTE if config.trainer.dtype == "float32" else MIXED_MASTER_NOTE),
         gpu_memory_given=gpu_memory is not None,
         zero=own.stage, largest_unit_groups=chain_groups, gather_groups=gather_groups, gather_pages=gather_pages,
         device_floor_pages=floor, gather_copy_pages=copies,
