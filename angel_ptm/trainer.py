@@ -154,6 +154,7 @@ class Trainer:
             )
             engine = self._create_engine(model, cfg, trace)
             cleanup.callback(engine.close)
+            cleanup.push(_interrupted_alone(engine, mesh))  # (runs before close)
             can_checkpoint = hasattr(engine, "save_checkpoint")
             if not can_checkpoint and (cfg.checkpoint.every or resume is not None):
                 raise ConfigValueError("checkpoint.every / run.resume: the engine made by engine_factory has no "
@@ -419,3 +420,18 @@ def progress_text(loss: float, tokens_per_s: float, in_use: dict[str, int]) -> s
     tiers = " ".join(f"{label} {format_bytes(in_use.get(tier, 0)).replace(' ', '')}"
                      for tier, label in zip(TIERS, ("dev", "host", "disk")))
     return f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | {tiers}"
+
+
+def _interrupted_alone(engine, mesh):
+    """An exit callback: a run stopped by a signal (Ctrl-C, or SIGTERM without or past its save) may have stopped
+    only this rank, its peers mid-collective, so with several ranks the engine closes without collectives (it
+    would read the weights back with them, wait for peers that never come, then blame them after
+    parallel.timeout_s); the signal's exit code follows at once. The peers end with a CollectiveError."""
+    def on_exit(exc_type, _exc, _tb) -> bool:
+        failure = getattr(engine, "failure", None)
+        if (exc_type is not None and issubclass(exc_type, KeyboardInterrupt) and mesh.distributed
+                and failure is not None and failure.reason is None):
+            failure.fail(f"interrupted on rank {mesh.rank} ({exc_type.__name__}): the other ranks may be inside a "
+                         f"collective this rank will not join")
+        return False  # (the interrupt goes on)
+    return on_exit

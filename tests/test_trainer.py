@@ -341,3 +341,24 @@ def test_sigterm_during_a_run_raises_terminated_closes_the_engine_and_restores_t
     assert info.value.signum == signal.SIGTERM and isinstance(info.value, KeyboardInterrupt)
     assert engines[0].closed and engines[0].steps == 2
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+def test_a_signal_that_stops_one_rank_closes_its_engine_without_collectives():
+    """With several ranks a signal may stop this rank alone (checkpoint.on_signal false, a second signal during the
+    signal's save): closing the engine then read the weights back with ZeRO-3 collectives its peers never joined,
+    so the rank waited parallel.timeout_s and exited 2 blaming a peer instead of 143 at once. Its engine is marked
+    failed before it closes (a failed engine closes without collectives); other errors, and one rank, are left
+    as they were."""
+    from types import SimpleNamespace
+
+    from angel_ptm.failure import Failure
+    from angel_ptm.trainer import _interrupted_alone
+
+    for exc_type, world, failed in ((Terminated, 2, True), (KeyboardInterrupt, 2, True), (RuntimeError, 2, False),
+                                    (None, 2, False), (Terminated, 1, False)):
+        engine = SimpleNamespace(failure=Failure())  # (not `distributed`: the test's process group is untouched)
+        mesh = SimpleNamespace(distributed=world > 1, rank=1)
+        assert _interrupted_alone(engine, mesh)(exc_type, None, None) is False  # the exception goes on
+        assert (engine.failure.reason is not None) == failed
+        if failed:
+            assert "interrupted on rank 1" in engine.failure.reason
