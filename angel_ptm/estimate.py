@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from angel_ptm.activations.source import (ActivationSource, activation_bytes, activation_page_bytes,
-                                          activation_suggestion, offload_problems)
+                                          activation_suggestion, offload_problems, with_offload_peaks)
 from angel_ptm.config import Config, format_bytes, load_config
 from angel_ptm.errors import ConfigValueError
 from angel_ptm.memory import PageLayout, build_layout, compute_device
@@ -406,6 +406,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     # ZeRO-3: the other ranks' pages of the gathered groups, as many as the gatherer keeps (or the model has)
     gathered = min(gather_groups * (own.dp - 1), remote_pages) if own.gathers else 0
     peaks = expected_peaks(counts, slots, start, update, kinds, gathered)
+    peaks = with_offload_peaks(peaks, slots, offload, paged, act_on_disk, page_bytes)
     needed = {
         "device": max(largest + open_page, gather_min, group if update == "device" else 0, stale) * page_bytes,
         "host": max(start.host_needed, group if update == "host" else 0, staging,

@@ -46,6 +46,10 @@ JOBS = {
                                 *SHORT_RUN, "memory.page_bytes=128KiB", "memory.device_budget=4MiB",
                                 "memory.host_budget=4MiB"]),  # a tiny device: 32 pages, 31 of them the first block's
                                                               # unit with the root's; the host stages 32
+    # activations.offload disk: the activation pages on the disk tier beside the states' (the peaks left them out)
+    "offload disk": (None, ["model.dim=128", "model.n_layer=3", "model.n_head=4", "model.seq_len=64", *SHORT_RUN,
+                            "memory.page_bytes=64KiB", "memory.device_budget=2MiB", "memory.host_budget=2MiB",
+                            "activations.offload=disk", "activations.offload_min_bytes=0"]),
 }
 
 
@@ -85,7 +89,7 @@ def test_estimated_peak_of_each_tier_is_within_10_percent_of_the_trace(name, tmp
 def test_the_default_job_uses_all_three_tiers_and_the_others_the_tiers_they_name():
     used = {name: {tier for tier, peak in estimate_job(job(name)).peaks().items() if peak} for name in JOBS}
     assert used == {"default": set(TIERS), "device": {"device", "host"}, "device+host": {"device", "host"},
-                    "device+host+disk": set(TIERS)}
+                    "device+host+disk": set(TIERS), "offload disk": set(TIERS)}
     assert estimate_job(job("device")).start_pages["host"] == 4  # "auto" host: the four pages created first
 
 

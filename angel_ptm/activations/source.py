@@ -178,3 +178,16 @@ def offload_problems(offload: str, paged: int, budgets: dict, states_bytes: int,
                                 f"the states' page files ({format_bytes(files)}: a slot for every page) and "
                                 f"activations.offload's activation pages ({format_bytes(on_disk)})"))
     return problems, on_disk
+
+
+def with_offload_peaks(peaks: dict[str, int], slots: dict[str, int], offload: str, paged: int, on_disk: int,
+                       page_bytes: int) -> dict[str, int]:
+    """The tiers' peak pages in use with activations.offload's pages added where they rest (the trace counts
+    them): with offload host, on the host as far as it has room beside the states (`paged` - `on_disk` bytes);
+    the rest (`on_disk`), and all of them with offload disk, on the disk."""
+    if offload not in ("host", "disk") or not paged:
+        return peaks
+    pages = lambda nbytes: -(-nbytes // page_bytes)  # noqa: E731
+    host = peaks["host"] + (pages(paged - on_disk) if offload == "host" else 0)
+    disk = peaks["disk"] + pages(on_disk)
+    return {**peaks, "host": min(host, slots["host"]), "disk": min(disk, slots["disk"]) if slots["disk"] else 0}
