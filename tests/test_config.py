@@ -363,9 +363,14 @@ def test_checkpoint_async_max_gbps_is_positive_auto_or_null():
             load_config({"checkpoint": {"async_max_gbps": bad}})
 
 
-def test_keys_without_effect_in_this_job_are_said_once_and_a_null_lr_schedule_spells_out_nothing(caplog):
+def test_keys_without_effect_in_this_job_are_said_once_and_a_null_lr_schedule_spells_out_nothing(caplog,
+                                                                                                  monkeypatch):
     import dataclasses
     import logging
+
+    from angel_ptm.config import combinations
+
+    monkeypatch.setattr(combinations, "_warned", set())  # (said once per process: other tests said some already)
 
     from angel_ptm.lr import schedule_given
 
@@ -397,7 +402,7 @@ def test_keys_without_effect_in_this_job_are_said_once_and_a_null_lr_schedule_sp
                                        "dts_threshold": 0.3}}})
     assert [r.getMessage().split(" has no effect")[0] for r in caplog.records] == [
         "activations.offload_min_bytes 1024", "memory.lookahead 3", "checkpoint.async_max_gbps 1.0",
-        "trainer.eval_steps 2", "optimizer.overlap_updates false", "model.moe.dts_threshold", "model.moe.groups",
+        "optimizer.overlap_updates false", "model.moe.dts_threshold", "model.moe.groups",
         "model.moe.z_loss_weight"]
     assert not schedule_given(load_config({"lr_schedule": None}))
     assert schedule_given(load_config({"lr_schedule": {"warmup_steps": 3}}))

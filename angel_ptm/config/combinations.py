@@ -28,8 +28,6 @@ def check_combinations(config) -> None:
     if config.checkpoint.async_max_gbps != "auto" and not config.checkpoint.async_save:
         _warn_once(f"checkpoint.async_max_gbps {config.checkpoint.async_max_gbps} has no effect: it paces "
                    f"checkpoint.async_save, which is off")
-    if config.trainer.eval_steps != 4 and not config.trainer.eval_every:
-        _warn_once(f"trainer.eval_steps {config.trainer.eval_steps} has no effect: trainer.eval_every is 0")
     if not config.optimizer.overlap_updates and (config.trainer.grad_clip or config.memory.scheduler != "planned"):
         _warn_once("optimizer.overlap_updates false has no effect: updates overlap backward only under "
                    "memory.scheduler planned with no clipping (this job: "
