@@ -131,6 +131,42 @@ def test_parameters_of_another_dtype_are_rounded_from_the_saved_master(saved, lo
         second.close()
 
 
+@pytest.mark.parametrize("saved, loaded, staleness", [("float32", "bfloat16", 0), ("bfloat16", "float16", 0),
+                                                     ("float32", "bfloat16", 1)])
+def test_pages_loaded_in_another_dtype_with_a_disk_tier_are_not_backed_by_the_checkpoints_bytes(saved, loaded,
+                                                                                             staleness, tmp_path):
+    """A loaded page whose items came byte for byte from the checkpoint is backed by its file (the disk tier reads
+    it there). One converted to another dtype was offered too, so its first read from disk checked the file's
+    bytes of the saved dtype against it: ChecksumError naming an intact checkpoint. Now it trains on."""
+    def engine_of(dtype, where, stale=0):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(32, 32) for _ in range(6)])
+        return angel_ptm.initialize(model, {
+            "optimizer": {"lr": 1e-2, "staleness": stale},
+            "memory": {"page_bytes": "4KiB", "device_budget": "48KiB", "host_budget": "32KiB",
+                       "disk_dir": str(tmp_path / where)},
+            "trainer": {"device": "cpu", "grad_clip": 0, "dtype": dtype}})
+
+    xs = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
+    first = engine_of(saved, "a", staleness)
+    for x in xs[:2]:
+        first.backward(first(x).float().pow(2).mean())
+        first.step()
+    first.save_checkpoint(tmp_path / "ck")
+    first.close()
+    second = engine_of(loaded, "b")
+    try:
+        second.load_checkpoint(tmp_path / "ck")
+        for x in xs[2:]:
+            loss = second(x).float().pow(2).mean()
+            second.backward(loss)
+            second.step()
+            assert torch.isfinite(loss)
+        assert second.memory_stats()["moved"].get("disk->host", 0) > 0  # (pages came back from the disk)
+    finally:
+        second.close()
+
+
 def test_a_signal_that_lands_inside_a_save_ends_the_run_as_a_signal_not_a_checkpoint_error():
     """DCP reports what a save raised as a CheckpointException: a second SIGTERM (or Ctrl-C) during the signal's
     own save comes out as itself (exit 143 or 130), not as a failed checkpoint (exit 2)."""

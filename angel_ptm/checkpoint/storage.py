@@ -319,7 +319,8 @@ class CheckedReader(FileSystemReader):
         target.copy_(tensor)
         planner.commit_tensor(req, target)
         note = getattr(planner, "loaded_from", None)
-        if note is not None and where is not None and tensor.is_contiguous():  # the bytes lie as they are in the file
+        # (the bytes lie as they are in the file: not where the copy converted them to another dtype)
+        if note is not None and where is not None and tensor.is_contiguous() and tensor.dtype == target.dtype:
             note(req, target, self.open_file(sinfo.relative_path).path,
                  sinfo.offset + where + tensor.data_ptr() - loaded.data_ptr(), tensor.numel() * tensor.element_size())
 
