@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 from torch import nn
@@ -208,3 +210,44 @@ def test_a_checkpoint_between_a_forward_and_its_backward_is_refused_and_a_droppe
         engine.save_checkpoint(tmp_path / "ck2")
     finally:
         engine.close()
+
+
+def test_a_load_keeps_the_learning_rate_rule_of_the_loading_job():
+    """The saving job's "a schedule drives the lr" flag was restored onto the loading job: one with no lr_schedule
+    then followed the default schedule (lr 0.001 where 0.007 was saved), and one spelling a schedule out lost it.
+    Now a job without a schedule goes on at the saved lr (as torch's optimizer state carries it), and one with a
+    schedule follows it from the step reached."""
+    import tempfile
+
+    from angel_ptm.lr import lr_at
+
+    with tempfile.TemporaryDirectory() as tmp:
+        def engine_of(schedule):
+            config = {"optimizer": {"lr": 1e-2}, "memory": {"page_bytes": "4KiB"}, "trainer": {
+                "device": "cpu", "grad_clip": 0, "steps": 10}}
+            if schedule is not None:
+                config["lr_schedule"] = schedule
+            return angel_ptm.initialize(net(nn.Tanh()), config)
+
+        x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
+        linear = {"warmup_steps": 0, "decay": "linear", "min_lr_ratio": 0.1}
+        for saved, loaded in ((linear, None), (None, linear)):
+            first = engine_of(saved)
+            for _ in range(3):
+                first.backward(first(x).pow(2).mean())
+                first.step()
+            first.save_checkpoint(f"{tmp}/ck")
+            saved_lr = first.optimizer.lr
+            first.close()
+            second = engine_of(loaded)
+            try:
+                second.load_checkpoint(f"{tmp}/ck")
+                expected = saved_lr if loaded is None else lr_at(3, 1e-2, 10, 0, "linear", 0.1)
+                assert second.optimizer.lr == pytest.approx(expected, rel=1e-12)
+                second.backward(second(x).pow(2).mean())
+                second.step()
+                expected = saved_lr if loaded is None else lr_at(4, 1e-2, 10, 0, "linear", 0.1)
+                assert second.optimizer.lr == pytest.approx(expected, rel=1e-12)
+            finally:
+                second.close()
+            shutil.rmtree(f"{tmp}/ck", ignore_errors=True)

@@ -399,7 +399,8 @@ def apply_engine_state(engine, state: dict) -> None:
     opt.lr, opt.betas = float(state["lr"]), tuple(float(b) for b in state["betas"])
     opt.eps, opt.weight_decay = float(state["eps"]), float(state["weight_decay"])
     engine._steps_done = engine.failure.steps_done = int(state["steps_done"])
-    engine._schedule.on = bool(state["schedule_on"])
+    # The learning rate: the saved one (as torch's optimizer state holds it), or where this job spells out an
+    # lr_schedule, that schedule's at the step reached (whether the saving job had one is not this job's choice)
     engine._schedule.apply(opt, engine._steps_done)
     if engine.loss_scaler is not None and state["loss_scaler"] is not None:
         engine.loss_scaler.load_state_dict(state["loss_scaler"])
