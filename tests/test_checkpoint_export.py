@@ -78,6 +78,16 @@ def test_tensors_without_elements_round_trip_and_export_with_their_shapes(tmp_pa
     weights = load_file(tmp_path / "w.safetensors")
     assert {k: tuple(v.shape) for k, v in weights.items()} == {k: tuple(v.shape) for k, v in expected.items()}
     WithEmptyTensors().load_state_dict(weights)
+    # an output path that cannot be a file: a one-line CheckpointError (a raw FileExistsError traceback came), and
+    # nothing is left behind
+    from angel_ptm.errors import CheckpointError
+
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(CheckpointError, match="export: cannot write .*a_file"):
+        export_weights(tmp_path / "ckpt", tmp_path / "a_file" / "w.safetensors")
+    with pytest.raises(CheckpointError, match="is a directory: name the .safetensors file"):
+        export_weights(tmp_path / "ckpt", tmp_path)
+    assert not list(tmp_path.glob("*.tmp"))
 
 
 def test_a_huggingface_models_export_loads_with_from_pretrained(tmp_path):

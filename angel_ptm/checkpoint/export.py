@@ -14,6 +14,7 @@ with `to_dict`), its config.json is written beside the file, so `from_pretrained
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import struct
@@ -88,9 +89,11 @@ def export_weights(checkpoint: str | os.PathLike, output: str | os.PathLike, dty
     header["__metadata__"] = {"format": "pt", "source": str(checkpoint), "steps": str(record.get("steps_done"))}
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
-    output.parent.mkdir(parents=True, exist_ok=True)
     tmp = output.with_name(output.name + ".tmp")
     try:
+        if output.is_dir():
+            raise CheckpointError(f"export: {output} is a directory: name the .safetensors file to write", str(output))
+        output.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(struct.pack("<Q", len(encoded)))
             f.write(encoded)
@@ -105,11 +108,17 @@ def export_weights(checkpoint: str | os.PathLike, output: str | os.PathLike, dty
             (output.parent / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         fsync_dir(output.parent)
     except OSError as err:
-        tmp.unlink(missing_ok=True)
+        _drop(tmp)
         raise CheckpointError(f"export: cannot write {err.filename or output}: {err.strerror}", str(output)) from None
     except BaseException:
-        tmp.unlink(missing_ok=True)  # (a corrupt checkpoint, Ctrl-C: no partial file left behind)
+        _drop(tmp)  # (a corrupt checkpoint, Ctrl-C: no partial file left behind)
         raise
     finally:
         reader.close()
     return {"tensors": len(plan), "bytes": output.stat().st_size, "path": output, "config": config is not None}
+
+
+def _drop(tmp: Path) -> None:
+    """The partial file gone, if there is one (under a path that cannot hold it, there is none)."""
+    with contextlib.suppress(OSError):
+        tmp.unlink(missing_ok=True)
