@@ -207,7 +207,8 @@ class Engine(StateAccess, EngineViews):
         self._check_alive()
         with self._one_thread("step"), self.failure.step(self.optimizer, self.delayed):
             self.driver.step()
-            if self.collectives is not None and self.model.training:  # ranks updated them with their own batches
+            if self.collectives is not None:  # ranks updated them with their own batches (on every rank, whatever
+                # mode the model is in now: an eval forward between backward and step left it in eval on some)
                 broadcast_buffers(self.model, self.collectives, self._local_modules)
             if self.rebalancer is not None:  # at the step boundary, on every rank
                 self.rebalancer.after_step(self._steps_done + 1)

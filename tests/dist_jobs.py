@@ -227,7 +227,12 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
                 continue
             if spec["clip"]:
                 engine.clip_grad_norm(spec["clip"])
+            if spec.get("eval_before_step"):  # an evaluation forward between backward and step: eval mode at step
+                engine.model.eval()
+                with torch.no_grad():
+                    loss_fn(engine, *batches[rank])
             engine.step()
+            engine.model.train()
             schedule = engine.memory_stats()["schedule"]
             cancelled += schedule.get("optional_cancelled", 0)
             deviations += schedule.get("deviations", 0)

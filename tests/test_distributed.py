@@ -24,7 +24,8 @@ JOBS = (
     + [job("zero2-mlp-accum2", zero=2, model="mlp", accum=2), job("zero3-tied", zero=3, model="tied",
                                                                     placement="device+host")]
     + [job(f"zero{z}-branchy", zero=z, model="branchy", placement="device+host") for z in (2, 3)]
-    + [job("zero3-batchnorm", zero=3, model="normed", placement="device", state_dicts=True)]
+    + [job("zero3-batchnorm", zero=3, model="normed", placement="device", state_dicts=True),
+       job("zero1-batchnorm-eval", zero=1, model="normed", placement="device", state_dicts=True, eval_before_step=True)]
     + [job("zero3-osdp", zero=3, osdp=True, steps=5)]
     # the defaults: auto budgets, on a model smaller than ZeRO-3's gathered groups' room (16 KiB pages)
     + [job("zero3-auto-budgets", zero=3, placement="device", page_bytes="16KiB",
@@ -160,6 +161,10 @@ def test_buffers_are_rank_0s_after_every_step_so_state_dicts_agree_as_under_ddp(
     name = "zero3-batchnorm"
     states = [two_ranks[rank][name]["states"]["model"] for rank in (0, 1)]
     assert states[0] == states[1] and "1.running_mean" in states[0]
+    # an evaluation forward between backward and step (eval mode at step on every rank): the broadcast ran on
+    # whether the model was training then, so the ranks' statistics stayed their own
+    states = [two_ranks[rank]["zero1-batchnorm-eval"]["states"]["model"] for rank in (0, 1)]
+    assert states[0] == states[1]
     assert two_ranks[0][name]["losses"] == one_rank(BY_NAME[name], 2, tmp_path)["losses"]
 
 
