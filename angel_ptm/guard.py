@@ -67,11 +67,18 @@ class UnboundParameter(nn.Parameter):
             return (f"UnboundParameter({param.__dict__.get('_angel_name', '?')}, shape={tuple(param.shape)}, "
                     f"dtype={param.dtype}: values in pages, unit {param.__dict__.get('_angel_unit', '?')!r})")
         unbound = list(dict.fromkeys(a for a in _tensors(args, kwargs) if type(a) is UnboundParameter))
-        owner = _owner(unbound[0]) if unbound else None
+        owners = {id(_owner(p)): _owner(p) for p in unbound}  # the engines they belong to (an EMA's op: two)
+        owner = next(iter(owners.values())) if len(owners) == 1 else None
         # `.data` and `.detach()` record no autograd, with gradients on too; `p.data = t` would replace a copy's
         setting = name == "data" and getattr(func, "__name__", "") != "__get__"
         detached = name in ("data", "detach") and not setting
         resolved = owner.resolve(unbound, detached) if owner is not None and not setting else None
+        route = None
+        if len(owners) > 1 and None not in owners.values() and not setting:
+            parts = [o.resolve([p for p in unbound if _owner(p) is o], detached) for o in owners.values()]
+            if all(isinstance(part, dict) for part in parts):  # each engine's parameters read as copies of its own
+                resolved = {k: v for part in parts for k, v in part.items()}
+                owner, route = next(iter(owners.values())), lambda p: _owner(p).outside_writes
         if resolved is True:  # bound now (a recomputation in backward): the op runs on their values
             return func(*args, **(kwargs or {}))
         if isinstance(resolved, dict):  # no autograd to record: the op runs on copies of their values, and what it
@@ -79,7 +86,8 @@ class UnboundParameter(nn.Parameter):
             one = lambda a: resolved.get(id(a), a) if type(a) is UnboundParameter else a  # noqa: E731
             # (`.data` of the copy would count its writes apart: a view of it shares its version counter)
             op = _same_version_alias if name == "data" else func  # (the getter: the setter is refused below)
-            return owner.outside_writes.run(op, args, kwargs, unbound, resolved, lambda tree: tree_map(one, tree))
+            return owner.outside_writes.run(op, args, kwargs, unbound, resolved, lambda tree: tree_map(one, tree),
+                                            route)
         offender = unbound[0] if unbound else None
         name = offender.__dict__.get("_angel_name", "?") if offender is not None else "?"
         unit = offender.__dict__.get("_angel_unit", "?") if offender is not None else "?"

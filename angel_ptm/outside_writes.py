@@ -85,10 +85,15 @@ class OutsideWrites:
         if lagging is not None and catch_up is not None:
             self.lagging, self.catch_up = lagging, catch_up
 
-    def run(self, func, args, kwargs, unbound: list[nn.Parameter], copies: dict[int, torch.Tensor], swap):
+    def run(self, func, args, kwargs, unbound: list[nn.Parameter], copies: dict[int, torch.Tensor], swap,
+            route: Callable[[nn.Parameter], "OutsideWrites"] | None = None):
         """`func` on `copies` of the `unbound` parameters' values (`swap` maps an argument to its copy); what it
-        writes into them goes into the pages. An op in place returns the parameter, as in torch."""
-        lagging = self.lagging()
+        writes into them goes into the pages. An op in place returns the parameter, as in torch. `route`: the
+        OutsideWrites of each parameter where they belong to several engines (an EMA's `ema_p.lerp_(p, a)`): each
+        write, view and read back goes to its own engine's."""
+        of = route or (lambda _param: self)
+        writers = list({id(of(p)): of(p) for p in unbound}.values())
+        lagging = [w for w in writers if w.lagging()]
         rng = _rng_state() if lagging else None
         mine, before, result = self._attempt(func, args, kwargs, unbound, copies, swap)
         wrote = [then is None or version(copy) != then for (_param, copy), (then, _values) in zip(mine, before)]
@@ -96,16 +101,19 @@ class OutsideWrites:
             # optimizer.staleness 1: the op read the weights the model computes with, a step behind the master's
             # (the pending update): the update goes in (engine.flush, as any write makes it), and the op runs again
             # on the weights as torch's would hold them, with the random numbers it drew the first time
-            self.catch_up()
+            for writer in lagging:
+                writer.catch_up()
             _set_rng_state(rng)
             for param in unbound:
-                copies[id(param)] = self.read(param)
+                copies[id(param)] = of(param).read(param)
             mine, before, result = self._attempt(func, args, kwargs, unbound, copies, swap)
-            lagging = False
+            lagging = []
         for (param, copy), (then, values) in zip(mine, before):
             if then is None or version(copy) != then:
-                self._write(param, copy, values if values is not None else self.read(param))
-        self._watch(result, mine, lagging)
+                writer = of(param)
+                writer._write(param, copy, values if values is not None else writer.read(param))
+        for writer in writers:
+            writer._watch(result, [(p, c) for p, c in mine if of(p) is writer], writer in lagging)
         if isinstance(result, torch.Tensor):
             for param, copy in mine:
                 if result is copy:

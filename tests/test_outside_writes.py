@@ -243,3 +243,36 @@ def test_under_staleness_1_a_write_lands_on_the_pending_update_and_draws_torchs_
         engine.step()
     finally:
         engine.close()
+
+
+def test_an_op_on_parameters_of_two_engines_reads_each_as_a_copy_and_writes_into_its_own_pages(tmp_path):
+    """An EMA or a teacher copy kept by a second engine: `ema_p.lerp_(p, 0.1)` under no_grad mixes two engines'
+    parameters, and every such op was a ParameterAccessError (each engine read only its own). Each engine now
+    reads its own as copies and takes the writes into its own pages: the EMA follows torch's."""
+    student, ema = build(), build()
+    plain_student, plain_ema = build(), build()
+    memory = {"page_bytes": PAGE_BYTES, "disk_dir": str(tmp_path / "s")}
+    engine = angel_ptm.initialize(student, place(engine_config(memory), student, "disk"))
+    shadow = angel_ptm.initialize(ema, place(engine_config(dict(memory, disk_dir=str(tmp_path / "e"))), ema, "disk"))
+    opt = torch.optim.AdamW(plain_student.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    try:
+        for x, y in batches()[:3]:
+            loss = loss_of(engine, x, y)
+            engine.backward(loss)
+            engine.step()
+            plain = loss_of(plain_student, x, y)
+            plain.backward()
+            opt.step()
+            opt.zero_grad()
+            with torch.no_grad():
+                for mine, theirs in zip(ema.parameters(), student.parameters()):
+                    mine.lerp_(theirs, 0.1)
+                for mine, theirs in zip(plain_ema.parameters(), plain_student.parameters()):
+                    mine.lerp_(theirs, 0.1)
+                assert float((ema.mix.weight * student.mix.weight).sum()) == pytest.approx(
+                    float((plain_ema.mix.weight * plain_student.mix.weight).sum()), rel=1e-4)
+        for name, value in plain_ema.named_parameters():
+            torch.testing.assert_close(shadow.parameter(name), value.detach(), rtol=1e-5, atol=1e-6)
+    finally:
+        engine.close()
+        shadow.close()
