@@ -6,10 +6,9 @@
   on any use instead of computing with a placeholder. A tied parameter owned by two units is bound while either runs.
 - A parameter larger than a page spans several page slots that need not be adjacent: while bound it views a
   gathered contiguous copy (read-only: only the optimizer writes parameters, and it writes pages).
-- Saved tensors: while the engine runs forward, autograd's saved-tensor hooks replace any saved tensor that lives in
-  a device page by (page, offset, size, stride), and one that lives in a gathered copy by (tensor slot, offset,
-  size, stride); backward re-acquires the pages (and gathers again) when the saved tensor is unpacked. Pages pinned
-  for one autograd node are released when the next node starts (nodes run one at a time).
+- Saved tensors: in forward, saved-tensor hooks replace one in a device page by (page, offset, size, stride), one in a
+  gathered copy by (tensor slot, offset, size, stride); backward acquires (and gathers) them on unpack, pinned until
+  the next autograd node starts (another engine's backward through this one, which frees no pins, gets a copy).
 - Gradients: a post-accumulate-grad hook adds each parameter's gradient into its grad page and frees `param.grad`.
   With fp16 loss scaling (`check_finite`) it also notes whether the gradient held an inf or NaN, as it lands, so the
   engine knows whether to skip the step without another pass over the gradient pages.
@@ -399,9 +398,13 @@ class ParamBinder(OutsideUnits):
             return packed
         self._enter_node()
         self.param_access.acquire([packed.page], Tier.DEVICE, label=f"bwd:{packed.page.name}", read_only=True)
-        self._node_pins.append(packed.page)
         view = packed.page.view(packed.dtype)  # as_strided's offset counts from the start of the storage (the slab)
-        return view.as_strided(packed.size, packed.stride, view.storage_offset() + packed.offset)
+        view = view.as_strided(packed.size, packed.stride, view.storage_offset() + packed.offset)
+        if not self.in_backward:  # another engine's backward through this (frozen) one: no later unpin, so a copy
+            copy, _ = view.clone(), self.param_access.release([packed.page])
+            return copy
+        self._node_pins.append(packed.page)
+        return view
 
     def _enter_node(self) -> None:
         """Release the pages pinned for the previous autograd node once a new node runs."""

@@ -415,3 +415,26 @@ def test_a_modules_extra_state_round_trips_through_the_engines_state_dict(tmp_pa
             engine.load_state_dict(dict(state, **{"lin.weight": [1.0]}))
     finally:
         engine.close()
+
+
+def test_a_backward_the_engine_does_not_run_through_its_frozen_model_leaves_no_page_pinned(tmp_path):
+    """A frozen network kept by an engine (a GAN's discriminator during the generator's step, a frozen loss network)
+    whose graph another engine's backward, or torch's own, runs through to reach the input: its pages were pinned
+    when backward read them and nothing released them (no end of the engine's backward came), so close() failed
+    under ZeRO-3 ('page is pinned 2 times'). The input's gradient is torch's, and nothing stays pinned."""
+    torch.manual_seed(0)
+    frozen = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    plain = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1))
+    plain.load_state_dict(frozen.state_dict())
+    engine = angel_ptm.initialize(frozen, config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
+    try:
+        for p in list(frozen.parameters()) + list(plain.parameters()):
+            p.requires_grad_(False)
+        x = torch.randn(4, 8, requires_grad=True)
+        engine(x).sum().backward()
+        x_plain = x.detach().clone().requires_grad_(True)
+        plain(x_plain).sum().backward()
+        torch.testing.assert_close(x.grad, x_plain.grad, rtol=1e-6, atol=1e-7)
+        assert not engine.manager.pinned_ids
+    finally:
+        engine.close()
