@@ -11,6 +11,7 @@ from typing import Iterable, Sequence
 
 import torch
 
+from angel_ptm.errors import PageStateError
 from angel_ptm.memory.page import RESTING_STATE, Page, PageState, Tier
 
 
@@ -51,7 +52,7 @@ class RemotePages:
             if page.state is PageState.REMOTE:
                 continue
             if page.pin_count != 1:
-                raise ValueError(f"page {page.name} is pinned {page.pin_count} times; only its holder may drop it")
+                raise PageStateError(f"page {page.name} is pinned {page.pin_count} times; only its holder may drop it")
             page.pin_count = 0
             self._pinned.discard(page.id)
             src = page.tier
