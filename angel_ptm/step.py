@@ -168,7 +168,7 @@ class StepDriver:
                 f"trainer.grad_accum: backward called {self.micro} times before step(), but trainer.grad_accum "
                 f"is {self.grad_accum}, and at that boundary gradients were already "
                 f"{'reduced over the ranks' if self.data_parallel.overlaps else 'applied'}; set it to the number of "
-                f"micro-batches per step")
+                f"micro-batches per step (or the most a step takes: a step with fewer finishes them at step())")
         last = self.micro == self.grad_accum and self.model.training
         # In the last micro-batch each page's gradients become final at some point of backward: then its group is
         # reduced over the ranks (stages 2-3) and updated once its owner holds the mean (staleness 0, eager), or
