@@ -44,6 +44,15 @@ def test_text_files_are_joined_in_sorted_order_with_newlines(tmp_path):
     assert corpus.tokens.max() == 255
 
 
+def test_a_fifo_named_like_a_text_file_is_skipped_not_read_forever(tmp_path):
+    """os.walk lists a FIFO named *.txt beside the text files: reading it blocked the run for good."""
+    import os
+
+    (tmp_path / "a.txt").write_bytes(b"abc")
+    os.mkfifo(tmp_path / "b.txt")
+    assert TextCorpus(tmp_path).tokens.tobytes() == b"abc"
+
+
 def test_max_bytes_truncates_the_corpus(tmp_path):
     (tmp_path / "a.txt").write_bytes(b"0123456789")
     assert TextCorpus(tmp_path, max_bytes=4).tokens.tobytes() == b"0123"

@@ -57,7 +57,10 @@ class TextCorpus:
         files = []
         for root, dirs, names in os.walk(self.path):
             dirs[:] = sorted(d for d in dirs if d not in SKIPPED_DIRS and not d.startswith("."))
-            files.extend(Path(root, n) for n in sorted(names) if n.endswith(self.suffixes))
+            found = (Path(root, n) for n in sorted(names) if n.endswith(self.suffixes))
+            # (a FIFO, socket or device named *.txt is no text file: reading it would block or never end; a broken
+            # link stays, and reading it is the error it names)
+            files.extend(f for f in found if f.is_file() or not f.exists())
         if not files:
             raise DataError(f"no text files ({', '.join(self.suffixes)}) found under {self.path}")
         return files
