@@ -45,7 +45,7 @@ from tqdm import tqdm
 from angel_ptm.checkpoint.directory import Checkpoints
 from angel_ptm.config import Config, format_bytes, save_config, with_absolute_paths
 from angel_ptm.config.combinations import engine_config_for_trainer
-from angel_ptm.data import BatchSampler, load_tokens, split_train_val
+from angel_ptm.data import BatchSampler, check_part, load_tokens, split_train_val
 from angel_ptm.errors import ConfigValueError, DataError, Terminated
 from angel_ptm.lr import lr_at
 from angel_ptm.models import build_model
@@ -102,6 +102,7 @@ class Trainer:
         tokens, data_vocab = load_tokens(cfg.data)
         split = split_train_val(tokens, cfg.data.val_fraction)
         seq_len = cfg.model.seq_len
+        check_part("train", split.train, seq_len, cfg.data)  # (naming data.val_fraction where it took the rest)
         train_batches = BatchSampler(split.train, cfg.data.batch_size, seq_len, cfg.data.seed)
         micro_per_step = tcfg.grad_accum * mesh.dp  # what one rank with grad_accum dp*G would take
         evaluate_every = tcfg.eval_every if cfg.data.val_fraction > 0 else 0

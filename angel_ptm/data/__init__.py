@@ -16,6 +16,7 @@ __all__ = [
     "TextCorpus",
     "TokenFile",
     "build_datasets",
+    "check_part",
     "load_tokens",
     "split_train_val",
     "write_token_file",
@@ -51,9 +52,14 @@ def build_datasets(data_cfg: Any, seq_len: int) -> Split:
     for name, part in (("train", split.train), ("validation", split.val)):
         if name == "validation" and len(part) == 0:
             continue
-        if len(part) < seq_len + 1:
-            raise DataError(
-                f"{name} split has {len(part)} tokens, need at least seq_len + 1 = {seq_len + 1} "
-                f"(data.path={_get(data_cfg, 'path')}, data.val_fraction={_get(data_cfg, 'val_fraction', 0.1)})"
-            )
+        check_part(name, part, seq_len, data_cfg)
     return split
+
+
+def check_part(name: str, part, seq_len: int, data_cfg: Any) -> None:
+    """A DataError unless the split's part `name` holds one window of ``seq_len + 1`` tokens."""
+    if len(part) < seq_len + 1:
+        raise DataError(
+            f"{name} split has {len(part)} tokens, need at least seq_len + 1 = {seq_len + 1} "
+            f"(data.path={_get(data_cfg, 'path')}, data.val_fraction={_get(data_cfg, 'val_fraction', 0.1)})"
+        )
