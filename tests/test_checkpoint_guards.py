@@ -23,6 +23,15 @@ def net(norm: nn.Module) -> nn.Module:
     return nn.Sequential(nn.Linear(16, 16), norm, nn.Linear(16, 1))
 
 
+def train_save_close(engine, xs, path) -> None:
+    """`engine` trained a step on each of `xs` (a squared-output loss), saved to `path`, closed."""
+    for x in xs:
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+    engine.save_checkpoint(path)
+    engine.close()
+
+
 def trained(model, tmp_path):
     engine = angel_ptm.initialize(model, job(tmp_path))
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
@@ -117,12 +126,8 @@ def test_parameters_of_another_dtype_are_rounded_from_the_saved_master(saved, lo
         return angel_ptm.initialize(net(nn.Tanh()), dict(job(tmp_path / where), trainer={
             "device": "cpu", "grad_clip": 0, "dtype": dtype}))
 
-    first = engine_of(saved, "a")
-    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(1))
-    first.backward(first(x).float().pow(2).mean())
-    first.step()
-    first.save_checkpoint(tmp_path / "ck")
-    first.close()
+    train_save_close(engine_of(saved, "a"), [torch.randn(8, 16, generator=torch.Generator().manual_seed(1))],
+                     tmp_path / "ck")
     second = engine_of(loaded, "b")
     try:
         second.load_checkpoint(tmp_path / "ck")
@@ -150,12 +155,7 @@ def test_pages_loaded_in_another_dtype_with_a_disk_tier_are_not_backed_by_the_ch
             "trainer": {"device": "cpu", "grad_clip": 0, "dtype": dtype}})
 
     xs = torch.randn(4, 8, 32, generator=torch.Generator().manual_seed(1))
-    first = engine_of(saved, "a", staleness)
-    for x in xs[:2]:
-        first.backward(first(x).float().pow(2).mean())
-        first.step()
-    first.save_checkpoint(tmp_path / "ck")
-    first.close()
+    train_save_close(engine_of(saved, "a", staleness), xs[:2], tmp_path / "ck")
     second = engine_of(loaded, "b")
     try:
         second.load_checkpoint(tmp_path / "ck")
