@@ -318,8 +318,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if disk_reserved:  # the path before its space: a file or a read-only mount is named so, not as a budget
         check_disk_dir(disk_dir, create=False)  # DiskDirError; creates nothing
     disk_free = free_disk_bytes(disk_dir) if disk_reserved else None
-    # A checkpoint written beside training holds the disk pages' slots while pages written meanwhile take others:
-    # up to as many again (checkpoint.async_save).
+    # A checkpoint written beside training holds the disk pages' slots, pages written meanwhile take others (async)
     slots_needed = disk_reserved * (2 if config.checkpoint.async_save else 1)
     # Every process on this machine reserves its own slots there (disk_dir/rank<R>): the space is theirs together.
     if disk_free is not None and disk_free < slots_needed * page_bytes * local_world_size:
@@ -405,8 +404,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
 
     # ZeRO-3: the other ranks' pages of the gathered groups, as many as the gatherer keeps (or the model has)
     gathered = min(gather_groups * (own.dp - 1), remote_pages) if own.gathers else 0
-    peaks = expected_peaks(counts, slots, start, update, kinds, gathered)
-    peaks = with_offload_peaks(peaks, slots, offload, paged, act_on_disk, page_bytes)
+    peaks = with_offload_peaks(expected_peaks(counts, slots, start, update, kinds, gathered), slots, offload, paged,
+                               act_on_disk, page_bytes)  # (activations.offload's pages where they rest)
     needed = {
         "device": max(largest + open_page, gather_min, group if update == "device" else 0, stale) * page_bytes,
         "host": max(start.host_needed, group if update == "host" else 0, staging,

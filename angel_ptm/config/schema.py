@@ -64,9 +64,8 @@ Pace = Annotated[Union[str, float, None], parse_pace]
 
 
 def parse_moe(value: object, key: str) -> Optional[dict]:
-    """`model.moe`: null (a dense model) or a mapping of MoE settings (models/moe.py MoESpec's fields and `every`),
-    checked here: unknown keys and impossible values are refused naming `model.moe.<key>`; missing ones take the
-    defaults. Returns every setting, so the saved config says what ran."""
+    """`model.moe`: null (a dense model) or a mapping of MoE settings (models/moe.py MoESpec's fields and `every`):
+    unknown keys and impossible values refused naming `model.moe.<key>`, missing ones defaulted, all returned."""
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -165,9 +164,9 @@ class ModelConfig(_Section):
             self._require("n_kv_head", self.n_head % self.n_kv_head == 0, f"a divisor of model.n_head ({self.n_head})")
         if self.ffn_hidden is not None:
             self._require("ffn_hidden", self.ffn_hidden > 0, "> 0 or null")
-        if self.moe is not None and self.moe["every"] > self.n_layer:
-            raise ConfigValueError(f"model.moe.every: {self.moe['every']} is more than model.n_layer "
-                                   f"({self.n_layer}): no block would be an MoE layer")
+        if self.moe is not None:  # (imported here, as parse_moe does: loading a config imports no model code)
+            from angel_ptm.models.moe import check_every
+            check_every(self.moe, self.n_layer)
 
 
 @dataclass

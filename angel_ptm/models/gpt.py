@@ -60,12 +60,10 @@ class GPTConfig:
         if not 0 <= self.dropout < 1:
             raise ConfigValueError(f"model.dropout must be in [0, 1), got {self.dropout}")
         if self.moe is not None:
-            from angel_ptm.models.moe import moe_settings
+            from angel_ptm.models.moe import check_every, moe_settings
 
             self.moe = moe_settings(self.moe)
-            if self.moe["every"] > self.n_layer:
-                raise ConfigValueError(f"model.moe.every: {self.moe['every']} is more than model.n_layer "
-                                       f"({self.n_layer}): no block would be an MoE layer")
+            check_every(self.moe, self.n_layer)
         if self.rope_theta <= 0 or self.norm_eps <= 0 or self.init_std <= 0:
             raise ConfigValueError(
                 f"model.rope_theta ({self.rope_theta}), model.norm_eps ({self.norm_eps}) and "

@@ -126,6 +126,13 @@ def moe_settings(value: dict, key: str = "model.moe") -> dict:
     return {**dataclasses.asdict(spec), "every": every}
 
 
+def check_every(moe: dict, n_layer: int) -> None:
+    """`model.moe.every` must leave some block an MoE layer (every -th of `n_layer`): else the model is dense."""
+    if moe["every"] > n_layer:
+        raise ConfigValueError(f"model.moe.every: {moe['every']} is more than model.n_layer ({n_layer}): no block "
+                               f"would be an MoE layer")
+
+
 def _warn_unused(spec: MoESpec, given: set, key: str) -> None:
     """Keys set for a gate that does not use them: said in a warning (a config switching gates keeps them)."""
     from angel_ptm.config.combinations import _warn_once
