@@ -134,7 +134,7 @@ class OutsideWrites:
             return
         for entry in list(self._watched):
             if entry.version is None or version(entry.copy) != entry.version:
-                if entry.lagging and self.lagging():
+                if entry.lagging:  # (its values a step behind, whether or not the update has gone in since)
                     self._watched.remove(entry)
                     raise ParameterAccessError(
                         f"parameter '{entry.param.__dict__.get('_angel_name', '?')}' written through a view taken "
@@ -155,6 +155,7 @@ class OutsideWrites:
             with torch.no_grad():
                 entry.copy.copy_(self.read(entry.param))
             self._synced(entry)
+            entry.lagging = self.lagging()
 
     def _synced(self, entry: _Watched) -> None:
         """`entry`'s copy holds its parameter's values now."""
