@@ -19,32 +19,30 @@ def check_combinations(config) -> None:
         raise ConfigValueError("parallel.osdp: true needs optimizer.staleness 0 (a replicated group is refreshed when "
                                "the step ends; staleness 1 publishes the update during the next step)")
     # Keys that act only with another setting: said at once, not silently ignored
-    if config.activations.offload_min_bytes != 64 << 10 and config.activations.offload == "none":
-        _warn_once(f"activations.offload_min_bytes {config.activations.offload_min_bytes} has no effect: "
+    if _set(config.activations, "offload_min_bytes") and config.activations.offload == "none":
+        warn_once(f"activations.offload_min_bytes {config.activations.offload_min_bytes} has no effect: "
                    f"activations.offload is none")
     if config.memory.lookahead and config.memory.scheduler != "planned":
-        _warn_once(f"memory.lookahead {config.memory.lookahead} has no effect: it bounds the planned scheduler's "
+        warn_once(f"memory.lookahead {config.memory.lookahead} has no effect: it bounds the planned scheduler's "
                    f"prefetches (this job: memory.scheduler {config.memory.scheduler})")
     if config.checkpoint.async_max_gbps != "auto" and not config.checkpoint.async_save:
-        _warn_once(f"checkpoint.async_max_gbps {config.checkpoint.async_max_gbps} has no effect: it paces "
+        warn_once(f"checkpoint.async_max_gbps {config.checkpoint.async_max_gbps} has no effect: it paces "
                    f"checkpoint.async_save, which is off")
     if not config.optimizer.overlap_updates and (config.trainer.grad_clip or config.memory.scheduler != "planned"):
-        _warn_once("optimizer.overlap_updates false has no effect: updates overlap backward only under "
+        warn_once("optimizer.overlap_updates false has no effect: updates overlap backward only under "
                    "memory.scheduler planned with no clipping (this job: "
                    f"scheduler {config.memory.scheduler}, grad_clip {config.trainer.grad_clip})")
     if config.optimizer.loss_scale != "dynamic" and config.trainer.dtype != "float16":
-        _warn_once(f"optimizer.loss_scale {config.optimizer.loss_scale} has no effect: loss scaling is for "
+        warn_once(f"optimizer.loss_scale {config.optimizer.loss_scale} has no effect: loss scaling is for "
                    f"trainer.dtype float16 only (this job: {config.trainer.dtype})")
-    dynamic = {"loss_scale_initial": 65536.0, "loss_scale_growth": 2.0, "loss_scale_backoff": 0.5,
-               "loss_scale_growth_interval": 2000}  # (the schema's defaults)
     if config.trainer.dtype != "float16" or config.optimizer.loss_scale != "dynamic":
-        for key, default in dynamic.items():
-            if getattr(config.optimizer, key) != default:
-                _warn_once(f"optimizer.{key} {getattr(config.optimizer, key):g} has no effect: it drives the dynamic "
+        for key in ("loss_scale_initial", "loss_scale_growth", "loss_scale_backoff", "loss_scale_growth_interval"):
+            if _set(config.optimizer, key):
+                warn_once(f"optimizer.{key} {getattr(config.optimizer, key):g} has no effect: it drives the dynamic "
                            f"loss scale of trainer.dtype float16 (this job: {config.trainer.dtype}, "
                            f"optimizer.loss_scale {config.optimizer.loss_scale})")
     if config.data.token_dtype != "uint16" and config.data.kind != "tokens":
-        _warn_once(f"data.token_dtype {config.data.token_dtype} has no effect: it is the element type of a "
+        warn_once(f"data.token_dtype {config.data.token_dtype} has no effect: it is the element type of a "
                    f"data.kind tokens file (this job reads {config.data.kind})")
 
 
@@ -54,7 +52,7 @@ def engine_config_for_trainer(config):
     import dataclasses
 
     if config.checkpoint.async_save and not config.checkpoint.every:
-        _warn_once("checkpoint.async_save has no effect: checkpoint.every is 0, so the trainer writes no checkpoint "
+        warn_once("checkpoint.async_save has no effect: checkpoint.every is 0, so the trainer writes no checkpoint "
                    "beside training (a signal's save is waited for)")
         return dataclasses.replace(config, checkpoint=dataclasses.replace(config.checkpoint, async_save=False))
     return config
@@ -83,13 +81,18 @@ def warn_trainer_only(config) -> list[str]:
             if (names is None or f.name in names) and getattr(given, f.name) != getattr(default, f.name):
                 unused.append(f"{section}.{f.name}")
     if unused:
-        _warn_once(f"angel_ptm.initialize does not use {', '.join(unused)}: only `angel-ptm train`'s loop acts on "
+        warn_once(f"angel_ptm.initialize does not use {', '.join(unused)}: only `angel-ptm train`'s loop acts on "
                    f"them (its model, data, evaluation, logging, seeding, run and checkpoint rotation); set here "
                    f"they change nothing")
     return unused
 
 
-def _warn_once(message: str) -> None:
+def _set(section, key: str) -> bool:
+    """Whether the job sets `key` of `section` to other than the schema's default."""
+    return getattr(section, key) != getattr(type(section)(), key)
+
+
+def warn_once(message: str) -> None:
     """A config's warning, once per process (a Config is rebuilt by dataclasses.replace as a job is set up)."""
     if message not in _warned:
         _warned.add(message)

@@ -135,7 +135,7 @@ def check_every(moe: dict, n_layer: int) -> None:
 
 def _warn_unused(spec: MoESpec, given: set, key: str) -> None:
     """Keys set for a gate that does not use them: said in a warning (a config switching gates keeps them)."""
-    from angel_ptm.config.combinations import _warn_once
+    from angel_ptm.config.combinations import warn_once
 
     unused = {"groups"} if spec.gate != "sam" else set()
     if spec.gate != "dts":
@@ -143,7 +143,7 @@ def _warn_unused(spec: MoESpec, given: set, key: str) -> None:
     if spec.gate in ("hash", "base"):  # no router: no balance or z-loss
         unused |= {"aux_loss_weight", "z_loss_weight"}
     for name in sorted(unused & given):
-        _warn_once(f"{key}.{name} has no effect: gate {spec.gate} does not use it")
+        warn_once(f"{key}.{name} has no effect: gate {spec.gate} does not use it")
 
 
 @dataclass
