@@ -28,6 +28,21 @@ def test_crc32c_native_and_python_agree_with_the_standard_check_value():
         checksums.function("md5")
 
 
+def test_crc32c_native_joins_its_interleaved_chains_at_every_length():
+    """The native CRC runs three chains over consecutive runs (32 KiB, then 256 B) and joins them: lengths around
+    each run boundary, from unaligned starts and continued values, agree with the byte-at-a-time table loop."""
+    from angel_ptm.io import checksums
+
+    if checksums.crc32c is checksums.crc32c_python:
+        pytest.skip("the native extension is not built")
+    data = torch.randint(0, 256, (3 * 32768 + 3 * 256 + 40,), generator=torch.Generator().manual_seed(0),
+                         dtype=torch.uint8).numpy().tobytes()
+    for n in (0, 7, 8, 767, 768, 769, 3 * 32768 - 1, 3 * 32768, len(data) - 1):
+        for start in (0, 3):
+            chunk = data[start: start + n]
+            assert checksums.crc32c(chunk, 0x1234) == checksums.crc32c_python(chunk, 0x1234), (n, start)
+
+
 @pytest.mark.parametrize("written,read", [("crc32", "crc32"), ("crc32c", "python")])
 def test_a_checkpoint_is_checked_with_the_checksum_its_manifest_names(tmp_path, monkeypatch, written, read):
     """Each checksum kind round-trips and still catches a flipped bit: zlib's CRC-32 (a build without the native
