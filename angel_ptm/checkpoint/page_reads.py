@@ -1,7 +1,9 @@
 """The load's reads of checkpoint items into their pages (CheckedReader, storage.py, makes them): a dense item's
 bytes land with its elements straight in the page (`InPlace`), any other item's whole (`Whole`); `PageReads` runs
-one page's reads on a thread of its own while the loading thread takes the next page, and checks, commits and
-hands back each page once its reads have landed."""
+one page's reads on a thread of its own while the loading thread takes the next page, and commits and hands back
+each page once its reads have landed. The reading thread also checksums what it read (each item, and a page that
+may rest on its checkpoint file) so the loading thread only compares: on two cores the loading thread's own work is
+what a load waits for."""
 
 from __future__ import annotations
 
@@ -17,8 +19,8 @@ PAGES_IN_FLIGHT = 2  # pages whose reads run while the next page's items are res
 
 class InPlace:
     """One dense item read into its target: its bytes land (`parts`: the bytes before the elements, the elements
-    in the target, the bytes after, read by `run_all` on any thread), then `commit` (the planner's thread) checks
-    them and commits the target."""
+    in the target, the bytes after, read by `run_all` on any thread, which then checksums them: `landed`), then
+    `commit` (the planner's thread) checks them and commits the target."""
 
     def __init__(self, reader, req, sinfo, planner, target, file, start: int, nbytes: int, crc: int):
         self.reader, self.req, self.sinfo, self.planner, self.target = reader, req, sinfo, planner, target
@@ -29,9 +31,13 @@ class InPlace:
         self.view = memoryview(self.target.reshape(-1).view(torch.uint8).numpy()).cast("B")
         return [memoryview(self.head), self.view, memoryview(self.tail)]
 
+    def landed(self) -> None:
+        checksum = self.reader.checksum
+        self.got = checksum(self.tail, checksum(self.view, checksum(self.head)))
+
     def commit(self) -> None:
-        sinfo, checksum = self.sinfo, self.reader.checksum
-        if checksum(self.tail, checksum(self.view, checksum(self.head))) != self.crc:
+        sinfo = self.sinfo
+        if self.got != self.crc:
             raise self.reader.corrupt(sinfo)
         if not data_record_ends(self.head):  # checked bytes, but the elements are not where the manifest says
             raise self.reader.corrupt(sinfo, f"no tensor record ends at byte {self.start}")
@@ -43,8 +49,8 @@ class InPlace:
 
 
 class Whole:
-    """Any other tensor item: read whole (`parts`), then checked and unpacked into its target (`commit`, the
-    planner's thread)."""
+    """Any other tensor item: read whole (`parts`) and checksummed (`landed`), then checked and unpacked into its
+    target (`commit`, the planner's thread)."""
 
     def __init__(self, reader, req, sinfo, planner):
         self.reader, self.req, self.sinfo, self.planner = reader, req, sinfo, planner
@@ -56,16 +62,20 @@ class Whole:
         self.data = bytearray(self.sinfo.length)
         return [memoryview(self.data)]
 
+    def landed(self) -> None:
+        self.got = self.reader.checksum(self.data)
+
     def commit(self) -> None:
         data, self.data = self.data, None
-        self.reader.unpack(self.req, self.sinfo, self.reader.checked(self.sinfo, data), self.planner)
+        self.reader.unpack(self.req, self.sinfo, self.reader.checked(self.sinfo, data, self.got), self.planner)
 
 
 class PageReads:
     """Tensor items' reads grouped by the page they fill. Without a planner (one that cannot hold two pages, or
     a host too small to), each read runs and commits at once. With one, a page's reads run on a thread of this
     object's while the caller resolves the next page's items; once more than `depth` pages are being read, the
-    oldest is waited for, its items checked and committed and the page released (`planner.release_page`).
+    oldest is waited for, its items checked and committed and the page released (`planner.release_page`, with
+    the page's checksum taken on the thread after its reads when `planner.page_checksum` offered a function).
     Leaving the block finishes them (or, on an error, waits for the thread before the pages go back)."""
 
     def __init__(self, planner, depth: int = 1):
@@ -97,14 +107,17 @@ class PageReads:
         """The current page's reads to the thread; the pages before them finished, all but `depth`."""
         if self._reads or self._page is not None:
             reads, self._reads = self._reads, []
-            self._running.append((self._page, reads, self._pool.submit(run_all, reads)))
+            # a page filled only by in-place reads holds its final bytes once they land
+            sums = self.planner.page_checksum(self._page) if self._page is not None and all(
+                isinstance(read, InPlace) for read in reads) else None
+            self._running.append((self._page, reads, self._pool.submit(read_page, reads, sums)))
         while len(self._running) > (self.depth if depth is None else depth):
             page, reads, future = self._running.popleft()
-            future.result()
+            page_sum = future.result()
             for read in reads:
                 read.commit()
             if page is not None and page is not self._page and all(page is not r[0] for r in self._running):
-                self.planner.release_page(page)
+                self.planner.release_page(page, page_sum)
 
     def __exit__(self, kind, value, traceback) -> None:
         if self._pool is None:
@@ -119,14 +132,22 @@ class PageReads:
             self.planner.keep_held = False
 
 
+def read_page(reads: list, page_checksum) -> int | None:
+    """`run_all`, then `page_checksum()` (the page's checksum once its bytes are in) when given."""
+    run_all(reads)
+    return None if page_checksum is None else page_checksum()
+
+
 def run_all(reads: list) -> None:
     """The reads' bytes, each run of items lying back to back in one file read by one preadv (a page's items
-    usually are one run)."""
+    usually are one run), each item checksummed as it lands."""
     i = 0
     while i < len(reads):
-        first, parts, end = reads[i], [], None
+        start, first, parts, end = i, reads[i], [], None
         while i < len(reads) and reads[i].file is first.file and (end is None or reads[i].sinfo.offset == end):
             parts += reads[i].parts()
             end = reads[i].sinfo.offset + reads[i].sinfo.length
             i += 1
         first.file.readinto_parts(parts, first.sinfo.offset)
+        for read in reads[start:i]:
+            read.landed()

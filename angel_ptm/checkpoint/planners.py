@@ -27,6 +27,7 @@ from __future__ import annotations
 import io
 import math
 from dataclasses import dataclass, replace
+from typing import Callable
 
 import torch
 from torch.distributed._shard._utils import narrow_tensor_by_index
@@ -462,9 +463,18 @@ class PageLoadPlanner(LoadPlanner):
         for page in list(self._held.values()):
             self.release_page(page)
 
-    def release_page(self, page: Page) -> None:
+    def page_checksum(self, page: Page) -> Callable[[], int] | None:
+        """For a held page that could rest on its checkpoint file (a disk tier, the page in host memory): its
+        checksum as a function, which a reading thread may call once the page's bytes are in."""
+        disk, buffer = self.engine.manager.disk, page.buffer
+        if disk is None or buffer is None or buffer.device.type != "cpu" or page.state is not PageState.HOST:
+            return None
+        return lambda: disk.engine.checksum(buffer)
+
+    def release_page(self, page: Page, checksum: int | None = None) -> None:
         """A held page back to the manager, dirty. When every item on it came byte for byte from a file and the
-        rest is zeros, its source is offered to the disk tier."""
+        rest is zeros, its source is offered to the disk tier (`checksum`: the page's, if the reader took it once
+        the page's bytes were in)."""
         if self._held.pop(page.id, None) is None:
             return
         manager = self.engine.manager
@@ -476,4 +486,5 @@ class PageLoadPlanner(LoadPlanner):
         extents = tuple(sorted(extents, key=lambda e: e.page_offset))
         buffer = page.buffer
         if page.id in self._zeroed or zero_outside(buffer, extents):
-            disk.offer(page, Source(extents, page.version, disk.engine.checksum(buffer)))
+            disk.offer(page, Source(extents, page.version,
+                                    disk.engine.checksum(buffer) if checksum is None else checksum))

@@ -363,9 +363,10 @@ class CheckedReader(FileSystemReader):
         self.checked_entry(sinfo)
         return self.checked(sinfo, self.open_file(sinfo.relative_path).read(sinfo.offset, sinfo.length))
 
-    def checked(self, sinfo, data: bytearray) -> bytearray:
-        """`data`, an item's bytes, if they match the manifest's checksum (CheckpointCorruptError otherwise)."""
-        if self.checksum(data) != self.checked_entry(sinfo)[1]:
+    def checked(self, sinfo, data: bytearray, got: int | None = None) -> bytearray:
+        """`data`, an item's bytes, if they match the manifest's checksum (CheckpointCorruptError otherwise);
+        `got`: their checksum, when already taken."""
+        if (self.checksum(data) if got is None else got) != self.checked_entry(sinfo)[1]:
             raise self.corrupt(sinfo)
         return data
 
