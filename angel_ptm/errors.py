@@ -7,8 +7,24 @@ non-zero without a traceback.
 from __future__ import annotations
 
 
+def _rebuilt(cls: type, args: tuple, state: dict) -> BaseException:
+    error = cls.__new__(cls)
+    error.args = args
+    error.__dict__.update(state)
+    return error
+
+
+def _reduce(self: BaseException):
+    """Pickled as raised: its message and attributes, not through an `__init__` that takes other arguments than
+    the message (a rank's error reaches the others pickled: DCP gathers a failed save's errors, and an error that
+    did not unpickle there left every other rank waiting for a result until parallel.timeout_s)."""
+    return _rebuilt, (type(self), self.args, dict(self.__dict__))
+
+
 class AngelError(Exception):
     """Base of every error angel-ptm raises on purpose."""
+
+    __reduce__ = _reduce
 
 
 # --- configuration -------------------------------------------------------------------------------------------
@@ -185,6 +201,8 @@ class TensorParallelError(ConfigValueError):
 class Terminated(KeyboardInterrupt):
     """SIGTERM (what Slurm and Kubernetes send before they kill a job), raised where the run is: it unwinds and
     cleans up exactly as Ctrl-C does, and like KeyboardInterrupt no `except Exception` swallows it."""
+
+    __reduce__ = _reduce
 
     def __init__(self, signum: int):
         self.signum = int(signum)

@@ -186,6 +186,44 @@ def test_a_signal_that_lands_inside_a_save_ends_the_run_as_a_signal_not_a_checkp
         _run(types.SimpleNamespace(world=None), "save", save)
 
 
+def test_every_error_pickles_as_raised():
+    """A rank's error reaches the others pickled (DCP gathers a failed save's errors): every error class comes back
+    with its type, message and attributes, whatever arguments its __init__ takes."""
+    import inspect
+    import pickle
+
+    import angel_ptm.errors as errors
+
+    classes = [c for c in vars(errors).values()
+               if inspect.isclass(c) and issubclass(c, BaseException) and c.__module__ == errors.__name__]
+    assert {"BudgetError", "ChecksumError", "Terminated", "CheckpointWriteError"} <= {c.__name__ for c in classes}
+    for cls in classes:
+        params = [p for p in list(inspect.signature(cls.__init__).parameters.values())[1:]
+                  if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+        error = cls(*[7 if "int" in str(p.annotation) else f"{p.name}-x" for p in params])
+        back = pickle.loads(pickle.dumps(error))
+        assert type(back) is cls and str(back) == str(error) and back.__dict__ == error.__dict__, cls
+
+
+def test_a_failed_collective_in_a_save_marks_the_engine_failed_so_close_uses_none():
+    """A save whose collective failed (a peer died, or the ranks took different paths) leaves the ranks' collectives
+    out of step: the engine is marked failed, so closing it reads no weights with collectives that would wait
+    parallel.timeout_s for peers that are elsewhere."""
+    import types
+
+    from angel_ptm.checkpoint.save_load import _run
+    from angel_ptm.failure import Failure
+
+    engine = types.SimpleNamespace(world=object(), mesh=types.SimpleNamespace(rank=1), failure=Failure())
+
+    def save():
+        raise RuntimeError("Connection closed by peer")
+
+    with pytest.raises(CheckpointError, match="on rank 1: a collective failed"):
+        _run(engine, "save", save)
+    assert "Connection closed by peer" in engine.failure.reason
+
+
 def test_memory_stats_after_close_show_nothing_in_use_and_keep_the_record(tmp_path):
     engine = trained(net(nn.Tanh()), tmp_path)
     moved = engine.memory_stats()["moved"]

@@ -11,7 +11,7 @@ import pytest
 
 from angel_ptm.viz.chrome import validate_chrome_trace
 from dist_harness import free_port, spawn, values
-from dist_jobs import die_mid_step, die_while_saving, job, rank_local_failures, start_with
+from dist_jobs import die_mid_step, die_while_saving, fail_while_saving, job, rank_local_failures, start_with
 
 JOB = """\
 model: {vocab_size: 256, seq_len: 32, n_layer: 2, n_head: 2, dim: 96}
@@ -150,6 +150,23 @@ def test_a_rank_killed_while_saving_a_checkpoint_ends_the_other_with_a_checkpoin
     assert results[0]["type"] == "CheckpointError", results[0]
     assert time.monotonic() - t0 < 60
     assert not (tmp_path / "ckpt-dead-peer").exists()  # never renamed from .tmp: no checkpoint counts
+
+
+def test_an_error_on_one_rank_during_a_save_reaches_every_rank_at_once_and_training_goes_on(tmp_path):
+    """Rank 1's save raises (ChecksumError, then Terminated: a second signal during a signal's save): every rank
+    gets it from the save's result gather at once — before, errors whose __init__ takes other arguments than the
+    message did not unpickle on rank 0, so rank 1 waited for the result until parallel.timeout_s and both ranks
+    then closed with collectives out of step. After the first the ranks train on alike and save again."""
+    results = values(spawn(2, fail_while_saving, (job("fail-saving", timeout_s=60), str(tmp_path)), tmp_path,
+                           timeout_s=150))
+    for rank, got in enumerate(results):
+        checksum, after, interrupted = got["raised"]
+        assert checksum[0] == "CheckpointError" and checksum[1].startswith("rank 1: ChecksumError: "), checksum
+        assert "exp_avg page 3" in checksum[1] and after is None, got["raised"]
+        assert interrupted == ["Terminated", "terminated by signal 15"], (rank, interrupted)
+        assert max(got["seconds"]) < 30, got["seconds"]  # not parallel.timeout_s
+    assert results[0]["complete"] == ["ckpt-after"]  # rank 0 removed the failed saves' directories
+    assert results[0]["losses"][0] != results[1]["losses"][0]  # (the ranks' own micro-batches)
 
 
 def test_a_tensor_parallel_peer_killed_mid_step_ends_the_other_with_a_collective_error(tmp_path):

@@ -306,8 +306,12 @@ def _run(engine, what: str, fn) -> None:
     except Exception as exc:  # a collective's own error: a peer died or hung
         detail = str(exc).splitlines()[0] if str(exc) else ""
         cause = "a collective failed (a peer rank died or hung?): " if engine.world is not None else ""
-        raise CheckpointError(f"checkpoint {what} on rank {engine.mesh.rank}: {cause}{type(exc).__name__}: "
-                              f"{detail}") from None
+        error = CheckpointError(f"checkpoint {what} on rank {engine.mesh.rank}: {cause}{type(exc).__name__}: "
+                                f"{detail}")
+        if engine.world is not None and engine.failure.reason is None:  # the ranks' collectives are out of step:
+            # closing reads no weights with them
+            engine.failure.collective_failed(error)
+        raise error from None
 
 
 def _typed(error: BaseException, rank: int, distributed: bool) -> CheckpointError:
