@@ -182,6 +182,7 @@ class Trainer:
             start_stats = engine.memory_stats()
             moved_before, experts_before = start_stats["moved"], start_stats.get("expert_moved", {})
             wasted_before = start_stats.get("expert_prefetch_wasted", 0)
+            since_line, skipped_since = {}, 0  # the steps' figures since the last metrics line
             last_checkpoint = None
 
             for step in range(done + 1, tcfg.steps + 1):
@@ -213,9 +214,20 @@ class Trainer:
                 if mesh.distributed:  # the mean over ranks and micro-batches (every rank takes part)
                     step_loss = engine.mean_over_ranks(step_loss)
                 losses.append(step_loss)
-                trace.event("step", step=step, loss=step_loss, step_s=step_s)
+                trace.event("step", step=step, loss=finite_or_none(step_loss), step_s=step_s)
                 stats = engine.memory_stats()
-                log_now = step % tcfg.log_every == 0 or step == tcfg.steps
+                # a line every log_every steps, after the last, and at each checkpoint (a resume keeps the lines up
+                # to its checkpoint's step: every step before it is then in one of them)
+                every = cfg.checkpoint.every
+                # SIGTERM/SIGINT on any rank (agreed over the ranks, so all save at the same step)
+                stop = self.signals.requested(collectives) if can_checkpoint else None
+                log_now = (step % tcfg.log_every == 0 or step == tcfg.steps or stop is not None
+                           or (can_checkpoint and every and step % every == 0))
+                # the scheduler's figures of each step since the last line (summed; replanned: any of them)
+                since_line = add_counts(since_line, schedule_metrics(stats.get("schedule"),
+                                                                     experts="expert_moved" in stats))
+                precision = precision_metrics(engine)
+                skipped_since = skipped_since + bool(precision.get("skipped"))
                 # Bytes moved since the last logged line (log_every > 1: the steps between are counted in it)
                 moved = {pair: stats["moved"][pair] - moved_before.get(pair, 0) for pair in stats["moved"]}
                 experts_moved = {pair: n - experts_before.get(pair, 0)
@@ -227,14 +239,15 @@ class Trainer:
                 # the whole job's routing: every rank's tokens, summed over ranks (every rank takes part)
                 routed = moe_metrics(model, getattr(engine, "sum_over_ranks", None)) if log_now else {}
                 if metrics is not None and log_now:
+                    if precision:  # fp16: skipped if any step since the last line was (skipped_steps: how many)
+                        precision.update(skipped=skipped_since > 0, skipped_steps=skipped_since)
                     write_metrics(metrics, {
-                        "step": step, "loss": step_loss, "lr": lr,
+                        "step": step, "loss": finite_or_none(step_loss), "lr": lr,
                         # strict JSON: a non-finite norm (an fp16 overflow, the step skipped) is logged as null
                         "grad_norm": None if grad_norm is None or not math.isfinite(grad_norm) else float(grad_norm),
                         "tokens_per_s": tokens_per_step / step_s, "step_s": step_s,
                         "in_use": dict(stats["in_use"]), "moved": moved,
-                        **schedule_metrics(stats.get("schedule"), experts="expert_moved" in stats),
-                        **precision_metrics(engine),
+                        **since_line, **precision,
                         **({"osdp_replicated": stats["osdp_replicated"]} if stats.get("osdp_replicated") else {}),
                         **({"moe": routed} if routed else {}),
                         **({"moe_rebalance": stats["moe_rebalance"]} if "moe_rebalance" in stats else {}),
@@ -243,20 +256,30 @@ class Trainer:
                     })
                     if print_lines:
                         print(progress_line(step, tcfg.steps, step_loss, lr, tokens_per_step / step_s), flush=True)
+                if log_now:
+                    since_line, skipped_since = {}, 0
                 bar.update(1)
                 bar.set_postfix_str(progress_text(step_loss, tokens_per_step / step_s, stats["in_use"]))
 
                 if evaluate is not None and (step % evaluate_every == 0 or step == tcfg.steps):
+                    before = engine.memory_stats()
                     final_val_loss = evaluate()
+                    # the evaluation's own traffic goes on its line, not on the next step's
+                    after = engine.memory_stats()
+                    eval_moved = {pair: n - before["moved"].get(pair, 0) for pair, n in after["moved"].items()}
+                    moved_before = {pair: moved_before.get(pair, 0) + n for pair, n in eval_moved.items()}
+                    experts_before = {pair: experts_before.get(pair, 0) + n - before.get("expert_moved", {}).get(
+                        pair, 0) for pair, n in after.get("expert_moved", {}).items()}
+                    wasted_before += (after.get("expert_prefetch_wasted", 0)
+                                      - before.get("expert_prefetch_wasted", 0))
                     if metrics is not None:
-                        write_metrics(metrics, {"step": step, "val_loss": final_val_loss})
+                        write_metrics(metrics, {"step": step, "val_loss": finite_or_none(final_val_loss),
+                                                "moved": eval_moved})
                     if progress:
                         bar.write(f"step {step}: val_loss {final_val_loss:.4f}")
 
-                # A checkpoint every checkpoint.every steps and after the last; on SIGTERM/SIGINT (agreed over the
-                # ranks, so all save at the same step) one now, then the run stops as the signal asks.
-                stop = self.signals.requested(collectives) if can_checkpoint else None
-                every = cfg.checkpoint.every
+                # A checkpoint every checkpoint.every steps and after the last; on SIGTERM/SIGINT one now, then the
+                # run stops as the signal asks.
                 if stop is not None or (every and (step % every == 0 or step == tcfg.steps)):
                     background = cfg.checkpoint.async_save and stop is None  # a signal's save is the last: waited
                     saved = checkpoints.save(engine, step, {"step": step, "micro_batches": first_micro + (
@@ -405,6 +428,23 @@ def schedule_metrics(schedule: dict | None, experts: bool = False) -> dict[str, 
                    expert_fetches_resumed=schedule.get("optional_resumed", 0),
                    experts_cold_pages=schedule.get("experts_cold", 0))
     return out
+
+
+def add_counts(total: dict[str, Any], step: dict[str, Any]) -> dict[str, Any]:
+    """`total` with one step's figures added: numbers summed, flags or-ed."""
+    for key, value in step.items():
+        if isinstance(value, bool):
+            total[key] = total.get(key, False) or value
+        elif isinstance(value, (int, float)):
+            total[key] = total.get(key, 0) + value
+        else:
+            total[key] = value
+    return total
+
+
+def finite_or_none(value: float) -> float | None:
+    """Strict JSON: a loss that is NaN or infinite (the run diverged) is logged as null."""
+    return value if math.isfinite(value) else None
 
 
 def write_metrics(file: Any, record: dict[str, Any]) -> None:

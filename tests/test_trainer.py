@@ -164,8 +164,68 @@ def test_validation_loss_is_logged_every_eval_every_steps_and_at_the_end(tmp_pat
     result, _ = train(tiny_config(tmp_path, trainer={"steps": 5, "eval_every": 2}))
     evals = [line for line in read_jsonl(tmp_path / "metrics.jsonl") if "val_loss" in line]
     assert [line["step"] for line in evals] == [2, 4, 5]
-    assert set(evals[0]) == {"step", "val_loss"}
+    assert set(evals[0]) == {"step", "val_loss", "moved"}  # (moved: the evaluation's own traffic)
     assert result.final_val_loss == evals[-1]["val_loss"]
+
+
+class CountingEngine(PlainEngine):
+    """PlainEngine reporting made-up traffic and scheduler figures: step k moves 100 k bytes host->device and has
+    k % 2 deviations, k planned moves and 0.001 k s of stall (replanned at step 2); an evaluation forward moves
+    7 bytes disk->host; the forward of step `nan_at` returns NaN (the run diverges from there)."""
+
+    def __init__(self, *args, nan_at: int | None = None, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.moved = {pair: 0 for pair in MOVED_PAIRS}
+        self.nan_at = nan_at
+
+    def __call__(self, *inputs):
+        if not self.model.training:
+            self.moved["disk->host"] += 7
+        loss = self.model(*inputs)
+        return loss * float("nan") if self.steps + 1 == self.nan_at and self.model.training else loss
+
+    def step(self) -> None:
+        super().step()
+        self.moved["host->device"] += 100 * self.steps
+
+    def memory_stats(self) -> dict:
+        k = self.steps
+        return dict(super().memory_stats(), moved=dict(self.moved),
+                    schedule={"stall_s": 0.001 * k, "deviations": k % 2, "issued": k, "replanned": k == 2,
+                              "repair_reads": 0})
+
+
+def test_a_metrics_line_sums_the_steps_since_the_line_before_and_an_evaluation_logs_its_own_traffic(tmp_path):
+    """log_every 3: each line's bytes moved and scheduler figures are those of every step since the line before
+    (summed; replanned if any was), not the last step's alone; an evaluation's traffic is on its own line, not on
+    the next step's; a loss that is not finite is logged as null (strict JSON), in the trace too."""
+    engines = []
+
+    def factory(model, cfg, trace=None):
+        engines.append(CountingEngine(model, cfg, trace, nan_at=6))
+        return engines[-1]
+
+    Trainer(tiny_config(tmp_path, trainer={"steps": 7, "eval_every": 4, "eval_steps": 2, "log_every": 3}),
+            engine_factory=factory, progress=False).run()
+
+    def strict(constant):
+        raise AssertionError(f"not strict JSON: {constant}")
+
+    lines = [json.loads(line, parse_constant=strict) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train = {line["step"]: line for line in lines if "loss" in line}
+    evals = {line["step"]: line for line in lines if "val_loss" in line}
+    assert sorted(train) == [3, 6, 7] and sorted(evals) == [4, 7]
+    assert [train[k]["moved"]["host->device"] for k in (3, 6, 7)] == [600, 1500, 700]
+    assert [train[k]["deviations"] for k in (3, 6, 7)] == [2, 1, 1]
+    assert [train[k]["planned_moves"] for k in (3, 6, 7)] == [6, 15, 7]
+    assert [train[k]["replanned"] for k in (3, 6, 7)] == [True, False, False]
+    assert [train[k]["stall_s"] for k in (3, 6, 7)] == pytest.approx([0.006, 0.015, 0.007])
+    assert all(line["moved"]["disk->host"] == 0 for line in train.values())
+    assert [evals[k]["moved"] for k in (4, 7)] == [{**dict.fromkeys(MOVED_PAIRS, 0), "disk->host": 14}] * 2
+    assert train[3]["loss"] is not None and train[6]["loss"] is None and train[7]["loss"] is None
+    assert evals[4]["val_loss"] is not None and evals[7]["val_loss"] is None
+    steps = [json.loads(line, parse_constant=strict) for line in (tmp_path / "trace.jsonl").read_text().splitlines()]
+    assert [e["loss"] is None for e in steps if e["event"] == "step"] == [False] * 5 + [True] * 2
 
 
 def test_validation_uses_the_same_held_out_batches_every_time(tmp_path):

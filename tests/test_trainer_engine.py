@@ -150,7 +150,8 @@ def test_resume_auto_with_no_checkpoint_starts_over_keeping_the_earlier_record(t
 def test_with_log_every_the_logged_lines_count_every_steps_bytes_moved(tmp_path):
     every = Trainer(engine_config(tmp_path / "every", "on_demand"), progress=False).run()  # (its moves: no timing)
     sparse = engine_config(tmp_path / "sparse", "on_demand")
-    sparse = dataclasses.replace(sparse, trainer=dataclasses.replace(sparse.trainer, log_every=4))
+    sparse = dataclasses.replace(sparse, trainer=dataclasses.replace(sparse.trainer, log_every=4),
+                                 checkpoint=dataclasses.replace(sparse.checkpoint, every=3))
     assert Trainer(sparse, progress=False).run().losses == every.losses
 
     def total(run):
@@ -158,8 +159,10 @@ def test_with_log_every_the_logged_lines_count_every_steps_bytes_moved(tmp_path)
         return [line["step"] for line in lines], {pair: sum(line["moved"][pair] for line in lines)
                                                   for pair in lines[0]["moved"]}
 
+    # steps 1-2 and 5 are in the lines after them; a checkpoint's step has a line (a resume from it keeps every
+    # step before it in the lines it keeps)
     steps, moved = total("sparse")
-    assert steps == [4, 6] and moved == total("every")[1]  # steps 1-3 and 5 are in the lines after them
+    assert steps == [3, 4, 6] and moved == total("every")[1]
 
 
 def test_a_run_resumed_with_another_grad_accum_goes_on_with_the_next_micro_batches(tmp_path, monkeypatch):

@@ -316,16 +316,36 @@ def test_a_trace_cut_at_trace_max_bytes_says_what_the_report_leaves_out(tmp_path
     result = build_report(make_run(tmp_path, trace=trace))
     assert any("truncated at trace.max_bytes 2.6 s into the run" in w and "metrics.jsonl has every step's" in w
                for w in result.warnings)
+    # the split is of the steps before the mark (their intervals are in the trace), not of every step's time
+    assert '<p id="headline-text">1 steps took 2.50 s (mean 2.50 s' in result.html_path.read_text()
     whole = tmp_path / "whole"
     whole.mkdir()
     assert not any("truncated" in w for w in build_report(make_run(whole)).warnings)
+
+
+def test_log_every_lines_evaluation_lines_and_a_diverged_loss_are_counted_as_what_they_are(tmp_path):
+    """metrics.jsonl with trainer.log_every 2: a line sums the stall of the steps since the line before (mean stall
+    per step, not per line); a line of an evaluation alone is no step, and its bytes moved add to the total; a loss
+    logged as null (the run diverged) is said in the caption, not silently left out."""
+    metrics = [
+        {"step": 2, "loss": 5.5, "step_s": 1.0, "stall_s": 0.4, "moved": {"host->device": MiB}},
+        {"step": 3, "val_loss": 5.4, "moved": {"disk->host": 2 * MiB}},
+        {"step": 4, "loss": 5.2, "step_s": 1.0, "stall_s": 0.2, "moved": {"host->device": MiB}},
+        {"step": 4, "val_loss": 5.1, "moved": {"host->device": MiB}},
+        {"step": 6, "loss": None, "step_s": 1.0, "stall_s": 0.0, "moved": {}},
+    ]
+    page = build_report(make_run(tmp_path, metrics=metrics)).html_path.read_text()
+    assert "3 logged steps from metrics.jsonl covering 6 steps" in page
+    assert "mean stall 100.0 ms; total stall 600.0 ms" in page
+    assert "moved in all: host-&gt;device 3.0 MiB, disk-&gt;host 2.0 MiB" in page
+    assert "not a finite number (null or NaN: the run diverged) at 1 steps from step 6" in page
 
 
 def test_without_metrics_the_table_comes_from_the_trace_step_events(tmp_path):
     result = build_report(make_run(tmp_path, metrics=None))
     assert result.warnings == ("no metrics.jsonl in the run directory; steps come from the trace's step events",)
     page = result.html_path.read_text()
-    assert "2 steps from trace.jsonl step events" in page and "<th>step_s</th>" in page
+    assert "2 logged steps from trace.jsonl step events" in page and "<th>step_s</th>" in page
 
 
 # --- the Chrome trace -------------------------------------------------------------------------------------------

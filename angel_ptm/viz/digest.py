@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from angel_ptm.trace.recorder import TRUNCATED_MARK
+from angel_ptm.trace.recorder import START_MARK, TRUNCATED_MARK
 from angel_ptm.viz.bins import Decimator, LaneActivity, MovedBytes, TierUsage, TimeAxis
 from angel_ptm.viz.chrome import ChromeTraceWriter
 from angel_ptm.viz.metrics import StepTableBuilder
@@ -50,6 +50,7 @@ class TraceDigest:
         self.trace_steps = StepTableBuilder(limits.table_rows)  # the table of a run without metrics.jsonl
         self.marks: list[dict[str, Any]] = []
         self.truncated_at: float | None = None  # trace.max_bytes: when the recorder stopped writing page events
+        self._cut = False  # the segment under way was truncated: its steps' summaries stand for its page events
         self.counts: Counter = Counter()  # event type -> events
         self.dropped = 0  # `drop` events: pages leaving a tier without a transfer (a clean copy is on disk)
         self.io_errors = 0
@@ -141,7 +142,7 @@ class TraceDigest:
     def _step(self, t: float, event: dict[str, Any]) -> None:
         number = event.get("step")
         self.steps.add(t)
-        if self.truncated_at is not None:  # past trace.max_bytes: the step's summary stands for its page events
+        if self._cut:  # past trace.max_bytes: the step's summary stands for its page events
             moved, in_use = event.get("moved"), event.get("in_use")
             if isinstance(moved, dict):
                 for pair, nbytes in moved.items():
@@ -151,7 +152,10 @@ class TraceDigest:
                 self.usage.record(t, in_use)
         step_s = event.get("step_s")
         if is_number(step_s) and step_s > 0:
-            self.step_time.step(t, step_s)
+            if self._cut:  # no intervals after the cut: no split of these steps
+                self.step_time.cut_steps += 1
+            else:
+                self.step_time.step(t, step_s)
         fields = {k: v for k, v in event.items() if k not in ("t", "event")}
         self.trace_steps.add(fields)
         if self.chrome is not None:
@@ -159,8 +163,12 @@ class TraceDigest:
 
     def _mark(self, t: float, event: dict[str, Any]) -> None:
         fields = {k: v for k, v in event.items() if k not in ("t", "event")}
-        if fields.get("name") == TRUNCATED_MARK and self.truncated_at is None:
-            self.truncated_at = t
+        if fields.get("name") == TRUNCATED_MARK:
+            self._cut = True
+            if self.truncated_at is None:
+                self.truncated_at = t
+        elif fields.get("name") == START_MARK:  # a resumed run's segment: its recorder writes every event again
+            self._cut = False
         if len(self.marks) < self.limits.marks:
             self.marks.append({"t": t, **fields})
         if self.chrome is not None:

@@ -126,13 +126,15 @@ def _table_section(table: StepTable) -> str:
     if not table.rows:
         return head + '<p class="caption" id="steps-empty">No step records (metrics.jsonl and the trace hold no ' \
                       "step lines).</p></section>"
-    summary = [f"{table.steps:,} steps from {table.source}"]
+    covered = f" covering {table.covered_steps:,} steps" if table.covered_steps > table.steps else ""
+    summary = [f"{table.steps:,} logged steps from {table.source}{covered}"]
     if table.stride > 1:
         summary.append(f"every {table.stride}th shown, and the last")
-    for column, label in (("step_s", "mean step"), ("stall_s", "mean stall")):
-        mean = table.mean(column)
-        if mean is not None:
-            summary.append(f"{label} {_seconds(mean)}")
+    mean = table.mean("step_s")
+    if mean is not None:
+        summary.append(f"mean step {_seconds(mean)}")
+    if table.counts["stall_s"] and table.covered_steps:  # (a line's stall_s sums the steps since the line before)
+        summary.append(f"mean stall {_seconds(table.sums['stall_s'] / table.covered_steps)}")
     if table.counts["stall_s"]:
         summary.append(f"total stall {_seconds(table.sums['stall_s'])}")
     if table.moved_total:

@@ -26,6 +26,7 @@ class LossSeries:
     val_loss: list[tuple[float, float]]  # (step, val_loss)
     loss_steps: int  # steps with a loss, before decimation
     stride: int
+    diverged: tuple[int, float] | None = None  # (steps whose loss is not a finite number, the first of them)
 
     def export(self) -> dict[str, Any]:
         return {"loss": [list(p) for p in self.loss], "val_loss": [list(p) for p in self.val_loss],
@@ -36,22 +37,32 @@ class LossCurve:
     def __init__(self, max_points: int = 1000):
         self._loss: Decimator[tuple[float, float]] = Decimator(max_points)
         self._val: Decimator[tuple[float, float]] = Decimator(max_points)
+        self._diverged: tuple[int, float] | None = None
 
     def add(self, row: dict[str, Any]) -> None:
-        """One step's row; a loss or val_loss that is not a finite number is left out."""
+        """One step's row; a loss or val_loss that is not a finite number is left out (a loss logged as null, or
+        NaN, is counted: the run diverged)."""
         step = row["step"]
         if is_number(row.get("loss")):
             self._loss.add((step, row["loss"]))
+        elif "loss" in row:
+            count, first = self._diverged or (0, step)
+            self._diverged = (count + 1, first)
         if is_number(row.get("val_loss")):
             self._val.add((step, row["val_loss"]))
 
     def finish(self) -> LossSeries:
-        return LossSeries(self._loss.items(), self._val.items(), self._loss.seen, self._loss.stride)
+        return LossSeries(self._loss.items(), self._val.items(), self._loss.seen, self._loss.stride, self._diverged)
 
 
 def caption(series: LossSeries, source: str) -> str:
+    diverged = ""
+    if series.diverged is not None:
+        count, first = series.diverged
+        diverged = (f"the loss is not a finite number (null or NaN: the run diverged) at {count:,} steps from step "
+                    f"{first:,}, left out of the curve")
     if not series.loss and not series.val_loss:
-        return f"No loss values in {source}."
+        return f"No loss values in {source}" + (f"; {diverged}." if diverged else ".")
     parts = []
     if series.loss:
         (first_step, first), (last_step, last) = series.loss[0], series.loss[-1]
@@ -61,6 +72,8 @@ def caption(series: LossSeries, source: str) -> str:
     if series.val_loss:
         step, value = series.val_loss[-1]
         parts.append(f"val_loss {value:.4f} at step {step:,} ({len(series.val_loss)} evaluations, dots)")
+    if diverged:
+        parts.append(diverged)
     return "; ".join(parts) + "."
 
 

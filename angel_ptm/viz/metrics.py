@@ -28,7 +28,8 @@ MAX_COLUMNS = 40
 class StepTable:
     rows: list[dict[str, Any]] = field(default_factory=list)
     columns: list[str] = field(default_factory=list)
-    steps: int = 0  # rows before decimation
+    steps: int = 0  # training rows (with a loss) before decimation; rows of an evaluation alone are not steps
+    covered_steps: int = 0  # the steps those rows cover (with trainer.log_every > 1 a line sums several steps')
     stride: int = 1  # every `stride`-th row is kept (plus the last)
     sums: Counter = field(default_factory=Counter)  # numeric column -> sum over every row
     counts: Counter = field(default_factory=Counter)  # numeric column -> rows that had it
@@ -48,6 +49,8 @@ class StepTableBuilder:
         self._ignored_columns = 0
         self._table = StepTable()
         self._loss = LossCurve()
+        self._steps = self._covered = 0
+        self._last_step = 0
 
     def add(self, record: dict[str, Any]) -> None:
         """One metrics line (or a trace `step` event); lines without a numeric `step` are ignored."""
@@ -61,7 +64,16 @@ class StepTableBuilder:
                 else:
                     self._ignored_columns += 1
         if self._pending is not None and self._pending.get("step") == step:
-            self._pending.update(record)  # the evaluation line of the same step
+            pending = self._pending  # the evaluation line of the same step: its bytes moved add to the step's
+            for key, value in record.items():
+                if key == "moved" and isinstance(value, dict) and isinstance(pending.get(key), dict):
+                    both = dict(pending[key])
+                    for pair, nbytes in value.items():
+                        both[pair] = both.get(pair, 0) + nbytes if is_number(nbytes) and is_number(
+                            both.get(pair, 0)) else both.get(pair, nbytes)
+                    pending[key] = both
+                else:
+                    pending[key] = value
             return
         self._push()
         self._pending = dict(record)
@@ -71,7 +83,7 @@ class StepTableBuilder:
         table = self._table
         table.rows = self._kept.items()
         table.stride = self._kept.stride
-        table.steps = self._kept.seen
+        table.steps, table.covered_steps = self._steps, self._covered
         known = [c for c in PREFERRED_COLUMNS if c in self._columns]
         table.columns = known + [c for c in self._columns if c not in PREFERRED_COLUMNS]
         table.source = source
@@ -84,6 +96,11 @@ class StepTableBuilder:
             return
         self._pending = None
         self._kept.add(row)
+        if "loss" in row:
+            self._steps += 1
+            step = int(row["step"])
+            self._covered += step - self._last_step if step > self._last_step else 1
+            self._last_step = step
         self._loss.add(row)
         table = self._table
         for key, value in row.items():

@@ -84,6 +84,7 @@ class StepTime:
         self.max_spans = max_spans
         self.max_lanes = max_lanes
         self.steps = 0  # step events with a step_s
+        self.cut_steps = 0  # step events after the trace was truncated (trace.max_bytes): not in the split
         self.step_s = 0.0  # their step_s, summed
         self.union_s: Counter = Counter()  # lane -> seconds with at least one interval open
         self.in_steps_s: Counter = Counter()  # lane -> the same, inside the step windows
@@ -172,6 +173,8 @@ def summarize(step_time: StepTime, table: StepTable) -> Optional[StepTimeSummary
     if step_time.steps and step_time.step_s > 0:
         steps, total, source, lane_s = step_time.steps, step_time.step_s, "trace.jsonl step events", step_time.in_steps_s
         stall_in_compute = step_time.stall_in_compute_s
+    elif step_time.cut_steps:  # every step ended past trace.max_bytes: no intervals to split them by
+        return None
     elif table.counts["step_s"] and table.sums["step_s"] > 0:
         steps, total, source, lane_s = table.counts["step_s"], table.sums["step_s"], table.source, step_time.union_s
         stall_in_compute = 0.0
@@ -189,7 +192,9 @@ def summarize(step_time: StepTime, table: StepTable) -> Optional[StepTimeSummary
         parts.append(share("stalled", stalled, "the training thread waiting for pages (the scheduler's stall "
                                                "intervals)"))
     elif table.counts["stall_s"] and table.sums["step_s"] > 0:
-        stalled = total * table.sums["stall_s"] / table.sums["step_s"]
+        # (a line's stall_s sums the steps since the line before, its step_s is its own step's)
+        per_step = table.sums["stall_s"] / max(table.covered_steps, table.counts["stall_s"])
+        stalled = total * per_step / (table.sums["step_s"] / table.counts["step_s"])
         parts.append(share("stalled", stalled, f"the training thread waiting for pages (stall_s of {table.source}, "
                                                f"as a share of its step_s)"))
     else:
