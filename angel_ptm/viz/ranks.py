@@ -64,7 +64,8 @@ def build_rank_reports(run_dir: str | os.PathLike, output: Optional[str | os.Pat
     results = []
     for rank, name in traces.items():
         results.append(build_report(run_dir, index.with_name(f"{index.stem}.rank{rank}{index.suffix}"),
-                                    per_rank(rank), trace_file=name, title=f" (rank {rank} of {len(traces)})"))
+                                    per_rank(rank), trace_file=name, title=f" (rank {rank} of {len(traces)})",
+                                    metrics_of_this_rank=rank == 0))
     starts = {rank: _start_time(run_dir / name) for rank, name in traces.items()}
     warnings = []
     if None in starts.values():

@@ -51,8 +51,10 @@ class ReportResult:
 def build_report(run_dir: str | os.PathLike, output: Optional[str | os.PathLike] = None,
                  chrome_trace: Optional[str | os.PathLike] = None,
                  limits: DigestLimits = DigestLimits(), trace_file: str = TRACE_FILE,
-                 title: str = "") -> ReportResult:
-    """The report of one trace of `run_dir` (`trace_file`: trace.jsonl, or one rank's trace.rank<R>.jsonl)."""
+                 title: str = "", metrics_of_this_rank: bool = True) -> ReportResult:
+    """The report of one trace of `run_dir` (`trace_file`: trace.jsonl, or one rank's trace.rank<R>.jsonl).
+    `metrics_of_this_rank` False: metrics.jsonl (rank 0's) is not this trace's rank's, whose steps then come from
+    its own trace."""
     started = time.perf_counter()
     run_dir = Path(run_dir)
     trace_path = _trace_path(run_dir, trace_file)
@@ -96,7 +98,7 @@ def build_report(run_dir: str | os.PathLike, output: Optional[str | os.PathLike]
     for lane, count in stats.merged_lanes.items():
         warnings.append(f"{chrome_path.name}: lane {lane!r} has more than {chrome.max_intervals_per_lane:,} "
                         f"intervals; {count:,} later ones are merged where they nearly touch")
-    table = _step_table(run_dir, digest, limits, warnings)
+    table = _step_table(run_dir, digest, limits, warnings, metrics_of_this_rank, trace_file)
     trace_bytes = trace_path.stat().st_size
     meta = {"run_dir": str(run_dir), "t_end": digest.end, "dropped": digest.dropped, "events": issues.events}
     data = chart_data(digest, _budgets(run_dir, warnings), meta)
@@ -159,9 +161,12 @@ def _counter_series(digest: TraceDigest) -> tuple[dict[str, list], dict[str, lis
     return usage, moved
 
 
-def _step_table(run_dir: Path, digest: TraceDigest, limits: DigestLimits, warnings: list[str]) -> StepTable:
+def _step_table(run_dir: Path, digest: TraceDigest, limits: DigestLimits, warnings: list[str],
+                own: bool = True, trace_file: str = TRACE_FILE) -> StepTable:
     metrics_path = run_dir / METRICS_FILE
-    if metrics_path.is_file():
+    if not own:  # (its loss is every rank's mean; its bytes moved and stalls are rank 0's)
+        warnings.append(f"{METRICS_FILE} is rank 0's: this rank's steps come from its trace's step events")
+    elif metrics_path.is_file():
         builder, issues = StepTableBuilder(limits.table_rows), MetricsIssues()
         try:
             read_metrics(metrics_path, builder, issues)
@@ -175,7 +180,7 @@ def _step_table(run_dir: Path, digest: TraceDigest, limits: DigestLimits, warnin
             warnings.append(f"{METRICS_FILE} has no step lines; steps come from the trace")
     else:
         warnings.append(f"no {METRICS_FILE} in the run directory; steps come from the trace's step events")
-    return digest.trace_steps.finish(f"{TRACE_FILE} step events")
+    return digest.trace_steps.finish(f"{trace_file} step events")
 
 
 def _budgets(run_dir: Path, warnings: list[str]) -> dict[str, int]:
