@@ -165,8 +165,8 @@ def _step_table(run_dir: Path, digest: TraceDigest, limits: DigestLimits, warnin
                 own: bool = True, trace_file: str = TRACE_FILE) -> StepTable:
     metrics_path = run_dir / METRICS_FILE
     if not own:  # (its loss is every rank's mean; its bytes moved and stalls are rank 0's)
-        warnings.append(f"{METRICS_FILE} is rank 0's: this rank's steps come from its trace's step events")
-    elif metrics_path.is_file():
+        return digest.trace_steps.finish(f"{trace_file} step events ({METRICS_FILE} is rank 0's)")
+    if metrics_path.is_file():
         builder, issues = StepTableBuilder(limits.table_rows), MetricsIssues()
         try:
             read_metrics(metrics_path, builder, issues)
