@@ -11,7 +11,8 @@ import pytest
 
 from angel_ptm.viz.chrome import validate_chrome_trace
 from dist_harness import free_port, spawn, values
-from dist_jobs import die_mid_step, die_while_saving, fail_while_saving, job, rank_local_failures, start_with
+from dist_jobs import die_mid_step, job, rank_local_failures, start_with
+from dist_save_faults import die_while_saving, fail_while_saving
 
 JOB = """\
 model: {vocab_size: 256, seq_len: 32, n_layer: 2, n_head: 2, dim: 96}

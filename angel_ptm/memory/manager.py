@@ -407,16 +407,11 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards, MoveAccounting):
                 raise BudgetError(tier.value, self.page_bytes, 0,
                                   what=f"one page ({pool.capacity} slots, all pinned or in flight)")
             victim = self.pages[self.policy.victim(candidates, tier)]
-            if tier is Tier.HOST and self.disk is None and self.pools[Tier.DEVICE].free_slots:
-                # No disk tier below the host: its victim goes up into a free device slot instead (a page the host
-                # must make room for beside resting ones, as a reduced gradient landing where the update runs)
-                self._emit("evict", victim, tier, Tier.DEVICE)
-                self._start_up(victim)
-                if pool.free_slots == 0:
-                    self._wait_move(victim)
-                continue
-            self._emit("evict", victim, tier, Tier.HOST if tier is Tier.DEVICE else Tier.DISK)
-            self._start_down(victim, wait_for_room=True)
+            # No disk tier: a host victim goes up to a free device slot (a ZeRO-1/2 reduced gradient landing on the
+            # host beside the resting moments)
+            up = tier is Tier.HOST and self.disk is None and self.pools[Tier.DEVICE].free_slots > 0
+            self._emit("evict", victim, tier, Tier.DEVICE if up else Tier.HOST if tier is Tier.DEVICE else Tier.DISK)
+            self._start_up(victim) if up else self._start_down(victim, wait_for_room=True)
             if pool.free_slots == 0:  # (a drop, or a copy that gave its slot back when queued, freed one already)
                 self._wait_move(victim)
 
