@@ -436,7 +436,7 @@ def add_counts(total: dict[str, Any], step: dict[str, Any]) -> dict[str, Any]:
         if isinstance(value, bool):
             total[key] = total.get(key, False) or value
         elif isinstance(value, (int, float)):
-            total[key] = total.get(key, 0) + value
+            total[key] = round(total.get(key, 0) + value, 9)  # (stall_s: no float noise in the log)
         else:
             total[key] = value
     return total

@@ -36,11 +36,10 @@ class InPlace:
         self.got = checksum(self.tail, checksum(self.view, checksum(self.head)))
 
     def commit(self) -> None:
-        sinfo = self.sinfo
         if self.got != self.crc:
-            raise self.reader.corrupt(sinfo)
+            raise self.reader.corrupt(self.sinfo)
         if not data_record_ends(self.head):  # checked bytes, but the elements are not where the manifest says
-            raise self.reader.corrupt(sinfo, f"no tensor record ends at byte {self.start}")
+            raise self.reader.corrupt(self.sinfo, f"no tensor record ends at byte {self.start}")
         self.view = None
         self.planner.commit_tensor(self.req, self.target)
         note = getattr(self.planner, "loaded_from", None)

@@ -308,9 +308,8 @@ def _run(engine, what: str, fn) -> None:
         cause = "a collective failed (a peer rank died or hung?): " if engine.world is not None else ""
         error = CheckpointError(f"checkpoint {what} on rank {engine.mesh.rank}: {cause}{type(exc).__name__}: "
                                 f"{detail}")
-        if engine.world is not None and engine.failure.reason is None:  # the ranks' collectives are out of step:
-            # closing reads no weights with them
-            engine.failure.collective_failed(error)
+        if engine.world is not None and engine.failure.reason is None:
+            engine.failure.collective_failed(error)  # the ranks' collectives are out of step: close uses none
         raise error from None
 
 
