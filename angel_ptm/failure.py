@@ -99,10 +99,12 @@ class Failure:
 
     def closing(self) -> None:
         """The engine closes. After an error in a step it did not finish, its peers wait on this rank's collectives
-        of that step: the process group is not used again (a new engine would be refused, not aborted by gloo)."""
+        of that step: the engine fails, so closing it reads no weights with collectives (they would wait
+        parallel.timeout_s for peers that are elsewhere, then blame them for this rank's error), and the process
+        group is not used again (a new engine would be refused, not aborted by gloo)."""
         if self.distributed and self._raised_in_step is not None and self.reason is None:
-            mark_out_of_step(f"closed in step {self.steps_done + 1} after {self._raised_in_step}, which the other "
-                             f"ranks went on with")
+            self.fail(f"closed in step {self.steps_done + 1} after {self._raised_in_step}, which the other ranks "
+                      f"went on with")
 
     def step_ended(self) -> None:
         """The step's collectives are all matched (its sequence check passed): the next one starts afresh."""

@@ -453,3 +453,25 @@ def test_a_planned_eviction_of_a_page_still_held_waits_for_its_release_instead_o
     finally:
         manager.close()
         engine.close()
+
+
+def test_an_access_whose_planned_moves_fail_after_its_pages_were_pinned_gives_the_pins_back(tmp_path, monkeypatch):
+    """A planned move issued after an access pinned its pages can fail (a full disk, an I/O error); the caller never
+    got the pages, so the scheduler unpins them before the error goes on (they were left pinned: closing the engine
+    then failed on them, hiding the disk error)."""
+    from angel_ptm.errors import DiskFullError
+    from angel_ptm.memory import BufferPool, PageManager
+    from angel_ptm.schedule import Scheduler
+
+    manager = PageManager(BufferPool(D, PAGE, 2 * PAGE), BufferPool(H, PAGE, 2 * PAGE), None)
+    pages = [manager.create_page("param", torch.float32) for _ in range(2)]
+    scheduler = Scheduler(manager)
+
+    def full(*args):
+        raise DiskFullError("write of 4096 bytes failed (ENOSPC)", 28, "slots")
+
+    monkeypatch.setattr(scheduler, "_after_acquire", full)
+    with pytest.raises(DiskFullError):
+        scheduler.acquire(pages, D, label="fwd:0")
+    assert [p.pin_count for p in pages] == [0, 0]
+    manager.close()

@@ -232,3 +232,28 @@ def test_a_second_group_like_an_expert_group_spans_the_same_ranks_at_8_ranks(kin
     for rank, (like, ranks, total) in enumerate(run_threaded(rank_main)):
         assert like == ranks and rank in ranks and total == sum(ranks)
         assert len(ranks) == (2 if kind == "ep" else WORLD // 2)
+
+
+def test_closing_after_an_error_this_rank_could_have_retried_fails_the_engine_so_close_uses_no_collective(
+        monkeypatch):
+    """A forward that raised before this rank's first collective of the step may be retried; closing the engine
+    instead (what `angel-ptm train` does on an error) leaves the peers waiting on this step's collectives. The
+    engine then fails, so close reads no weights with collectives: it used to, waited parallel.timeout_s for peers
+    that were elsewhere, and replaced the rank's own error with a CollectiveError blaming a peer."""
+    import angel_ptm.failure as failure_module
+
+    marked = []
+    monkeypatch.setattr(failure_module, "mark_out_of_step", marked.append)  # (this process's group untouched)
+    failure = failure_module.Failure()
+    failure.distributed = True
+    with pytest.raises(RuntimeError):  # nothing issued in the step yet: an error a retry may follow
+        with failure.in_step("forward"):
+            raise RuntimeError("a hook of this rank's model")
+    assert failure.reason is None  # a retry may follow
+    failure.closing()
+    assert failure.reason.startswith("closed in step 1 after RuntimeError in this rank's forward")
+    assert marked == [failure.reason]  # and the process group is not used again
+    alone = failure_module.Failure()  # one rank: nothing waits on it
+    alone._raised_in_step = "RuntimeError in this rank's forward"
+    alone.closing()
+    assert alone.reason is None

@@ -92,7 +92,11 @@ class Scheduler:
             return
         self._before_acquire(pages, tier, label)
         waited = self.manager.acquire(pages, tier, read_only)
-        self._after_acquire(pages, tier, label, waited)
+        try:
+            self._after_acquire(pages, tier, label, waited)
+        except BaseException:  # (a planned move that failed, a disk full): the caller never gets the pages
+            self.manager.release(pages)
+            raise
 
     def release(self, pages: Sequence[Page], dirty: bool = False) -> None:
         """Unpin `pages` (PageManager.release); a write is recorded, so the plan knows the page must go back."""
