@@ -76,7 +76,7 @@ def open_paging(paging: Paging, config, layout, kinds, ownership, estimate, mesh
     # An engine dropped without close(): its page files go when its paging is collected (or at exit)
     paging.dropped = weakref.finalize(paging, _remove_page_dirs, paging.page_dir, paging.rank_dir,
                                       paging.disk_dir if paging.own_disk_dir else None)
-    disk = DiskTier(paging.page_dir, page_bytes, budgets.disk, paging.io) if budgets.disk else None
+    disk = DiskTier(paging.page_dir, page_bytes, budgets.disk, paging.io, rank=mesh.rank) if budgets.disk else None
     paging.manager = manager = PageManager(
         BufferPool(Tier.DEVICE, page_bytes, budgets.device, device),
         BufferPool(Tier.HOST, page_bytes, budgets.host, "cpu", pin=device.type == "cuda"),
