@@ -266,10 +266,10 @@ class Trainer:
                     final_val_loss = evaluate()
                     # the evaluation's own traffic goes on its line, not on the next step's
                     after = engine.memory_stats()
-                    eval_moved = {pair: n - before["moved"].get(pair, 0) for pair, n in after["moved"].items()}
-                    moved_before = {pair: moved_before.get(pair, 0) + n for pair, n in eval_moved.items()}
-                    experts_before = {pair: experts_before.get(pair, 0) + n - before.get("expert_moved", {}).get(
-                        pair, 0) for pair, n in after.get("expert_moved", {}).items()}
+                    eval_moved = moved_since({}, before["moved"], after["moved"])
+                    moved_before = moved_since(moved_before, before["moved"], after["moved"])
+                    experts_before = moved_since(experts_before, before.get("expert_moved", {}),
+                                                 after.get("expert_moved", {}))
                     wasted_before += (after.get("expert_prefetch_wasted", 0)
                                       - before.get("expert_prefetch_wasted", 0))
                     if metrics is not None:
@@ -440,6 +440,11 @@ def add_counts(total: dict[str, Any], step: dict[str, Any]) -> dict[str, Any]:
         else:
             total[key] = value
     return total
+
+
+def moved_since(base: dict[str, int], before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
+    """`base` (bytes per tier pair) plus what moved between the counters `before` and `after`."""
+    return {pair: base.get(pair, 0) + n - before.get(pair, 0) for pair, n in after.items()}
 
 
 def finite_or_none(value: float) -> float | None:

@@ -69,8 +69,8 @@ class StepTableBuilder:
                 if key == "moved" and isinstance(value, dict) and isinstance(pending.get(key), dict):
                     both = dict(pending[key])
                     for pair, nbytes in value.items():
-                        both[pair] = both.get(pair, 0) + nbytes if is_number(nbytes) and is_number(
-                            both.get(pair, 0)) else both.get(pair, nbytes)
+                        if is_number(nbytes) and is_number(both.get(pair, 0)):
+                            both[pair] = both.get(pair, 0) + nbytes
                     pending[key] = both
                 else:
                     pending[key] = value
