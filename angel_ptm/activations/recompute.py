@@ -34,6 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from angel_ptm.errors import ConfigValueError, EngineClosedError
+from angel_ptm.parallel.collectives import ACTIVATION_WATCH
 
 
 @functools.cache
@@ -65,9 +66,18 @@ class _Outputs(TorchDispatchMode):
         super().__init__()
         self.storages: dict[int, tuple[StorageWeakRef, int]] = {}
 
+    def __enter__(self):
+        ACTIVATION_WATCH.depth += 1  # (a model's collectives hand the process group copies this does not see)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        ACTIVATION_WATCH.depth -= 1
+        return super().__exit__(*exc)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func.is_view:  # a view of an input (a parameter's page among them): no new memory
+        # a view of an input (a parameter's page among them): no new memory; a collective's copy for the backend
+        if func.is_view or ACTIVATION_WATCH.paused:
             return out
         inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
                   if isinstance(t, torch.Tensor) and t.layout is torch.strided}

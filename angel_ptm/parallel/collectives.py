@@ -17,6 +17,7 @@ does not depend on which rank owns the page.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -36,6 +37,29 @@ PAIRWISE_ON_GLOO = True  # gloo's page-group collectives as pairwise exchanges (
 # Set while a forward runs on fake tensors (activations/footprint.py): a collective there (a tensor- or
 # expert-parallel layer's) is refused before it reaches the process group, which cannot move fake tensors.
 FAKE_TRACE = threading.local()
+
+
+class _ActivationWatch(threading.local):
+    """`depth` > 0 while activations/recompute.py counts the storages a checkpointed unit's ops create that are
+    still alive at its end. The process group keeps what a collective was handed a moment after its wait returns
+    (gloo's worker thread, NCCL's watchdog), so such a count would see those tensors alive or gone at random: under
+    a watch, a model's collectives hand the backend copies made while the watch is `paused` (it does not see
+    them), and land the results in the caller's tensors."""
+
+    def __init__(self):
+        self.depth = 0
+        self.paused = False
+
+    @contextlib.contextmanager
+    def pause(self):
+        outer, self.paused = self.paused, True
+        try:
+            yield
+        finally:
+            self.paused = outer
+
+
+ACTIVATION_WATCH = _ActivationWatch()
 
 
 def world_group(mesh: Mesh) -> Group:
@@ -278,10 +302,21 @@ class Collectives:
             return tensor.to(self._stage_to)
         return torch.empty(tensor.shape, dtype=tensor.dtype, device=self._stage_to)
 
+    def _hand(self, tensor: torch.Tensor, copy: bool = True) -> torch.Tensor:
+        """What a model's collective (tp's, ep's: not a page group's) hands the backend: `_to_comm`'s, and under an
+        activation watch a copy the watch does not count (_ActivationWatch)."""
+        if not ACTIVATION_WATCH.depth:
+            return self._to_comm(tensor, copy)
+        with ACTIVATION_WATCH.pause():
+            staged = self._to_comm(tensor, copy)
+            if staged is tensor:
+                staged = tensor.clone() if copy else torch.empty_like(tensor)
+            return staged
+
     def all_reduce(self, tensor: torch.Tensor, what: str, op=SUM, async_op: bool = False):
         """`tensor` reduced over the group, in place. With `async_op`, a handle whose `wait()` returns once it is
         (the reduction runs on the process group's own threads or stream meanwhile)."""
-        staged = self._to_comm(tensor)
+        staged = self._hand(tensor)
         work = self._run("all_reduce", what, _nbytes(tensor), dist.all_reduce, staged, op=op, group=self._pg,
                          async_op=async_op)
         if async_op:
@@ -291,24 +326,24 @@ class Collectives:
 
     def all_gather_list(self, outputs: list[torch.Tensor], tensor: torch.Tensor, what: str) -> None:
         """outputs[r] <- group rank r's `tensor`, with the backend's own all-gather (blocking)."""
-        staged = [self._to_comm(out, copy=False) for out in outputs]
-        self._run("all_gather", what, _nbytes(tensor), dist.all_gather, staged, self._to_comm(tensor),
+        staged = [self._hand(out, copy=False) for out in outputs]
+        self._run("all_gather", what, _nbytes(tensor), dist.all_gather, staged, self._hand(tensor),
                   group=self._pg)
         _land(outputs, staged)
 
     def reduce_scatter_list(self, output: torch.Tensor, inputs: list[torch.Tensor], what: str) -> None:
         """output <- the sum over the group of inputs[self.rank], with the backend's own reduce-scatter (blocking)."""
-        staged = self._to_comm(output, copy=False)
+        staged = self._hand(output, copy=False)
         self._run("reduce_scatter", what, sum(_nbytes(t) for t in inputs), dist.reduce_scatter, staged,
-                  [self._to_comm(t) for t in inputs], group=self._pg)
+                  [self._hand(t) for t in inputs], group=self._pg)
         _land([output], [staged])
 
     def all_to_all(self, output: torch.Tensor, input: torch.Tensor, output_splits: list[int],
                    input_splits: list[int], what: str) -> None:
         """Rows input[sum(input_splits[:r]) ..] to group rank r; output gets rank r's rows at
         sum(output_splits[:r]) (uneven splits; blocking)."""
-        staged = self._to_comm(output, copy=False)
-        self._run("all_to_all", what, _nbytes(input), dist.all_to_all_single, staged, self._to_comm(input),
+        staged = self._hand(output, copy=False)
+        self._run("all_to_all", what, _nbytes(input), dist.all_to_all_single, staged, self._hand(input),
                   output_splits, input_splits, group=self._pg)
         _land([output], [staged])
 
