@@ -300,3 +300,30 @@ def test_a_models_collectives_under_an_activation_watch_count_what_the_caller_ke
     # (the results landed: y is 2s on rank 0 and 4s on rank 1)
     assert [r[1:] for r in results] == [(192.0, 384.0, 128.0), (192.0, 384.0, 256.0)]
     assert held  # the backend was handed tensors, and keeps them
+
+
+def test_at_exit_the_waiter_threads_are_stopped_and_joined_before_the_interpreter_finalizes(monkeypatch):
+    """A waiter thread still inside a collective's wait while the interpreter finalizes (a peer died; the wait
+    returned its error just as this rank exited on the same error) was ended mid-call: std::terminate through
+    pybind11's GIL guard, SIGABRT instead of exit status 1 (seen under gdb, ~1 run in 8 at 4 ranks). The exit hook
+    stops the waiters and joins them once their waits return (the process group, destroyed first, ends them)."""
+    from angel_ptm.parallel import collectives as module
+    from angel_ptm.parallel.collectives import Pending
+
+    monkeypatch.setattr(module, "_WAITERS", [])  # (this process's other waiters untouched)
+    gone = threading.Event()
+
+    class Work:  # a collective the process group's destruction ends
+        def wait(self):
+            gone.wait(30)
+
+        def is_completed(self):
+            return gone.is_set()
+
+    comm = Collectives(Mesh())
+    pending = Pending(comm, [Work()], "test", background=True, channel="reductions")
+    waiter = module._WAITERS[-1][0]
+    assert waiter.is_alive() and not pending.done()
+    threading.Timer(0.2, gone.set).start()  # the process group destroyed by mesh's exit hook, which runs first
+    module._join_waiters_at_exit()
+    assert not waiter.is_alive() and pending.done() and not module._WAITERS

@@ -17,6 +17,7 @@ does not depend on which rank owns the page.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
 import threading
@@ -282,8 +283,10 @@ class Collectives:
         (one thread per channel: a reduction held up by a late peer never holds up a gather's completion)."""
         if channel not in self._jobs:
             self._jobs[channel] = queue.SimpleQueue()
-            threading.Thread(target=_wait_in_order, args=(self._jobs[channel],),
-                             name=f"angel-ptm-{channel}", daemon=True).start()
+            thread = threading.Thread(target=_wait_in_order, args=(self._jobs[channel],),
+                                      name=f"angel-ptm-{channel}", daemon=True)
+            thread.start()
+            _WAITERS[:] = [w for w in _WAITERS if w[0].is_alive()] + [(thread, self._jobs[channel])]
         return self._jobs[channel]
 
     def _take_buffer(self, like: torch.Tensor) -> torch.Tensor:
@@ -465,6 +468,29 @@ def _stop_waiters(jobs: dict) -> None:
     for waiter in jobs.values():
         waiter.put(None)
     jobs.clear()
+
+
+# Every waiter thread started, with its queue
+_WAITERS: list[tuple[threading.Thread, "queue.SimpleQueue[Pending | None]"]] = []
+EXIT_JOIN_S = 10.0  # how long the exit waits for waiter threads in all
+
+
+def _join_waiters_at_exit() -> None:
+    """Stop the waiter threads and wait for them (up to EXIT_JOIN_S), before the interpreter finalizes. One still
+    inside a collective's wait then (a peer died: the wait returns with its error just as this rank exits on the
+    same error) is ended by the interpreter when it wants the GIL back, which unwinds its C++ frames through
+    pybind11's noexcept GIL guard: std::terminate, SIGABRT instead of the error's exit status. The process group,
+    destroyed before this runs (mesh._destroy_at_exit, registered later), ends those waits at once; a wait on a
+    group the user made ends at its timeout, long after this process has gone if it is not over by then."""
+    for _, jobs in _WAITERS:
+        jobs.put(None)
+    deadline = time.monotonic() + EXIT_JOIN_S
+    for thread, _ in _WAITERS:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    _WAITERS.clear()
+
+
+atexit.register(_join_waiters_at_exit)  # (first registered, so run last: after the process group is destroyed)
 
 
 def _wait_in_order(jobs: "queue.SimpleQueue[Pending | None]") -> None:
