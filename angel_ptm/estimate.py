@@ -375,15 +375,15 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     saved = sum(counts[kind] for kind in kinds if PageKind(kind).checkpointed) * page_bytes
     staged = min(saved, pools["device"] + pools["host"]) if config.checkpoint.async_save else 0
     # Hot-expert copies (parallel.moe_replicas) live beside the pools on the compute device, as activations do
-    copies = replica_bytes(model, config.parallel.moe_replicas, compute_dtype(config))
+    replicas = replica_bytes(model, config.parallel.moe_replicas, compute_dtype(config))
     host_ram = (pools["host"] + staged
-                + (0 if device.type == "cuda" else pools["device"] + (activation or 0) + buffers + copies))
-    device_memory = pools["device"] + (activation or 0) + buffers + copies
+                + (0 if device.type == "cuda" else pools["device"] + (activation or 0) + buffers + replicas))
+    device_memory = pools["device"] + (activation or 0) + buffers + replicas
     if gpu_free is not None and device_memory > gpu_free:
         problems.append(Problem("device", device_memory, gpu_free,
                                 f"the device pool ({format_bytes(pools['device'])})"
                                 + (f", collective buffers ({format_bytes(buffers)})" if buffers else "")
-                                + (f", hot-expert copies ({format_bytes(copies)})" if copies else "")
+                                + (f", hot-expert copies ({format_bytes(replicas)})" if replicas else "")
                                 + f" and activations ({format_bytes(activation or 0)}) in "
                                 + ("the given GPU memory" if gpu_memory is not None else "free GPU memory")
                                 + (activation_suggestion(acts, gpu_free - pools["device"] - buffers)
@@ -394,8 +394,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     if host_ram > ram_available:
         problems.append(Problem("host", host_ram, ram_available,
                                 "the page pools" + ("" if device.type == "cuda" else " and activations")
-                                + (f", hot-expert copies ({format_bytes(copies)})"
-                                   if copies and device.type != "cuda" else "")
+                                + (f", hot-expert copies ({format_bytes(replicas)})"
+                                   if replicas and device.type != "cuda" else "")
                                 + (f", checkpoint.async_save's copy of the saved pages in memory "
                                    f"({format_bytes(staged)})" if staged else "")
                                 + " in available RAM"
@@ -440,7 +440,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         expert_gather_pages=expert_pages,
         osdp_groups=osdp_replicable(gather_groups, chain_groups) if own.gathers and config.parallel.osdp else 0,
         collective_bytes=collective_bytes(own, layout, page_bytes), checkpoint_staging_bytes=staged,
-        replica_bytes=copies, update_group_pages=len(update_group_kinds(config)),
+        replica_bytes=replicas, update_group_pages=len(update_group_kinds(config)),
     )
     # (the room an update batch may take is what the tiers have beyond the needs just estimated)
     return replace(estimate, update_batch_groups=update_batch_groups(

@@ -229,4 +229,7 @@ def test_the_estimate_counts_each_ranks_hot_expert_copies_beside_the_pools():
         if dtype == "float32":
             assert got.host_ram_needed == without.host_ram_needed + got.replica_bytes
         assert "hot-expert copies" in got.format_table()
+        # (not ZeRO-3's gathered copies, which page creation keeps device slots free for: the replicas' bytes
+        # were, and no page started on the device under automatic budgets)
+        assert got.gather_copy_pages == without.gather_copy_pages == 0
     assert without.replica_bytes == 0 and "hot-expert copies" not in without.format_table()
