@@ -157,6 +157,8 @@ class StepDriver:
             self.delayed = DelayedUpdates(optimizer, self._publish, n_units)
             binder.before_unit_forward = self._before_unit_forward
             binder.before_grad_write = self._before_grad_write
+            if getattr(data_parallel, "sync", None) is not None:  # (a reduction's mean written into a page)
+                data_parallel.sync.before_write = self.delayed.run
 
     # ------------------------------------------------------------------ backward
     def backward(self, loss: torch.Tensor) -> None:

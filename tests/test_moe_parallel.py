@@ -79,6 +79,9 @@ def dp4_jobs(tmp: str) -> list:
     return [job("ep2-dp4-zero0", zero=0, **base), job("ep2-dp4-zero1", zero=1, **roomier),
             job("ep2-dp4-zero2-stale", zero=2, staleness=1, **roomier),
             job("ep2-dp4-zero2-hash", zero=2, **dict(roomier, model="gpt-moe-hash")),
+            # staleness 1 with the states paged: an expert page whose owner's tokens never reached it takes its
+            # replica's mean before any write of its own ran the pending update (which then read the new mean)
+            job("ep2-dp4-zero3-hash-stale", zero=3, staleness=1, **dict(base, model="gpt-moe-hash")),
             job("ep2-dp4-zero2-accum2", zero=2, accum=2, **roomier),
             job("ep2-dp4-zero2-grouped", zero=2, pairwise=False, **roomier),  # NCCL's way: gloo's own collectives
             job("ep2-dp4-zero0-bf16", zero=0, dtype="bfloat16", state_dicts=True, **roomier),
@@ -104,8 +107,8 @@ def test_ep4_as_two_nodes_of_two_flat_and_hierarchical_give_the_unsplit_layer(fo
 
 
 @pytest.mark.parametrize("name", ["ep2-dp4-zero0", "ep2-dp4-zero1", "ep2-dp4-zero2-stale", "ep2-dp4-zero2-hash",
-                                  "ep2-dp4-zero2-accum2", "ep2-dp4-zero2-grouped", "ep2-dp4-zero3", "ep2-dp4-zero3-clip",
-                                  "ep2-dp4-zero3-recompute"])
+                                  "ep2-dp4-zero3-hash-stale", "ep2-dp4-zero2-accum2", "ep2-dp4-zero2-grouped",
+                                  "ep2-dp4-zero3", "ep2-dp4-zero3-clip", "ep2-dp4-zero3-recompute"])
 def test_ep2_on_4_data_parallel_ranks_gives_the_losses_of_one_rank_with_grad_accum_4(four_ranks, name, tmp_path):
     """ep < dp: experts replicated over the expert-parallel groups, their gradients reduced over the ranks that
     hold the same ones (ZeRO >= 1: onto the owner of each page, which alone updates it and sends the others the new

@@ -26,6 +26,7 @@ import math
 import time
 from collections import deque
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -97,6 +98,11 @@ class GradSync:
         self._flight: deque[_Reduction] = deque()
         self._landed: list[int] = []  # landed during backward, not taken yet
         self._events = 0  # gradient events (take_landed calls) in this backward
+        # optimizer.staleness 1 (step.py): called with a gradient page's index before a reduction writes into it,
+        # so the update still pending on the page reads the previous step's gradient first. A page this rank wrote
+        # no gradient into in this step (an expert its tokens never reached, a tensor used on other ranks only)
+        # takes the mean of the others' without any write of its own running that update before.
+        self.before_write: Callable[[int], None] | None = None
         self._patient = True  # this backward still waits for reductions at their landing point
         self._typical_s = 0.0  # a running mean of the seconds from issue to landing, during backward
         self._zero_page: torch.Tensor | None = None
@@ -142,6 +148,7 @@ class GradSync:
             if experts is not None and self.layout.is_local(seg.page) and experts.covers(seg.page):
                 continue  # reduced during backward (its staged copy had zeros there): the owner holds the mean
             page = self.pages["grad"][seg.page]
+            self._writing(seg.page)
             self.manager.acquire([page], self.tier)
             page.view(slot.dtype)[seg.offset : seg.offset + seg.numel].zero_()
             self.manager.release([page], dirty=True)
@@ -323,6 +330,7 @@ class GradSync:
     def write_mean(self, index: int, summed: torch.Tensor) -> None:
         """Gradient page `index` takes the mean over the dp ranks of a reduction's sum (`summed`, scaled in place)."""
         page = self.pages["grad"][index]
+        self._writing(index)
         self.manager.acquire([page], self.tier)
         try:
             page.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)].copy_(
@@ -370,7 +378,12 @@ class GradSync:
                                           device=self.manager.pools[self.tier].device)
         return self._zero_page[:numel]
 
+    def _writing(self, index: int) -> None:
+        if self.before_write is not None:
+            self.before_write(index)
+
     def _scale_page(self, page: Page, index: int, factor: float) -> None:
+        self._writing(index)
         self.manager.acquire([page], self.tier)
         try:
             page.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)].mul_(factor)
@@ -380,6 +393,7 @@ class GradSync:
     def _all_reduce_page(self, page: Page, index: int, comm: Communicator | None = None) -> None:
         """The page summed over `comm`'s ranks (the data-parallel group's by default), over dp: the mean."""
         comm = comm or self.comm
+        self._writing(index)
         self.manager.acquire([page], self.tier)
         try:
             view = page.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)]
