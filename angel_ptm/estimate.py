@@ -50,8 +50,8 @@ from angel_ptm.memory.store import PageKind
 from angel_ptm.models import build_model
 from angel_ptm.optim.no_decay import no_decay_names
 from angel_ptm.parallel.grad_sync import reduction_buffer_bytes
-from angel_ptm.parallel.ownership import (Ownership, gather_capacity, gather_reserve, min_gather_device_pages,
-                                          osdp_replicable, with_experts)
+from angel_ptm.parallel.ownership import (Ownership, collective_bytes, gather_capacity, gather_reserve,
+                                          min_gather_device_pages, osdp_replicable, with_experts)
 from angel_ptm.parallel.moe.placement import replica_bytes
 
 MIXED_MASTER_NOTE = "param and grad pages hold bf16/fp16 in half their bytes"
@@ -116,6 +116,7 @@ class Estimate:
     replica_bytes: int = 0  # parallel.moe_replicas: hot-expert copies (weights and gradients), outside the pools
     update_group_pages: int = 4  # pages one optimizer update pins per page group (placement.update_group_kinds)
     update_batch_groups: int = 1  # page groups one optimizer access updates (placement.update_batch_groups)
+    local_world_size: int = 1  # processes on this machine, each with pools of its own in its RAM
 
     @property
     def fits(self) -> bool:
@@ -186,8 +187,12 @@ class Estimate:
         if self.activation_page_bytes:
             lines.append(f"  activation pages: room for {format_bytes(self.activation_page_bytes)} "
                          f"(activations.offload), moved like any page")
+        per = self.local_world_size
         lines.append(f"  pinned host memory {format_bytes(self.pinned_host_bytes)}; host RAM needed "
-                     f"{format_bytes(self.host_ram_needed)} of {format_bytes(self.host_ram_available)} available"
+                     f"{format_bytes(self.host_ram_needed)}"
+                     + (f" per rank, {format_bytes(self.host_ram_needed * per)} for the {per} ranks here," if per > 1
+                        else "")
+                     + f" of {format_bytes(self.host_ram_available)} available"
                      + (" on this machine" if self.gpu_memory_given else ""))
         if self.checkpoint_staging_bytes:
             lines.append(f"  of which {format_bytes(self.checkpoint_staging_bytes)}: checkpoint.async_save's copy of "
@@ -391,16 +396,19 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     act_problems, act_on_disk = offload_problems(offload, paged, budgets, states_bytes,
                                                  sum(counts.values()) * page_bytes)
     problems += act_problems
-    if host_ram > ram_available:
-        problems.append(Problem("host", host_ram, ram_available,
+    # Every process on this machine has pools of its own in its RAM (disk_dir/rank<R> likewise, above)
+    room = ram_available // local_world_size - host_ram  # (activations are suggested where they are the excess)
+    if room < 0:
+        problems.append(Problem("host", host_ram * local_world_size, ram_available,
                                 "the page pools" + ("" if device.type == "cuda" else " and activations")
                                 + (f", hot-expert copies ({format_bytes(replicas)})"
                                    if replicas and device.type != "cuda" else "")
                                 + (f", checkpoint.async_save's copy of the saved pages in memory "
                                    f"({format_bytes(staged)})" if staged else "")
+                                + (f", by each of {local_world_size} ranks," if local_world_size > 1 else "")
                                 + " in available RAM"
-                                + (activation_suggestion(acts, ram_available - host_ram + (activation or 0))
-                                   if device.type != "cuda" and activation else "")))
+                                + (activation_suggestion(acts, room + activation)
+                                   if device.type != "cuda" and activation and room + activation >= 0 else "")))
 
     # ZeRO-3: the other ranks' pages of the gathered groups, as many as the gatherer keeps (or the model has)
     gathered = min(gather_groups * (own.dp - 1), remote_pages) if own.gathers else 0
@@ -429,7 +437,8 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         update_tier=update, activation_bytes=activation, activation_page_bytes=paged,
         collective_buffer_bytes=buffers,
         pinned_host_bytes=pools["host"] if device.type == "cuda" else 0,
-        host_ram_needed=host_ram, host_ram_available=ram_available, disk_dir=disk_dir,
+        host_ram_needed=host_ram, host_ram_available=ram_available, local_world_size=local_world_size,
+        disk_dir=disk_dir,
         start_pages={"device": start.device, "host": start.host, "disk": start.disk},
         tiers=tiers, problems=tuple(problems),
         master_note=("" if not counts.get("master") else
@@ -445,22 +454,6 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     # (the room an update batch may take is what the tiers have beyond the needs just estimated)
     return replace(estimate, update_batch_groups=update_batch_groups(
         estimate, page_bytes, estimate.update_group_pages))
-
-
-def collective_bytes(own: Ownership, layout: PageLayout, page_bytes: int) -> dict:
-    """Per optimizer step, the bytes this rank hands to each collective (its inputs, as Collectives counts them):
-    the gradient reduction over every trainable page (fp32), the parameters' all-gather of one page per group
-    (stages 1 and 2: after the update; stage 3: before the forward and again before the backward of each unit, at
-    most, when the gathered groups did not stay)."""
-    if own.dp == 1:
-        return {}
-    trainable = layout.trainable_pages
-    out = {"all_reduce" if own.stage == 0 else "reduce_scatter": trainable * page_bytes}
-    if own.stage in (1, 2):
-        out["all_gather"] = trainable // own.dp * page_bytes
-    elif own.stage == 3:
-        out["all_gather"] = 2 * (layout.n_pages // own.dp) * page_bytes
-    return out
 
 
 # ---------------------------------------------------------------------------------------------------- the parts

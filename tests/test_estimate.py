@@ -467,3 +467,18 @@ def test_the_estimate_reports_how_many_page_groups_one_optimizer_access_updates(
         assert len(engine.optimizer.group_kinds) == estimate.update_group_pages
     finally:
         engine.close()
+
+
+def test_the_host_ram_check_counts_the_pools_of_every_rank_on_the_machine(monkeypatch):
+    """Each process on a machine has host pools of its own in its RAM: 3 local ranks with a 4 GiB host budget need
+    12 GiB, as the page files' check already counted each rank's slots (it used to pass on one rank's 4 GiB)."""
+    GiB = 1 << 30
+    monkeypatch.setattr(estimate_module.psutil, "virtual_memory", lambda: SimpleNamespace(available=10 * GiB))
+    config = job("default", "memory.host_budget=4GiB", "memory.device_budget=64MiB")
+    alone = estimate_job(config, device=torch.device("cpu"))
+    assert alone.fits and alone.host_ram_needed < 5 * GiB
+    three = estimate_job(config, device=torch.device("cpu"), local_world_size=3)
+    assert not three.fits and three.host_ram_needed == alone.host_ram_needed  # (per rank)
+    with pytest.raises(BudgetError, match=r"by each of 3 ranks, in available RAM: requested 1[23]\.\d GiB"):
+        three.check()
+    assert f"{format_bytes(3 * alone.host_ram_needed)} for the 3 ranks here" in three.format_table()

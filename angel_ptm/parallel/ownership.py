@@ -128,3 +128,19 @@ def osdp_replicable(capacity_groups: int, chain_groups: int) -> int:
 def min_gather_device_pages(chain_groups: int, dp: int, reserve: int) -> int:
     """The fewest device slots ZeRO-3 runs with: the largest unit's chain of groups, gathered, beside `reserve`."""
     return chain_groups * dp + reserve
+
+
+def collective_bytes(own: Ownership, layout, page_bytes: int) -> dict:
+    """Per optimizer step, the bytes this rank hands to each collective (its inputs, as Collectives counts them):
+    the gradient reduction over every trainable page (fp32), the parameters' all-gather of one page per group
+    (stages 1 and 2: after the update; stage 3: before the forward and again before the backward of each unit, at
+    most, when the gathered groups did not stay)."""
+    if own.dp == 1:
+        return {}
+    trainable = layout.trainable_pages
+    out = {"all_reduce" if own.stage == 0 else "reduce_scatter": trainable * page_bytes}
+    if own.stage in (1, 2):
+        out["all_gather"] = trainable // own.dp * page_bytes
+    elif own.stage == 3:
+        out["all_gather"] = 2 * (layout.n_pages // own.dp) * page_bytes
+    return out
