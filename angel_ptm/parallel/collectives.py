@@ -138,7 +138,7 @@ class Collectives:
                 f"{self.who}: {name} ({what}) failed after "
                 f"{time.perf_counter() - (t0 if since is None else since):.1f} s "
                 f"(parallel.timeout_s {self.mesh.timeout_s:g}): a peer rank died, hung or took another path "
-                f"(under ZeRO-3, control flow that differs between ranks): {detail[:300]}")
+                f"(a branch taken on some ranks only that runs collectives): {detail[:300]}")
             mark_out_of_step(str(self.failed))
             if self.on_failure is not None:
                 self.on_failure(self.failed)
