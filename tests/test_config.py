@@ -469,3 +469,26 @@ def test_settings_that_cannot_train_as_asked_are_refused_when_the_config_loads(j
     load_config, so estimate, train and initialize all refuse them."""
     with pytest.raises(ConfigValueError, match=message):
         load_config(job)
+
+
+def test_moe_keys_are_said_unused_only_where_the_job_sets_them(caplog, monkeypatch):
+    """A completed model.moe mapping (every field, as moe_settings returns it) is read again as a job is set up:
+    its keys at their defaults are not keys the user set (every MoE job used to warn of dts_* and groups). BASE
+    gives each expert exactly its share, so a capacity factor does nothing there; the rebalancing's knobs do
+    nothing with it off."""
+    import logging
+
+    from angel_ptm.config import combinations
+    from angel_ptm.models.moe import moe_settings
+
+    monkeypatch.setattr(combinations, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="angel_ptm"):
+        moe_settings(moe_settings({"experts": 4, "gate": "gshard"}))
+        load_config({"model": {"moe": {"experts": 4}}})
+    assert not caplog.records
+    with caplog.at_level(logging.WARNING, logger="angel_ptm"):
+        moe_settings({"experts": 4, "gate": "base", "capacity_factor": 0.5})
+        load_config({"parallel": {"moe_rebalance_threshold": 2.0, "moe_rebalance_ema": 0.9}})
+        load_config({"parallel": {"moe_rebalance_threshold": 2.0, "moe_rebalance_every": 4, "ep": 2}})  # (acts)
+    assert [r.getMessage().split(" has no effect")[0] for r in caplog.records] == [
+        "model.moe.capacity_factor", "parallel.moe_rebalance_threshold 2", "parallel.moe_rebalance_ema 0.9"]

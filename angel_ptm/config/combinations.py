@@ -41,6 +41,11 @@ def check_combinations(config) -> None:
                 warn_once(f"optimizer.{key} {getattr(config.optimizer, key):g} has no effect: it drives the dynamic "
                            f"loss scale of trainer.dtype float16 (this job: {config.trainer.dtype}, "
                            f"optimizer.loss_scale {config.optimizer.loss_scale})")
+    if not config.parallel.moe_rebalance_every:
+        for key in ("moe_rebalance_threshold", "moe_rebalance_ema"):
+            if _set(config.parallel, key):
+                warn_once(f"parallel.{key} {getattr(config.parallel, key):g} has no effect: it drives the experts' "
+                           f"rebalancing, which is off (parallel.moe_rebalance_every 0)")
     if config.data.token_dtype != "uint16" and config.data.kind != "tokens":
         warn_once(f"data.token_dtype {config.data.token_dtype} has no effect: it is the element type of a "
                    f"data.kind tokens file (this job reads {config.data.kind})")

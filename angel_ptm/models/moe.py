@@ -122,7 +122,10 @@ def moe_settings(value: dict, key: str = "model.moe") -> dict:
     if every < 1:
         raise ConfigValueError(f"{key}.every: must be >= 1, got {every}")
     spec = MoESpec(**out)
-    _warn_unused(spec, set(out), key)
+    # (what differs from the default: a mapping completed once, as this returns it, is read again as a job is set
+    # up, and its keys were all "given" then)
+    defaults = MoESpec()
+    _warn_unused(spec, {name for name in out if out[name] != getattr(defaults, name)}, key)
     return {**dataclasses.asdict(spec), "every": every}
 
 
@@ -142,6 +145,8 @@ def _warn_unused(spec: MoESpec, given: set, key: str) -> None:
         unused |= {name for name in given if name.startswith("dts_")}
     if spec.gate in ("hash", "base"):  # no router: no balance or z-loss
         unused |= {"aux_loss_weight", "z_loss_weight"}
+    if spec.gate == "base":  # every expert takes exactly its even share of the tokens
+        unused.add("capacity_factor")
     for name in sorted(unused & given):
         warn_once(f"{key}.{name} has no effect: gate {spec.gate} does not use it")
 
