@@ -261,7 +261,8 @@ def run_viz(args: argparse.Namespace) -> int:
             ranks = build_rank_reports(args.run_dir, args.output, args.chrome_trace)
         print(f"report: {ranks.html_path} ({len(ranks.ranks)} ranks side by side)")
         for result in ranks.ranks:
-            print(f"  {result.html_path.name}, {result.chrome_path.name}: {result.events:,} events")
+            print(f"  {result.html_path.name} from {result.events:,} trace events, {result.chrome_path.name} "
+                  f"({result.chrome_events:,} events)")
         print(f"chrome trace: {ranks.chrome.path} ({format_bytes(ranks.chrome.bytes)}, {ranks.chrome.events:,} events, "
               f"every rank a process on one time axis)")
         return 0

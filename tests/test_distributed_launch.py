@@ -212,7 +212,11 @@ def test_viz_of_a_torchrun_run_shows_every_rank_side_by_side(launched):
     for rank in (0, 1):
         assert f'<iframe src="report.rank{rank}.html" title="rank {rank}">' in index
         assert "angel-ptm report" in (tmp / "two" / f"report.rank{rank}.html").read_text()
-        assert (tmp / "two" / f"trace.rank{rank}.chrome.json").stat().st_size > 0
+        chrome = json.loads((tmp / "two" / f"trace.rank{rank}.chrome.json").read_text())["traceEvents"]
+        read = sum(1 for line in (tmp / "two" / f"trace.rank{rank}.jsonl").read_text().splitlines() if line.strip())
+        # (the Chrome trace's own count: it said the trace's lines read as the Chrome file's events)
+        assert f"report.rank{rank}.html from {read:,} trace events, trace.rank{rank}.chrome.json " \
+               f"({len(chrome):,} events)" in result.stdout
     # One Chrome trace with every rank a process, on the clock of the ranks' start marks
     merged = json.loads((tmp / "two" / "trace.chrome.json").read_text())
     assert validate_chrome_trace(merged) == []
