@@ -462,6 +462,8 @@ def test_initialize_says_once_which_keys_only_the_trainers_loop_uses(caplog, tmp
     ({"model": {"moe": {"gate": "dts", "dts_threshold": -1}}}, "model.moe.dts_threshold: must be >= 0 and < 1"),
     ({"model": {"moe": {"aux_loss_weight": -100}}}, "model.moe.aux_loss_weight: must be >= 0"),
     ({"optimizer": {"staleness": 1}, "parallel": {"osdp": True}}, "parallel.osdp: true needs optimizer.staleness 0"),
+    ({"model": {"seq_len": 33}, "parallel": {"tp": 2, "sequence_parallel": True}},
+     "parallel.sequence_parallel: model.seq_len 33 does not divide over tp 2"),
 ])
 def test_settings_that_cannot_train_as_asked_are_refused_when_the_config_loads(job, message):
     """A dense model where MoE was asked (every > n_layer), a division by a zero temperature at the first forward,

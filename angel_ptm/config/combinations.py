@@ -18,6 +18,10 @@ def check_combinations(config) -> None:
     if config.parallel.osdp and config.optimizer.staleness:
         raise ConfigValueError("parallel.osdp: true needs optimizer.staleness 0 (a replicated group is refreshed when "
                                "the step ends; staleness 1 publishes the update during the next step)")
+    if config.parallel.sequence_parallel and config.model.seq_len % config.parallel.tp:
+        raise ConfigValueError(f"parallel.sequence_parallel: model.seq_len {config.model.seq_len} does not divide "
+                               f"over tp {config.parallel.tp} (each tp rank holds an equal share of the sequence); use "
+                               f"a multiple of {config.parallel.tp}")
     # Keys that act only with another setting: said at once, not silently ignored
     if _set(config.activations, "offload_min_bytes") and config.activations.offload == "none":
         warn_once(f"activations.offload_min_bytes {config.activations.offload_min_bytes} has no effect: "
