@@ -356,9 +356,19 @@ class StepDriver:
         if self.delayed is None and self.optimizer.updated_this_step:
             raise ConfigValueError("zero_grad: pages were already updated during this step's backward; "
                                    "call step() to finish it")
+        # staleness 1, a step dropped after its backward: that backward published the pending update on the pages
+        # that became final in it, which pages depending on the ranks and micro-batches. The rest now (before the
+        # gradients go: the update still reads the previous step's), so the next step computes with the parameters
+        # after that update on every rank, not with a mix of both.
+        dropped = self.delayed is not None and self.micro > 0
+        if dropped:
+            self.delayed.publish_all()
         if self.data_parallel.reductions_open:  # begun during backward: finished alike on every rank, then dropped
             self.finish_grads()
             self.scheduler.discard(self.pages["grad"])
+        if dropped and self._landing:
+            self._landing = False
+            self.data_parallel.params_updated()  # (the owners' new parameters to every rank, as at step())
         self.binder.drop_stray_grads()
         self.start_over()
 
