@@ -327,3 +327,23 @@ def test_at_exit_the_waiter_threads_are_stopped_and_joined_before_the_interprete
     threading.Timer(0.2, gone.set).start()  # the process group destroyed by mesh's exit hook, which runs first
     module._join_waiters_at_exit()
     assert not waiter.is_alive() and pending.done() and not module._WAITERS
+
+
+def test_a_peer_gone_while_the_checkpoint_planning_group_is_made_is_a_collective_error(monkeypatch):
+    """The gloo group checkpoint saves plan over is made at the first save: a peer that died then left this rank
+    torch's untyped DistStoreError after the store's timeout, and an engine that went on to close with collectives
+    (probe b2). Now it is this rank's CollectiveError, and the collectives are failed (close issues none)."""
+    from angel_ptm.errors import CollectiveError
+    from angel_ptm.parallel import collectives as module
+
+    def store_timeout(*args, **kwargs):
+        raise dist.DistStoreError("wait timeout after 10000ms, keys: /default_pg/0//1//cpu//0/1")
+
+    monkeypatch.setattr(module, "new_groups_like", store_timeout)
+    monkeypatch.setattr(module, "mark_out_of_step", lambda reason: None)  # (this process's group untouched)
+    failures = []
+    comm = Collectives(Mesh(), on_failure=failures.append)
+    with pytest.raises(CollectiveError, match=r"new_group \(a gloo group for checkpoint planning\) failed after .* "
+                                              r"a peer rank died.*wait timeout after 10000ms"):
+        comm.side_group()
+    assert comm.failed is not None and failures == [comm.failed]

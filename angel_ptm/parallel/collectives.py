@@ -269,8 +269,9 @@ class Collectives:
     def side_group(self):
         """A gloo group of the same ranks for object collectives outside the step (DCP's checkpoint planning: CPU
         objects, which NCCL cannot carry), made at the first call: every rank makes it at the same point."""
-        if self._side_group is None:
-            self._side_group = new_groups_like(self.group, self.mesh, "gloo").pg
+        if self._side_group is None:  # (a peer gone meanwhile: torch's store times out, a CollectiveError here)
+            self._side_group = self._run("new_group", "a gloo group for checkpoint planning", 0, new_groups_like,
+                                         self.group, self.mesh, "gloo").pg
         return self._side_group
 
     def close(self) -> None:
