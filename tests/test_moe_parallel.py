@@ -242,21 +242,6 @@ def test_moe_data_parallel_without_ep_gives_the_losses_of_one_rank(two_ranks, na
         assert a == pytest.approx(e, rel=1e-5), f"step {step}: one rank {e}, dp 2 {a}"
 
 
-def test_experts_named_as_units_under_zero3_data_parallel_are_refused():
-    from angel_ptm.errors import ConfigValueError
-    from angel_ptm.units import expert_modules, experts_as_units, find_units
-
-    from dist_jobs import gpt_moe
-
-    model = gpt_moe()
-    assert experts_as_units(dp=2, zero=2, ep=1) and experts_as_units(dp=2, zero=3, ep=2)
-    assert not experts_as_units(dp=2, zero=3, ep=1)
-    experts = set(expert_modules(model))
-    assert not experts & {u.module for u in find_units(model, experts=False)}
-    with pytest.raises(ConfigValueError, match="units: 8 MoE experts"):
-        find_units(model, lambda m: m in experts, experts=False)
-
-
 # Load-driven placement: experts swap ranks at steps 2, 4 and 6 (threshold 1.0: any imbalance a swap lowers; the cost
 # model told that moving pays, as measured timings would make the test flaky); the checkpoint after step 4 holds the
 # moved experts under their own indexes.

@@ -233,3 +233,18 @@ def test_the_estimate_counts_each_ranks_hot_expert_copies_beside_the_pools():
         # were, and no page started on the device under automatic budgets)
         assert got.gather_copy_pages == without.gather_copy_pages == 0
     assert without.replica_bytes == 0 and "hot-expert copies" not in without.format_table()
+
+
+def test_experts_named_as_units_under_zero3_data_parallel_are_refused():
+    from angel_ptm.errors import ConfigValueError
+    from angel_ptm.units import expert_modules, experts_as_units, find_units
+
+    from dist_jobs import gpt_moe
+
+    model = gpt_moe()
+    assert experts_as_units(dp=2, zero=2, ep=1) and experts_as_units(dp=2, zero=3, ep=2)
+    assert not experts_as_units(dp=2, zero=3, ep=1)
+    experts = set(expert_modules(model))
+    assert not experts & {u.module for u in find_units(model, experts=False)}
+    with pytest.raises(ConfigValueError, match="units: 8 MoE experts"):
+        find_units(model, lambda m: m in experts, experts=False)

@@ -34,7 +34,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from angel_ptm.errors import ConfigValueError, EngineClosedError
-from angel_ptm.parallel.collectives import ACTIVATION_WATCH
+from angel_ptm.parallel.activation_watch import ACTIVATION_WATCH
 
 
 @functools.cache

@@ -18,7 +18,6 @@ does not depend on which rank owns the page.
 from __future__ import annotations
 
 import atexit
-import contextlib
 import queue
 import threading
 import time
@@ -30,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from angel_ptm.errors import CollectiveError
+from angel_ptm.parallel.activation_watch import ACTIVATION_WATCH
 from angel_ptm.parallel.mesh import Group, Mesh, mark_out_of_step, new_groups_like
 from angel_ptm.trace.recorder import TraceRecorder
 
@@ -38,29 +38,6 @@ PAIRWISE_ON_GLOO = True  # gloo's page-group collectives as pairwise exchanges (
 # Set while a forward runs on fake tensors (activations/footprint.py): a collective there (a tensor- or
 # expert-parallel layer's) is refused before it reaches the process group, which cannot move fake tensors.
 FAKE_TRACE = threading.local()
-
-
-class _ActivationWatch(threading.local):
-    """`depth` > 0 while activations/recompute.py counts the storages a checkpointed unit's ops create that are
-    still alive at its end. The process group keeps what a collective was handed a moment after its wait returns
-    (gloo's worker thread, NCCL's watchdog), so such a count would see those tensors alive or gone at random: under
-    a watch, a model's collectives hand the backend copies made while the watch is `paused` (it does not see
-    them), and land the results in the caller's tensors."""
-
-    def __init__(self):
-        self.depth = 0
-        self.paused = False
-
-    @contextlib.contextmanager
-    def pause(self):
-        outer, self.paused = self.paused, True
-        try:
-            yield
-        finally:
-            self.paused = outer
-
-
-ACTIVATION_WATCH = _ActivationWatch()
 
 
 def world_group(mesh: Mesh) -> Group:
