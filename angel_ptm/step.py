@@ -157,8 +157,7 @@ class StepDriver:
             self.delayed = DelayedUpdates(optimizer, self._publish, n_units)
             binder.before_unit_forward = self._before_unit_forward
             binder.before_grad_write = self._before_grad_write
-            if getattr(data_parallel, "sync", None) is not None:  # (a reduction's mean written into a page)
-                data_parallel.sync.before_write = self.delayed.run
+            data_parallel.before_grad_write(self.delayed.run)  # (a reduction's mean written into a page)
 
     # ------------------------------------------------------------------ backward
     def backward(self, loss: torch.Tensor) -> None:
@@ -366,9 +365,8 @@ class StepDriver:
         if self.data_parallel.reductions_open:  # begun during backward: finished alike on every rank, then dropped
             self.finish_grads()
             self.scheduler.discard(self.pages["grad"])
-        if dropped and self._landing:
-            self._landing = False
-            self.data_parallel.params_updated()  # (the owners' new parameters to every rank, as at step())
+        if dropped:
+            self.flush()  # (landed already: the owners' new parameters to every rank, as at step())
         self.binder.drop_stray_grads()
         self.start_over()
 

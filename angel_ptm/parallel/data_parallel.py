@@ -70,6 +70,9 @@ class SingleRank:
     def begin_backward(self) -> None:
         pass
 
+    def before_grad_write(self, run) -> None:
+        pass  # (no reduction writes a gradient page)
+
     def stats(self) -> dict:
         return {}
 
@@ -129,6 +132,10 @@ class DataParallel:
             capacity = int(agreed.item())
             self.gatherer = ParamGatherer(manager, pages["param"], collectives, ownership, capacity, access=access,
                                           replicable=osdp_replicable(capacity, chain_groups) if osdp else 0)
+
+    def before_grad_write(self, run) -> None:
+        """`run(index)` before a reduction writes gradient page `index` (staleness 1: its pending update first)."""
+        self.sync.before_write = run
 
     def finish_grads(self, without: set[str], overflow: bool) -> tuple[set[str], bool]:
         """Once per step, after the last backward (the engine calls it before the norm and the update)."""
