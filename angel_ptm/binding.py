@@ -9,9 +9,8 @@
 - Saved tensors: in forward, saved-tensor hooks replace one in a device page by (page, offset, size, stride), one in a
   gathered copy by (tensor slot, offset, size, stride); backward acquires (and gathers) them on unpack, pinned until
   the next autograd node starts (another engine's backward through this one, which frees no pins, gets a copy).
-- Gradients: a post-accumulate-grad hook adds each parameter's gradient into its grad page and frees `param.grad`.
-  With fp16 loss scaling (`check_finite`) it also notes whether the gradient held an inf or NaN, as it lands, so the
-  engine knows whether to skip the step without another pass over the gradient pages.
+- Gradients: a post-accumulate-grad hook adds each parameter's gradient into its grad page and frees `param.grad`;
+  under fp16 loss scaling (`check_finite`) it notes an inf or NaN as it lands (no second pass to decide a skip).
 - State dicts: `module.state_dict()` binds the module's unbound parameters to copies of their values (`read_values`,
   the engine's page reader) for the duration of the call, so it returns real values, never placeholders.
 """
@@ -410,20 +409,21 @@ class ParamBinder(OutsideUnits):
         """Release the pages pinned for the previous autograd node once a new node runs."""
         node = torch._C._current_autograd_node()
         if node is not self._current_node:
+            self.release_node_pins()
             self._current_node = node
-            if self._node_pins:
-                self.param_access.release(self._node_pins)
-                self._node_pins = []
+
+    def release_node_pins(self) -> None:
+        """The pages pinned for the last autograd node that read one go (that node has finished running)."""
+        pins, self._node_pins, self._current_node = self._node_pins, [], None
+        if pins:
+            self.param_access.release(pins)
 
     def end_backward(self) -> None:
         self.release_lazy()
         self.detached_saves.clear()
-        self._current_node = None
         self.activation_bytes = 0
         self._saved_storages.clear()
-        if self._node_pins:
-            self.param_access.release(self._node_pins)
-            self._node_pins = []
+        self.release_node_pins()
         if self.offload is not None:
             self.offload.end_backward()
         if self.recomputation is not None:

@@ -40,7 +40,7 @@ from angel_ptm.activations.source import (ActivationSource, activation_bytes, ac
 from angel_ptm.config import Config, format_bytes, load_config
 from angel_ptm.errors import ConfigValueError
 from angel_ptm.memory import PageLayout, build_layout, compute_device
-from angel_ptm.units import PagingUnit, device_pages_at_once, experts_as_units, find_units, moe_layers, pages_around
+from angel_ptm.units import PagingUnit, device_pages_at_once, experts_as_units, find_units, pages_around
 from angel_ptm.memory.budgets import plan_budgets
 from angel_ptm.memory.placement import (CREATION_ORDER, Problem, StartPlacement, compute_dtype, creation_order,
                                         delayed_update_need, device_reserve_pages, disk_reservations, place_pages,
@@ -293,7 +293,7 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
     budgets = {"device": planned.device, "host": planned.host, "disk": planned.disk}
     slots = {tier: budgets[tier] // page_bytes for tier in TIERS}
     update = update_tier(device, slots["device"], slots["host"], n_states, group)
-    gather_groups = gather_pages = gather_min = every_group = 0
+    gather_groups = gather_pages = gather_min = 0
     if own.gathers:
         reserve = gather_reserve(max_tensor_pages, group if update == "device" else 0)
         gather_min = min_gather_device_pages(chain_groups, own.dp, reserve)
@@ -301,11 +301,6 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
         n_groups = (layout.n_pages - local) // own.dp  # (experts under ep: never gathered)
         gather_groups = gather_capacity(chain_groups, own.dp, slots["device"], reserve, n_groups)
         gather_pages = gather_groups * own.dp
-        # MoE experts in their block's unit (ep 1): a rank's backward reads only those it routed to, so a group
-        # dropped after the forward would be gathered again on some ranks only: none may be dropped
-        in_units = moe_layers(model) and not experts_as_units(own.dp, own.stage, config.parallel.ep)
-        every_group = n_groups if in_units else 0
-        gather_min = max(gather_min, min_gather_device_pages(every_group, own.dp, reserve))
     disk_reserved, copies = sum(disk_reservations(counts, slots["disk"]).values()), gather_pages - gather_groups
     reserve = device_reserve_pages(slots["device"], n_states + copies, max(largest, gather_pages))
     start = place_pages(counts, slots, reserve, page_bytes, kinds)
@@ -358,13 +353,9 @@ def estimate_job(config=None, model: Optional[nn.Module] = None, *, layout: Opti
                                 f"{own.local_dp} ranks holding them while it computes (ZeRO-3, parallel.ep < dp)"))
     if gather_min > slots["device"]:
         problems.append(Problem("device", gather_min * page_bytes, budgets["device"],
-                                f"ZeRO-3's gathered parameter groups ({(held := max(chain_groups, every_group))} "
-                                f"groups of {own.dp} pages of {format_bytes(page_bytes)}) beside "
-                                f"{gather_min - held * own.dp} pages of this rank's own" + (
-                                    " (MoE experts routed differently on each rank, in their block's unit with "
-                                    "parallel.ep 1: every group stays gathered from forward to backward; "
-                                    "parallel.ep = the dp size shards the experts without gathering them)"
-                                    if every_group > chain_groups else "")))
+                                f"ZeRO-3's gathered parameter groups ({chain_groups} groups of {own.dp} pages of "
+                                f"{format_bytes(page_bytes)}) beside {gather_min - chain_groups * own.dp} pages of "
+                                f"this rank's own"))
     staging = staging_host_pages(largest, on_disk=bool(needed_on_disk or start.disk))
     if slots["host"] < staging:
         problems.append(Problem("host", staging * page_bytes, slots["host"] * page_bytes,

@@ -114,8 +114,9 @@ def build_step(config, estimate, *, model, layout: PageLayout, pages, scheduler,
 
         sync.expert_reductions = ExpertReductions(sync, model, layout, ownership, binder.got_grad)
     data_parallel = split.wrap_step(data_parallel, layout)  # tp: the norm and the overflow agreed over tp too
-    if data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes
-        binder.param_access = data_parallel.gatherer
+    if data_parallel.gatherer is not None:  # stage 3: a unit's pages are gathered before it computes, and again
+        binder.param_access = data_parallel.gatherer  # when backward reaches its output
+        data_parallel.gatherer.follow_units(binder)
     # Updates during backward (planned scheduler, no clipping, no loss scaling, staleness 0) need every gradient
     # final: with more than one rank, reduced during backward too (parallel/grad_sync.py), else not at all.
     eager = (config.memory.scheduler == "planned" and opt.overlap_updates and not tcfg.grad_clip
@@ -214,6 +215,8 @@ class StepDriver:
             self.binder.in_backward = False
             self.binder.grads_pending = True
             self.binder.end_backward()
+            if self.data_parallel.gatherer is not None:
+                self.data_parallel.gatherer.end_backward()
 
     def _grad_ready(self, slot) -> None:
         """A tensor's gradient is final (last micro-batch): update each of its pages whose gradients all are."""

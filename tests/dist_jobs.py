@@ -43,6 +43,35 @@ def branchy_batches():
     return [(torch.randn(8, 24, generator=g).abs() * (1.0 if i in (0, 3, 4) else -1.0),) for i in range(8)]
 
 
+class BranchyBlocks(nn.Module):
+    """Blocks (paging units of their own) that each read one of two weights, chosen by the micro-batch's sign per
+    row block: each rank's backward reads other parameters of the same unit than its peer's (a user's own
+    data-dependent model; MoE experts at ep 1 are one of these)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(BranchyBlock() for _ in range(3))
+        self.head = nn.Linear(24, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class BranchyBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(24, 48), nn.Linear(48, 24)
+        self.pos, self.neg = nn.Linear(48, 48), nn.Linear(48, 48)
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x))
+        h = h + (self.pos(h) if x.mean() > 0 else self.neg(h))
+        return x + self.out(h)
+
+
 class Normed(nn.Sequential):
     """An MLP with BatchNorm: its running statistics are buffers each rank updates with its own micro-batches."""
 
@@ -97,7 +126,8 @@ def gpt_moe_hash_batches():
 
 
 # a copy: other modules parametrize over theirs
-CASES = {**CASES, "branchy": (Branchy, branchy_batches, mlp_loss), "normed": (Normed, CASES["mlp"][1], mlp_loss), "llama": (hf_llama_tp, llama_batches, llama_loss),
+CASES = {**CASES, "branchy": (Branchy, branchy_batches, mlp_loss),
+         "branchy-blocks": (BranchyBlocks, branchy_batches, mlp_loss), "normed": (Normed, CASES["mlp"][1], mlp_loss), "llama": (hf_llama_tp, llama_batches, llama_loss),
          "qwen2": (hf_qwen2_tp, llama_batches, llama_loss), "qwen3": (hf_qwen3_tp, llama_batches, llama_loss),
          "llama-bias": (hf_llama_bias_tp, llama_batches, llama_loss),
          "gpt-moe": (gpt_moe, gpt_moe_batches, CASES["gpt"][2]),

@@ -24,6 +24,11 @@ JOBS = (
     + [job("zero2-mlp-accum2", zero=2, model="mlp", accum=2), job("zero3-tied", zero=3, model="tied",
                                                                     placement="device+host")]
     + [job(f"zero{z}-branchy", zero=z, model="branchy", placement="device+host") for z in (2, 3)]
+    # units whose parameters each rank reads differently in backward, on a device with room for a few groups only
+    + [job("zero3-branchy-blocks-tight", zero=3, model="branchy-blocks", placement="device+host", timeout_s=20,
+           memory={"device_budget": "64KiB"}),
+       job("zero3-moe-ep1-tight", zero=3, model="gpt-moe", placement="device+host", timeout_s=20,
+           memory={"device_budget": "300KiB"})]
     + [job("zero3-batchnorm", zero=3, model="normed", placement="device", state_dicts=True),
        job("zero1-batchnorm-eval", zero=1, model="normed", placement="device", state_dicts=True, eval_before_step=True)]
     + [job("zero3-osdp", zero=3, osdp=True, steps=5)]
@@ -45,7 +50,7 @@ BY_NAME = {spec["name"]: spec for spec in JOBS}
 # torch on the global batch: not for the branchy model, whose branch is decided per micro-batch, nor a dropped step
 # (nor BatchNorm, whose batch statistics are a micro-batch's)
 FP32_JOBS = [s["name"] for s in JOBS if s["dtype"] == "float32" and not s["staleness"]
-             and s["model"] not in ("branchy", "normed")
+             and s["model"] not in ("branchy", "branchy-blocks", "gpt-moe", "normed")
              and "drop_at" not in s]
 
 

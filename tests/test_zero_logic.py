@@ -347,3 +347,80 @@ def test_a_peer_gone_while_the_checkpoint_planning_group_is_made_is_a_collective
                                               r"a peer rank died.*wait timeout after 10000ms"):
         comm.side_group()
     assert comm.failed is not None and failures == [comm.failed]
+
+
+class _Binder:
+    """What ParamGatherer.follow_units reads of the engine's binder."""
+
+    def __init__(self, units, unit_pages):
+        self.units, self.unit_pages = units, unit_pages
+        self.in_backward, self.hooks_on = False, True
+
+    def release_node_pins(self):
+        pass
+
+
+def test_reads_inside_a_units_backward_that_differ_by_rank_issue_the_same_collectives_on_every_rank():
+    """Stage 3, 4 ranks, room for fewer groups than the model has: each unit's groups are gathered when backward
+    reaches it (enter_backward), then rank r reads only one of the unit's two layers (r's parity): an MoE expert
+    routed on some ranks only. Every rank issues the same collectives (the sequence check passes every step), every
+    read sees the owners' values, groups dropped after the forward are gathered again, and later steps prefetch."""
+    from angel_ptm.units import PagingUnit
+
+    world = 4
+    torch.manual_seed(0)
+    net = nn.Sequential(*[nn.Linear(64, 64) for _ in range(6)])  # 3 units of 2 layers, about 8 pages each
+
+    def rank_main(rank):
+        layout = build_layout(net, PAGE, dp_world_size=world)
+        own = Ownership(rank, world, 3)
+        manager = PageManager(BufferPool(Tier.DEVICE, PAGE, 64 * PAGE), BufferPool(Tier.HOST, PAGE, 64 * PAGE))
+        pages = [manager.create_page("param", torch.float32, index=i) if own.local("param", i) else
+                 manager.create_remote_page("param", torch.float32, i, own.home(i)) for i in range(layout.n_pages)]
+        for i, page in enumerate(pages):
+            if page.home is None:
+                manager.acquire([page], Tier.HOST)
+                page.view(torch.float32).fill_(100 * i + rank)
+                manager.release([page], dirty=True)
+        comm = Collectives(Mesh(rank=rank, world_size=world, local_rank=rank, local_world_size=world, dp=world,
+                                backend="threaded"))
+        layer_pages = [sorted({p for name in (f"{k}.weight", f"{k}.bias") for p in layout.slot(name).pages})
+                       for k in range(6)]
+        units = [PagingUnit(net[2 * u], f"unit{u}") for u in range(3)]
+        binder = _Binder(units, {id(u): [pages[i] for i in layer_pages[2 * k] + layer_pages[2 * k + 1]]
+                                 for k, u in enumerate(units)})
+        n_groups = layout.n_pages // world
+        gatherer = ParamGatherer(manager, pages, comm, own, capacity=3, access=Scheduler(manager))
+        gatherer.follow_units(binder)
+        seen, gathers = [], []
+        for _ in range(3):
+            before = gatherer.gathers
+            for unit in units:  # forward: every rank reads the whole unit
+                gatherer.acquire(binder.unit_pages[id(unit)], Tier.DEVICE)
+                gatherer.release(binder.unit_pages[id(unit)])
+            binder.in_backward = True
+            for k in reversed(range(3)):
+                gatherer.enter_backward(units[k])
+                mine = [pages[i] for i in layer_pages[2 * k + rank % 2]]  # this rank's own reads
+                gatherer.acquire(mine, Tier.DEVICE, label="bwd")
+                seen.append([float(p.view(torch.float32)[0]) for p in mine])
+                gatherer.release(mine)
+            binder.in_backward = False
+            gatherer.end_backward()
+            comm.verify_sequence("the step's gathers")  # a CollectiveError on every rank if any differed
+            gathers.append(gatherer.gathers - before)
+            gatherer.clear()
+        gatherer.close()
+        return seen, gathers, gatherer.prefetched, n_groups, gatherer.recorded
+
+    results = run_threaded(rank_main, world=world)
+    for rank, (seen, gathers, prefetched, n_groups, recorded) in enumerate(results):
+        layout = build_layout(net, PAGE, dp_world_size=world)
+        mine = [sorted({p for name in (f"{k}.weight", f"{k}.bias") for p in layout.slot(name).pages})
+                for k in range(6)]
+        expected = [[100 * i + i % world for i in mine[2 * k + rank % 2]] for k in reversed(range(3))] * 3
+        assert seen == expected
+        assert gathers == results[0][1] and prefetched == results[0][2]
+        assert recorded == results[0][4] and len(recorded) == 6  # the units' accesses only, not the rank's reads
+        assert gathers[0] > n_groups  # groups dropped after the forward were gathered again for backward
+    assert results[0][2] > 0

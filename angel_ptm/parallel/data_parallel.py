@@ -189,6 +189,7 @@ class DataParallel:
         with contextlib.suppress(CollectiveError):
             self.sync.drain()
         if self.gatherer is not None:
+            self.gatherer.close()
             with contextlib.suppress(CollectiveError):
                 self.gatherer.drop_all()
         if self.experts is not None:

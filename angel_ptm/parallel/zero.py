@@ -9,17 +9,24 @@ access sequence, the agreed set of tensors with a gradient, group indices), neve
 timing, so all ranks issue the same collectives in the same order. Gathered groups are kept in a deterministic
 LRU of `capacity` groups (their remote pages pinned while held), so a unit's backward finds its groups still
 there without a second all-gather; a group is dropped only by that LRU or at the end of the step.
+
+In backward the points are the units', as FSDP's: when the gradient of a unit's output arrives, every group of the
+unit is gathered and kept until the next unit's backward starts (or backward ends), so each rank's reads inside the
+unit -- which may differ from rank to rank (an MoE block's experts at ep 1, any data-dependent branch) -- need no
+collective of their own and leave no trace in the plan.
 """
 
 from __future__ import annotations
 
 import bisect
 import time
+import weakref
 from collections import Counter, OrderedDict
 from typing import Sequence
 
 import torch
 
+from angel_ptm import guard
 from angel_ptm.memory import Page, PageManager, Tier
 from angel_ptm.parallel.collectives import MAX
 from angel_ptm.schedule.communicator import Communicator
@@ -34,7 +41,11 @@ class ParamGatherer:
     (asynchronously: the communication runs while this unit computes), as far as `capacity` groups allow, making
     room by dropping the held group whose next use is farthest. A step that leaves the recording (an evaluation
     pass, data-dependent control flow) gathers on demand for the rest of that step. The step's end drops every
-    group (the owners' pages changed) and starts gathering the first groups of the next step."""
+    group (the owners' pages changed) and starts gathering the first groups of the next step.
+
+    With `follow_units`, backward's accesses are the units' (`enter_backward`, when the gradient of a unit's output
+    arrives): a read inside a unit whose groups are all pinned so is this rank's own business -- no collective, no
+    entry in the recording, no move in the LRU -- so ranks that read different parameters there stay in step."""
 
     LOOKAHEAD = 8  # accesses ahead whose groups may be gathered early
     EXPOSED_S = 1e-4  # OSDP: a group whose gathers kept compute waiting longer than this may be kept replicated
@@ -64,10 +75,51 @@ class ParamGatherer:
         self._exposed: Counter = Counter()  # group -> seconds waited on its gathers, in the step being measured
         self._measuring = False
         self._decided = replicable == 0
+        # Units whose backward runs (follow_units): id(unit) -> its groups, pinned (in _in_use) until it is left
+        self._entered: dict = {}
+        self._entered_groups: Counter = Counter()  # group -> entered units holding it
+        self._silent: Counter = Counter()  # page index -> acquisitions inside an entered unit, not yet released
+        self._binder = None
+        self._handles: list = []
+
+    @property
+    def recorded(self) -> tuple[tuple[int, ...], ...]:
+        """The group accesses recorded in the first step, which later steps follow (the same on every rank)."""
+        return tuple(self._sequence)
 
     def acquire(self, pages: Sequence[Page], tier: Tier = Tier.DEVICE, label: str | None = None,
                 read_only: bool = False) -> None:
-        groups = tuple(dict.fromkeys(page.index // self.dp for page in pages if not self.own.rank_local(page.index)))
+        groups = self._groups(pages)
+        if groups and all(self._entered_groups[g] for g in groups):
+            # inside a unit's backward, whose groups are all here and pinned: this rank's own read (it may read
+            # what no other rank does) moves nothing the plan or the LRU sees
+            self.access.acquire(pages, tier, label=label, read_only=read_only)
+            self._silent.update(page.index for page in pages if not self.own.rank_local(page.index))
+            return
+        self._gather(groups)
+        self.access.acquire(pages, tier, label=label, read_only=read_only)
+        for page in pages:
+            if not self.own.rank_local(page.index):
+                self._in_use[page.index // self.dp] += 1
+        if self._following:
+            self._prefetch()
+
+    def release(self, pages: Sequence[Page]) -> None:
+        self.access.release(pages)
+        for page in pages:
+            if self.own.rank_local(page.index):
+                continue
+            if self._silent[page.index]:
+                self._silent[page.index] -= 1
+            else:
+                self._in_use[page.index // self.dp] -= 1
+
+    def _groups(self, pages: Sequence[Page]) -> tuple[int, ...]:
+        return tuple(dict.fromkeys(page.index // self.dp for page in pages if not self.own.rank_local(page.index)))
+
+    def _gather(self, groups: tuple[int, ...]) -> None:
+        """An access to `groups` (the next in the recorded sequence, or off it): each gathered if not held, and
+        landed if its gather is in flight."""
         self._advance(groups)
         for group in groups:
             if group in self.held:  # gathered ahead: compute waits only if its data is not here yet
@@ -81,18 +133,70 @@ class ParamGatherer:
                 waited = time.perf_counter() - t0
             if self._measuring:
                 self._exposed[group] += waited
-        self.access.acquire(pages, tier, label=label, read_only=read_only)
-        for page in pages:
-            if not self.own.rank_local(page.index):
-                self._in_use[page.index // self.dp] += 1
+
+    # ------------------------------------------------------------------ units' backward (FSDP's pre-backward)
+    def follow_units(self, binder) -> None:
+        """Gather each unit's groups when backward reaches the gradient of its output (`binder`: the units, their
+        pages, whether the engine's forward or backward runs, and the node pins to let go)."""
+        self._binder = weakref.ref(binder)  # (hooks live in autograd's graph: nothing there keeps the engine)
+        me = weakref.ref(self)
+        for unit in binder.units:
+            def post(_module, _args, output, unit=unit):
+                gatherer = me()
+                if gatherer is not None:
+                    gatherer._watch_output(unit, output)
+            self._handles.append(unit.module.register_forward_hook(guard.EngineHook(post)))
+
+    def _watch_output(self, unit, output) -> None:
+        binder = self._binder()
+        if binder is None or not binder.hooks_on or binder.in_backward or not torch.is_grad_enabled():
+            return  # (a recomputation in backward, an evaluation: no backward of this forward to prepare)
+        with torch._C.DisableTorchFunctionSubclass():  # (tp's vocabulary-sharded logits allow few tensor methods)
+            nodes = {id(t.grad_fn): t.grad_fn for t in _tensors(output) if t.requires_grad and t.grad_fn is not None}
+        me, fired = weakref.ref(self), []
+
+        def reached(_grads):  # before the node that made the output runs: the output's gradient is whole
+            gatherer = me()
+            if not fired and gatherer is not None:
+                fired.append(True)
+                gatherer.enter_backward(unit)
+        for node in nodes.values():
+            node.register_prehook(reached)
+
+    def enter_backward(self, unit) -> None:
+        """Backward reached `unit`'s output (the same point on every rank, whatever each rank's inputs were): the
+        units entered before it let go of their groups unless they hold it, then its groups are gathered (one
+        access of the recorded sequence) and pinned until it is left."""
+        binder = self._binder() if self._binder is not None else None
+        if binder is None or not binder.in_backward:
+            return
+        binder.release_node_pins()  # (the node that made this gradient has run: what it read may go)
+        around = {id(u) for u in unit.chain()}
+        for key in [key for key in self._entered if key not in around]:
+            self._leave(key)
+        groups = self._groups(binder.unit_pages[id(unit)])
+        self._gather(groups)
+        self._entered[id(unit)] = groups
+        self._in_use.update(groups)
+        self._entered_groups.update(groups)
         if self._following:
             self._prefetch()
 
-    def release(self, pages: Sequence[Page]) -> None:
-        self.access.release(pages)
-        for page in pages:
-            if not self.own.rank_local(page.index):
-                self._in_use[page.index // self.dp] -= 1
+    def _leave(self, key: int) -> None:
+        groups = self._entered.pop(key)
+        self._in_use.subtract(groups)
+        self._entered_groups.subtract(groups)
+
+    def end_backward(self) -> None:
+        """Backward is over: every entered unit lets go of its groups."""
+        for key in list(self._entered):
+            self._leave(key)
+        self._silent.clear()
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     def _advance(self, groups: tuple[int, ...]) -> None:
         """Follow the recorded sequence: this access is the next one, or the step has left it."""
@@ -213,6 +317,17 @@ class ParamGatherer:
         if group not in self.held:  # just chosen: gathered for the first time, and kept
             self._make_room(keep=tuple(self.replicated))
         self._start(group)
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    """The tensors of a module's output: itself, or inside tuples, lists and dicts (HuggingFace's ModelOutput)."""
+    if isinstance(output, torch.Tensor):
+        return [output]
+    if isinstance(output, dict):
+        output = list(output.values())
+    if isinstance(output, (tuple, list)):
+        return [t for item in output for t in _tensors(item)]
+    return []
 
 
 def expert_groups(model, layout, ownership: Ownership) -> dict[str, list[int]]:
