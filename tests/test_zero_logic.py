@@ -392,7 +392,7 @@ def test_reads_inside_a_units_backward_that_differ_by_rank_issue_the_same_collec
         n_groups = layout.n_pages // world
         gatherer = ParamGatherer(manager, pages, comm, own, capacity=3, access=Scheduler(manager))
         gatherer.follow_units(binder)
-        seen, gathers = [], []
+        seen, gathers, most_held = [], [], 0
         for _ in range(3):
             before = gatherer.gathers
             for unit in units:  # forward: every rank reads the whole unit
@@ -401,6 +401,9 @@ def test_reads_inside_a_units_backward_that_differ_by_rank_issue_the_same_collec
             binder.in_backward = True
             for k in reversed(range(3)):
                 gatherer.enter_backward(units[k])
+                if k == 1:  # a unit called twice in forward: its backward is entered twice
+                    gatherer.enter_backward(units[k])
+                most_held = max(most_held, len(gatherer.held))
                 mine = [pages[i] for i in layer_pages[2 * k + rank % 2]]  # this rank's own reads
                 gatherer.acquire(mine, Tier.DEVICE, label="bwd")
                 seen.append([float(p.view(torch.float32)[0]) for p in mine])
@@ -411,16 +414,17 @@ def test_reads_inside_a_units_backward_that_differ_by_rank_issue_the_same_collec
             gathers.append(gatherer.gathers - before)
             gatherer.clear()
         gatherer.close()
-        return seen, gathers, gatherer.prefetched, n_groups, gatherer.recorded
+        return seen, gathers, gatherer.prefetched, n_groups, gatherer.recorded, most_held
 
     results = run_threaded(rank_main, world=world)
-    for rank, (seen, gathers, prefetched, n_groups, recorded) in enumerate(results):
+    for rank, (seen, gathers, prefetched, n_groups, recorded, most_held) in enumerate(results):
         layout = build_layout(net, PAGE, dp_world_size=world)
         mine = [sorted({p for name in (f"{k}.weight", f"{k}.bias") for p in layout.slot(name).pages})
                 for k in range(6)]
         expected = [[100 * i + i % world for i in mine[2 * k + rank % 2]] for k in reversed(range(3))] * 3
         assert seen == expected
         assert gathers == results[0][1] and prefetched == results[0][2]
-        assert recorded == results[0][4] and len(recorded) == 6  # the units' accesses only, not the rank's reads
+        assert recorded == results[0][4] and len(recorded) == 7  # the units' accesses only, not the rank's reads
+        assert most_held <= 4  # capacity 3, or one unit's groups (3 or 4) with the next one's prefetched: no pin leaks
         assert gathers[0] > n_groups  # groups dropped after the forward were gathered again for backward
     assert results[0][2] > 0

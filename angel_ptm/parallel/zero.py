@@ -171,7 +171,7 @@ class ParamGatherer:
         if binder is None or not binder.in_backward:
             return
         binder.release_node_pins()  # (the node that made this gradient has run: what it read may go)
-        around = {id(u) for u in unit.chain()}
+        around = {id(u) for u in unit.chain()[1:]}  # (a unit entered again, called twice in forward: left first)
         for key in [key for key in self._entered if key not in around]:
             self._leave(key)
         groups = self._groups(binder.unit_pages[id(unit)])
