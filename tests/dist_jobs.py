@@ -72,6 +72,53 @@ class BranchyBlock(nn.Module):
         return x + self.out(h)
 
 
+class BranchyNested(nn.Module):
+    """BranchyBlocks' reads, each block's output made by an inner unit (units=[NestedBlock, BranchyInner,
+    SkipBlock]: one node ends both), and between them a block that returns its input unchanged for micro-batches
+    whose mean is negative (on some ranks only: its output node is then the block before it's)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([NestedBlock(), SkipBlock(), NestedBlock()])
+        self.head = nn.Linear(24, 1)
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+class NestedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.inner = nn.Linear(24, 48), BranchyInner()
+
+    def forward(self, x):
+        return self.inner(x, torch.tanh(self.inp(x)))
+
+
+class SkipBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp, self.out = nn.Linear(24, 48), nn.Linear(48, 24)
+
+    def forward(self, x):
+        return x if x.mean() < 0 else x + self.out(torch.tanh(self.inp(x)))
+
+
+class BranchyInner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pos, self.neg, self.out = nn.Linear(48, 48), nn.Linear(48, 48), nn.Linear(48, 24)
+
+    def forward(self, x, h):
+        return x + self.out(h + (self.pos(h) if x.mean() > 0 else self.neg(h)))
+
+
+UNITS = {"nested": [NestedBlock, BranchyInner, SkipBlock]}  # a job's `units`: what initialize(..., units=) is given
+
+
 class Normed(nn.Sequential):
     """An MLP with BatchNorm: its running statistics are buffers each rank updates with its own micro-batches."""
 
@@ -127,7 +174,8 @@ def gpt_moe_hash_batches():
 
 # a copy: other modules parametrize over theirs
 CASES = {**CASES, "branchy": (Branchy, branchy_batches, mlp_loss),
-         "branchy-blocks": (BranchyBlocks, branchy_batches, mlp_loss), "normed": (Normed, CASES["mlp"][1], mlp_loss), "llama": (hf_llama_tp, llama_batches, llama_loss),
+         "branchy-blocks": (BranchyBlocks, branchy_batches, mlp_loss),
+         "branchy-nested": (BranchyNested, branchy_batches, mlp_loss), "normed": (Normed, CASES["mlp"][1], mlp_loss), "llama": (hf_llama_tp, llama_batches, llama_loss),
          "qwen2": (hf_qwen2_tp, llama_batches, llama_loss), "qwen3": (hf_qwen3_tp, llama_batches, llama_loss),
          "llama-bias": (hf_llama_bias_tp, llama_batches, llama_loss),
          "gpt-moe": (gpt_moe, gpt_moe_batches, CASES["gpt"][2]),
@@ -214,7 +262,8 @@ def train(rank: int, world: int, spec: dict, tmp: str) -> dict:
     # pairwise False: gloo's own collectives, reductions on a process group of their own (NCCL's way)
     collectives_module.PAIRWISE_ON_GLOO = spec.get("pairwise", True)
     try:
-        engine = angel_ptm.initialize(model, config_of(spec, world, disk_dir))
+        units = {"units": UNITS[spec["units"]]} if spec.get("units") else {}
+        engine = angel_ptm.initialize(model, config_of(spec, world, disk_dir), **units)
     finally:
         collectives_module.PAIRWISE_ON_GLOO = True
     if spec.get("rebalance_pays"):  # the cost model told that moving pays (timings would make the test flaky)

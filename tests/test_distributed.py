@@ -28,7 +28,9 @@ JOBS = (
     + [job("zero3-branchy-blocks-tight", zero=3, model="branchy-blocks", placement="device+host", timeout_s=20,
            memory={"device_budget": "64KiB"}),
        job("zero3-moe-ep1-tight", zero=3, model="gpt-moe", placement="device+host", timeout_s=20,
-           memory={"device_budget": "300KiB"})]
+           memory={"device_budget": "300KiB"}),
+       job("zero3-branchy-nested-tight", zero=3, model="branchy-nested", units="nested", placement="device+host",
+           timeout_s=20, memory={"device_budget": "64KiB"})]
     + [job("zero3-batchnorm", zero=3, model="normed", placement="device", state_dicts=True),
        job("zero1-batchnorm-eval", zero=1, model="normed", placement="device", state_dicts=True, eval_before_step=True)]
     + [job("zero3-osdp", zero=3, osdp=True, steps=5)]
@@ -50,7 +52,7 @@ BY_NAME = {spec["name"]: spec for spec in JOBS}
 # torch on the global batch: not for the branchy model, whose branch is decided per micro-batch, nor a dropped step
 # (nor BatchNorm, whose batch statistics are a micro-batch's)
 FP32_JOBS = [s["name"] for s in JOBS if s["dtype"] == "float32" and not s["staleness"]
-             and s["model"] not in ("branchy", "branchy-blocks", "gpt-moe", "normed")
+             and s["model"] not in ("branchy", "branchy-blocks", "branchy-nested", "gpt-moe", "normed")
              and "drop_at" not in s]
 
 

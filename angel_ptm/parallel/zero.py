@@ -19,6 +19,7 @@ collective of their own and leave no trace in the plan.
 from __future__ import annotations
 
 import bisect
+import functools
 import time
 import weakref
 from collections import Counter, OrderedDict
@@ -81,6 +82,9 @@ class ParamGatherer:
         self._silent: Counter = Counter()  # page index -> acquisitions inside an entered unit, not yet released
         self._binder = None
         self._handles: list = []
+        # (id, sequence number) of a node that made a unit's output -> [(unit, its call's entered flag)], the
+        # forward's until backward ends: ids come again once nodes are freed, sequence numbers do not
+        self._output_nodes: dict[tuple[int, int], list] = {}
 
     @property
     def recorded(self) -> tuple[tuple[int, ...], ...]:
@@ -153,15 +157,17 @@ class ParamGatherer:
             return  # (a recomputation in backward, an evaluation: no backward of this forward to prepare)
         with torch._C.DisableTorchFunctionSubclass():  # (tp's vocabulary-sharded logits allow few tensor methods)
             nodes = {id(t.grad_fn): t.grad_fn for t in _tensors(output) if t.requires_grad and t.grad_fn is not None}
-        me, fired = weakref.ref(self), []
-
-        def reached(_grads):  # before the node that made the output runs: the output's gradient is whole
-            gatherer = me()
-            if not fired and gatherer is not None:
-                fired.append(True)
-                gatherer.enter_backward(unit)
+        call: list = []  # this forward call of the unit: entered once, at whichever of its output nodes comes first
         for node in nodes.values():
-            node.register_prehook(reached)
+            # One prehook per node, entering every unit whose output it made, the latest registered first: an outer
+            # unit that returns its inner unit's output before the inner one (which it holds), and a unit that
+            # returns its input unchanged before the unit that made it (so that one stays entered for its reads)
+            key = (id(node), node._sequence_nr())
+            entries = self._output_nodes.get(key)
+            if entries is None:
+                entries = self._output_nodes[key] = []
+                node.register_prehook(functools.partial(_reached, weakref.ref(self), entries))
+            entries.append((unit, call))
 
     def enter_backward(self, unit) -> None:
         """Backward reached `unit`'s output (the same point on every rank, whatever each rank's inputs were): the
@@ -192,6 +198,7 @@ class ParamGatherer:
         for key in list(self._entered):
             self._leave(key)
         self._silent.clear()
+        self._output_nodes.clear()
 
     def close(self) -> None:
         for handle in self._handles:
@@ -285,6 +292,7 @@ class ParamGatherer:
         """The step is over (the owners' pages changed): drop every held group, refresh OSDP's replicated ones, then
         start gathering the first groups of the next step."""
         self.drop_all(keep_replicated=True)
+        self._output_nodes.clear()  # (a forward no backward followed)
         if self._recording is not None:
             self._sequence, self._recording = self._recording, None
             for position, groups in enumerate(self._sequence):
@@ -317,6 +325,17 @@ class ParamGatherer:
         if group not in self.held:  # just chosen: gathered for the first time, and kept
             self._make_room(keep=tuple(self.replicated))
         self._start(group)
+
+
+def _reached(gatherer_ref, entries: list, _grads) -> None:
+    """Backward is about to run a node that made units' outputs (their gradients are whole): enter each unit."""
+    gatherer = gatherer_ref()
+    if gatherer is None:
+        return
+    for unit, call in reversed(entries):
+        if not call:
+            call.append(True)
+            gatherer.enter_backward(unit)
 
 
 def _tensors(output) -> list[torch.Tensor]:
