@@ -125,18 +125,18 @@ class ParamGatherer:
         """An access to `groups` (the next in the recorded sequence, or off it): each gathered if not held, and
         landed if its gather is in flight."""
         self._advance(groups)
+        t0, on_demand = time.perf_counter(), set()
         for group in groups:
             if group in self.held:  # gathered ahead: compute waits only if its data is not here yet
                 self.held.move_to_end(group)
-                waited = self._settle(group)
-            else:  # on demand: compute waits for the whole gather
-                t0 = time.perf_counter()
+            else:  # on demand: every missing group's gather is issued before any is waited on (they overlap)
                 self._make_room(keep=groups)
                 self._start(group)
-                self._settle(group)
-                waited = time.perf_counter() - t0
-            if self._measuring:
-                self._exposed[group] += waited
+                on_demand.add(group)
+        for group in groups:
+            waited = self._settle(group)
+            if self._measuring:  # (on demand: compute waited from the first issue)
+                self._exposed[group] += time.perf_counter() - t0 if group in on_demand else waited
 
     # ------------------------------------------------------------------ units' backward (FSDP's pre-backward)
     def follow_units(self, binder) -> None:
