@@ -15,6 +15,7 @@ from angel_ptm.models.moe import moe_metrics
 from angel_ptm.parallel import collectives as collectives_module
 from torch import nn
 
+from branchy_models import UNITS, BranchyBlocks, BranchyNested
 from hf_cases import hf_llama_bias_tp, hf_llama_tp, hf_qwen2_tp, hf_qwen3_tp
 from test_engine_equivalence import CASES, engine_config, mlp_loss
 
@@ -41,82 +42,6 @@ def branchy_batches():
     neither (the expert gets no gradient anywhere)."""
     g = torch.Generator().manual_seed(7)
     return [(torch.randn(8, 24, generator=g).abs() * (1.0 if i in (0, 3, 4) else -1.0),) for i in range(8)]
-
-
-class BranchyBlocks(nn.Module):
-    """Blocks (paging units of their own) that each read one of two weights, chosen by the micro-batch's sign per
-    row block: each rank's backward reads other parameters of the same unit than its peer's (a user's own
-    data-dependent model; MoE experts at ep 1 are one of these)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(BranchyBlock() for _ in range(3))
-        self.head = nn.Linear(24, 1)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-class BranchyBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp, self.out = nn.Linear(24, 48), nn.Linear(48, 24)
-        self.pos, self.neg = nn.Linear(48, 48), nn.Linear(48, 48)
-
-    def forward(self, x):
-        h = torch.tanh(self.inp(x))
-        h = h + (self.pos(h) if x.mean() > 0 else self.neg(h))
-        return x + self.out(h)
-
-
-class BranchyNested(nn.Module):
-    """BranchyBlocks' reads, each block's output made by an inner unit (units=[NestedBlock, BranchyInner,
-    SkipBlock]: one node ends both), and between them a block that returns its input unchanged for micro-batches
-    whose mean is negative (on some ranks only: its output node is then the block before it's)."""
-
-    def __init__(self):
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList([NestedBlock(), SkipBlock(), NestedBlock()])
-        self.head = nn.Linear(24, 1)
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return self.head(x)
-
-
-class NestedBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp, self.inner = nn.Linear(24, 48), BranchyInner()
-
-    def forward(self, x):
-        return self.inner(x, torch.tanh(self.inp(x)))
-
-
-class SkipBlock(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.inp, self.out = nn.Linear(24, 48), nn.Linear(48, 24)
-
-    def forward(self, x):
-        return x if x.mean() < 0 else x + self.out(torch.tanh(self.inp(x)))
-
-
-class BranchyInner(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.pos, self.neg, self.out = nn.Linear(48, 48), nn.Linear(48, 48), nn.Linear(48, 24)
-
-    def forward(self, x, h):
-        return x + self.out(h + (self.pos(h) if x.mean() > 0 else self.neg(h)))
-
-
-UNITS = {"nested": [NestedBlock, BranchyInner, SkipBlock]}  # a job's `units`: what initialize(..., units=) is given
 
 
 class Normed(nn.Sequential):
