@@ -410,23 +410,31 @@ class ExpertGatherer:
         return grad
 
     def gather(self, layer) -> None:
-        """Every expert group of `layer` filled from its owner (those another layer holds already: as they are)."""
+        """Every expert group of `layer` filled from its owner (those another layer holds already: as they are), the
+        gathers all issued before any is waited on (they overlap)."""
         k = self.own.local_dp
-        for first in self.groups.get(id(layer), ()):
-            if self._uses[first]:
-                self._uses[first] += 1
-                continue
-            pages = self.param_pages[first : first + k]
-            own = pages[self.own.local_rank]
-            self.manager.acquire([own], self.tier, read_only=True)  # the gather's input, as in _start
-            try:
+        issued, handles = [], []  # (group's first page, its own page pinned as the input), the gathers
+        try:
+            for first in self.groups.get(id(layer), ()):
+                if self._uses[first]:
+                    self._uses[first] += 1
+                    continue
+                pages = self.param_pages[first : first + k]
+                own = pages[self.own.local_rank]
+                self.manager.acquire([own], self.tier, read_only=True)  # the gather's input, as in _start
+                issued.append((first, own))
                 remote = [page for page in pages if page is not own]
                 self.manager.hold_remote(remote, self.tier)
                 self.held[first] = remote
-                self.comm.all_gather([page.buffer for page in pages], own.buffer, what=f"expert param group {first}")
-            finally:
+                handles.append(self.comm.all_gather([page.buffer for page in pages], own.buffer,
+                                                    what=f"expert param group {first}", async_op=True))
+            for handle in handles:
+                handle.wait()
+            for first, _ in issued:
+                self._uses[first] = 1  # (counted once filled: a failed gather leaves nothing to skip next time)
+        finally:
+            for _, own in issued:
                 self.manager.release([own])
-            self._uses[first] = 1  # (counted once filled: a failed gather leaves nothing to skip next time)
 
     def drop(self, layer) -> None:
         for first in self.groups.get(id(layer), ()):
