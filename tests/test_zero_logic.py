@@ -428,3 +428,28 @@ def test_reads_inside_a_units_backward_that_differ_by_rank_issue_the_same_collec
         assert most_held <= 4  # capacity 3, or one unit's groups (3 or 4) with the next one's prefetched: no pin leaks
         assert gathers[0] > n_groups  # groups dropped after the forward were gathered again for backward
     assert results[0][2] > 0
+
+
+def test_an_accesss_missing_groups_are_all_issued_before_any_is_waited_on():
+    """On demand (nothing prefetched: the first step), the gathers of one access overlap: issued together, then
+    landed, not issue-wait-issue-wait."""
+    def rank_main(rank):
+        layout, own, manager, pages, comm = setup(rank, 3)
+        log = []
+        gather = comm.all_gather
+
+        def logged(outputs, tensor, what, async_op=False):
+            handle = gather(outputs, tensor, what, async_op=async_op)
+            log.append(f"issue {what}")
+            wait = handle.wait
+            handle.wait = lambda: (wait(), log.append(f"wait {what}"))[0]
+            return handle
+        comm.all_gather = logged
+        gatherer = ParamGatherer(manager, pages["param"], comm, own, capacity=2, access=Scheduler(manager))
+        both = [pages["param"][0], pages["param"][WORLD]]  # one page of each of the two groups
+        gatherer.acquire(both, Tier.DEVICE, label="fwd")
+        gatherer.release(both)
+        return log
+
+    for log in run_threaded(rank_main):
+        assert log == ["issue param group 0", "issue param group 1", "wait param group 0", "wait param group 1"]
