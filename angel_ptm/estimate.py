@@ -123,9 +123,14 @@ class Estimate:
         return not self.problems
 
     def check(self) -> None:
-        """Raise the BudgetError of the first problem found (one line: tier, bytes needed, bytes available)."""
+        """Raise the BudgetError of the first problem found (one line: tier, bytes needed, bytes available), with
+        the tier's whole need where its other needs are larger: the budget to ask for at once."""
         if self.problems:
-            raise self.problems[0].error()
+            first, tier = self.problems[0], self.tiers.get(self.problems[0].tier)
+            if tier is not None and first.available == tier.budget and tier.needed > first.requested:
+                first = replace(first, what=f"{first.what}; the {first.tier} tier needs {format_bytes(tier.needed)} "
+                                            f"in all (angel-ptm estimate lists each need)")
+            raise first.error()
 
     def peaks(self) -> dict[str, int]:
         return {tier: self.tiers[tier].peak for tier in TIERS}

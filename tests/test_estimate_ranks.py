@@ -45,3 +45,19 @@ def test_zero3_with_moe_experts_in_their_blocks_unit_needs_no_more_groups_than_a
                          ownership=Ownership(0, 2, 3), local_world_size=2, device=CPU)
     assert tight.fits and tight.gather_groups < roomy.gather_groups  # (groups dropped between forward and backward)
     assert tight.gather_groups >= tight.largest_unit_groups
+
+def test_a_budget_error_names_the_tiers_whole_need_when_another_need_of_it_is_larger():
+    """ZeRO-3 at 2 ranks, 32 KiB of device: the first problem found is the largest unit (76 KiB), but the gathered
+    groups need 108 KiB; asking for 76 KiB would fail again (probe e2). The one line names both."""
+    from angel_ptm.parallel import Ownership
+
+    model = {"name": "gpt", "vocab_size": 64, "seq_len": 16, "n_layer": 2, "n_head": 2, "dim": 32}
+    config = {"model": model, "memory": {"page_bytes": "4KiB", "device_budget": "32KiB", "host_budget": "4MiB"},
+              "trainer": {"device": "cpu"}, "parallel": {"zero": 3}}
+    tight = estimate_job(config, ownership=Ownership(0, 2, 3), local_world_size=2, device=CPU)
+    needed = tight.tiers["device"].needed
+    assert tight.problems[0].requested < needed
+    with pytest.raises(BudgetError, match=rf"the device tier needs {format_bytes(needed)} in all"):
+        tight.check()
+    enough = dict(config, memory=dict(config["memory"], device_budget=needed))
+    assert estimate_job(enough, ownership=Ownership(0, 2, 3), local_world_size=2, device=CPU).fits
