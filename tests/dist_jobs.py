@@ -405,6 +405,17 @@ def rank_local_failures(rank: int, world: int, spec: dict, tmp: str) -> dict:
         engine.backward(loss)
         engine.step()
     hook.remove()
+    # a save while one rank still holds a training forward's output: refused on every rank at once, not only there
+    held = loss_fn(engine, *batches[rank]) if rank == 0 else None
+    t0 = time.monotonic()
+    try:
+        engine.save_checkpoint(os.path.join(tmp, "held"))
+        out["held_save"] = "saved"
+    except Exception as exc:  # noqa: BLE001 - the test asserts on it
+        out["held_save"] = f"{type(exc).__name__}: {exc}"
+    out["held_save_s"] = time.monotonic() - t0
+    del held
+    engine.save_checkpoint(os.path.join(tmp, "held"))  # the output dropped: the same save goes through
     model = engine.model
     engine.close()
     out["retried"] = bool(failed_once)

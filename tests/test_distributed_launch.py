@@ -235,6 +235,11 @@ def test_a_rank_local_error_in_a_step_ends_every_rank_with_a_typed_error_and_not
     results = values(spawn(2, rank_local_failures, (job("local", zero=2, timeout_s=20), str(tmp_path)), tmp_path,
                            timeout_s=150))
     assert results[1]["retried"] and results[0]["recovered_digest"] == results[1]["recovered_digest"]
+    # a save while only rank 0 holds a forward's output: both ranks refuse it at once (rank 1 used to wait in the
+    # save's first collective until parallel.timeout_s, and fail its engine: probe e2)
+    assert results[0]["held_save"].startswith("CheckpointError: save_checkpoint: called between a training forward")
+    assert results[1]["held_save"].startswith("CheckpointError: save_checkpoint: called between a training forward")
+    assert results[1]["held_save"].endswith("(on rank 0)") and max(r["held_save_s"] for r in results) < 10
     assert results[0]["waiters_left"] == results[1]["waiters_left"] == []
     assert results[1]["fatal_step"].startswith("RuntimeError: rank-local failure in backward"), results[1]
     assert results[0]["fatal_step"].startswith("CollectiveError: rank 0 of 2: "), results[0]

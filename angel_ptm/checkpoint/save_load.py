@@ -274,13 +274,21 @@ def load_checkpoint(engine, path: str | os.PathLike) -> Any:
 
 
 def _at_step_boundary(engine, what: str) -> None:
-    driver = engine.driver
+    """A CheckpointError on every rank where any rank is mid-step (before the first collective of the save or
+    load: a rank refused alone would leave the others waiting in it)."""
+    driver, refusal = engine.driver, None
     if driver.micro or driver.grads_final:
-        raise CheckpointError(f"{what}: called between backward() and step() ({driver.micro} micro-batches taken); "
-                              f"call it between steps")
-    if engine.graphs.alive():  # (its RNG and buffers moved on, its weights not yet: a resume would not continue it)
-        raise CheckpointError(f"{what}: called between a training forward and its backward (its output is still "
-                              f"held); call it between steps, or drop the output (del loss) if that step is abandoned")
+        refusal = (f"{what}: called between backward() and step() ({driver.micro} micro-batches taken); call it "
+                   f"between steps")
+    elif engine.graphs.alive():  # (its RNG and buffers moved on, its weights not yet: a resume would not continue it)
+        refusal = (f"{what}: called between a training forward and its backward (its output is still held); call it "
+                   f"between steps, or drop the output (del loss) if that step is abandoned")
+    if engine.world is not None:
+        refusals = engine.world.all_gather_object(refusal, f"{what}: every rank at a step boundary")
+        first = next(((rank, r) for rank, r in enumerate(refusals) if r is not None), None)
+        refusal = None if first is None else (refusal or f"{first[1]} (on rank {first[0]})")
+    if refusal is not None:
+        raise CheckpointError(refusal)
 
 
 def _agree(engine, outcome, what: str):
