@@ -362,12 +362,17 @@ class StopSignals:
     it unwinds as on Ctrl-C: the engine closes and removes its page files. Once `save_first` is set (the trainer
     does, with checkpoint.on_signal, when the engine is up): the first signal is noted, the trainer saves a
     checkpoint at the end of the step (`requested`, agreed over the ranks) and then raises; a second signal raises
-    at once. The previous handlers are restored after. Signal handlers belong to the main thread: a run on another
+    at once (one within SAME_REQUEST_S of the first is the first delivered again). The previous handlers are restored after. Signal handlers belong to the main thread: a run on another
     thread keeps the defaults."""
+
+    # A second signal this soon after the first is the same request delivered twice: Slurm signals every task of a
+    # step (torchrun's agent too, which passes it on), a terminal's Ctrl-C reaches the agent and the workers alike
+    SAME_REQUEST_S = 1.0
 
     def __init__(self):
         self.save_first = False
         self.received: int | None = None
+        self._received_at = 0.0
         self._previous: dict[int, Any] = {}
 
     def __enter__(self) -> "StopSignals":
@@ -384,7 +389,9 @@ class StopSignals:
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if self.save_first and self.received is None:
-            self.received = signum  # saved at the end of this step
+            self.received, self._received_at = signum, time.monotonic()  # saved at the end of this step
+            return
+        if self.save_first and time.monotonic() - self._received_at < self.SAME_REQUEST_S:
             return
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the cleanup short
         if signum == signal.SIGINT:

@@ -422,3 +422,22 @@ def test_a_signal_that_stops_one_rank_closes_its_engine_without_collectives():
         assert (engine.failure.reason is not None) == failed
         if failed:
             assert "interrupted on rank 1" in engine.failure.reason
+
+
+def test_a_signal_delivered_twice_at_once_asks_for_one_save_and_a_later_one_stops_at_once(monkeypatch):
+    """Slurm signals every task of a step, torchrun's agent among them, which passes SIGTERM on to its workers: a
+    worker gets it twice within milliseconds and took the second for "stop at once", so no checkpoint was saved
+    (probe e2). A second signal within SAME_REQUEST_S of the first is the same request; after it, one stops."""
+    from angel_ptm.trainer import StopSignals
+
+    now = [100.0]
+    monkeypatch.setattr("angel_ptm.trainer.time.monotonic", lambda: now[0])
+    with StopSignals() as signals:
+        signals.save_first = True
+        signals._on_signal(signal.SIGTERM, None)
+        now[0] += 0.01
+        signals._on_signal(signal.SIGTERM, None)  # the same request again: still a save at the step's end
+        assert signals.requested(None) == signal.SIGTERM
+        now[0] += StopSignals.SAME_REQUEST_S
+        with pytest.raises(Terminated):
+            signals._on_signal(signal.SIGTERM, None)
