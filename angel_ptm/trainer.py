@@ -362,8 +362,8 @@ class StopSignals:
     it unwinds as on Ctrl-C: the engine closes and removes its page files. Once `save_first` is set (the trainer
     does, with checkpoint.on_signal, when the engine is up): the first signal is noted, the trainer saves a
     checkpoint at the end of the step (`requested`, agreed over the ranks) and then raises; a second signal raises
-    at once (one within SAME_REQUEST_S of the first is the first delivered again). The previous handlers are restored after. Signal handlers belong to the main thread: a run on another
-    thread keeps the defaults."""
+    at once (one within SAME_REQUEST_S of the first is the first delivered again). The previous handlers are
+    restored after. Signal handlers belong to the main thread: a run on another thread keeps the defaults."""
 
     # A second signal this soon after the first is the same request delivered twice: Slurm signals every task of a
     # step (torchrun's agent too, which passes it on), a terminal's Ctrl-C reaches the agent and the workers alike

@@ -26,6 +26,7 @@ from collections import Counter, OrderedDict
 from typing import Sequence
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from angel_ptm import guard
 from angel_ptm.memory import Page, PageManager, Tier
@@ -156,7 +157,8 @@ class ParamGatherer:
         if binder is None or not binder.hooks_on or binder.in_backward or not torch.is_grad_enabled():
             return  # (a recomputation in backward, an evaluation: no backward of this forward to prepare)
         with torch._C.DisableTorchFunctionSubclass():  # (tp's vocabulary-sharded logits allow few tensor methods)
-            nodes = {id(t.grad_fn): t.grad_fn for t in _tensors(output) if t.requires_grad and t.grad_fn is not None}
+            nodes = {id(t.grad_fn): t.grad_fn for t in tree_leaves(output)
+                     if isinstance(t, torch.Tensor) and t.requires_grad and t.grad_fn is not None}
         call: list = []  # this forward call of the unit: entered once, at whichever of its output nodes comes first
         for node in nodes.values():
             # One prehook per node, entering every unit whose output it made, the latest registered first: an outer
@@ -336,17 +338,6 @@ def _reached(gatherer_ref, entries: list, _grads) -> None:
         if not call:
             call.append(True)
             gatherer.enter_backward(unit)
-
-
-def _tensors(output) -> list[torch.Tensor]:
-    """The tensors of a module's output: itself, or inside tuples, lists and dicts (HuggingFace's ModelOutput)."""
-    if isinstance(output, torch.Tensor):
-        return [output]
-    if isinstance(output, dict):
-        output = list(output.values())
-    if isinstance(output, (tuple, list)):
-        return [t for item in output for t in _tensors(item)]
-    return []
 
 
 def expert_groups(model, layout, ownership: Ownership) -> dict[str, list[int]]:
