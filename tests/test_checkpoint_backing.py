@@ -8,11 +8,14 @@ import shutil
 import time as clock
 
 import pytest
+import torch
 
 import angel_ptm
 from angel_ptm.checkpoint import storage
 from angel_ptm.checkpoint.directory import Checkpoints
+from angel_ptm.checkpoint.planners import SAVED_KINDS, held_pages, page_runs, segments_by_page
 from angel_ptm.errors import ChecksumError, EngineFailedError
+from angel_ptm.memory import PageState, Tier, memops
 from angel_ptm.memory.tiers import DiskTier
 
 from test_checkpoint import (AT, CASES, STEPS, assert_bitwise, batches, config, final_states, resume_from,
@@ -133,3 +136,44 @@ def test_a_background_save_right_after_a_load_holds_the_loaded_state(tmp_path, m
     resumed, resumed_states = resume_from("gpt", config(tmp_path, "c"), tmp_path / "bg")
     assert resumed == losses[AT:]
     assert_bitwise(states, resumed_states)
+
+
+def test_a_load_zeroes_only_the_padding_of_the_pages_it_makes_afresh_and_leaves_the_clearers_as_they_were(
+        tmp_path, monkeypatch):
+    """Pages the load makes afresh reuse slots that held other bytes (here 0xFF): their padding is zeroed (not the
+    whole page, then overwritten), so every byte outside the tensors is zero and the disk pages backed by the
+    checkpoint read back their checksum."""
+    cfg = config(tmp_path, "a")
+    losses, states = train_with_checkpoint(tmp_path, "gpt", cfg, tmp_path / "ckpt")
+    engine = angel_ptm.initialize(scrambled(CASES["gpt"][0]), config(tmp_path, "b"))
+    try:
+        manager = engine.manager
+        before = dict(manager.clearers)
+        for page in manager.pages:  # the slots the load discards, then hands out again, hold garbage
+            if page.state is PageState.HOST:
+                page.buffer.fill_(0xFF)
+        cleared = []
+        zero = memops.zero_
+        monkeypatch.setattr(memops, "zero_", lambda t: cleared.append(t.numel()) or zero(t))
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert manager.clearers == before
+        page_bytes = engine.layout.page_bytes
+        assert all(n < page_bytes for n in cleared)  # the gaps, never a whole page
+        on_page = segments_by_page(engine.layout)
+        for kind in SAVED_KINDS:
+            for index, page in held_pages(engine, kind):
+                runs = sorted((r.offset * r.dtype.itemsize, (r.offset + r.numel) * r.dtype.itemsize)
+                              for _, _, r in page_runs(engine.layout, on_page[index], kind, index, page.dtype))
+                manager.acquire([page], Tier.HOST, read_only=True)
+                try:
+                    outside = torch.ones(page_bytes, dtype=torch.bool)
+                    for start, end in runs:
+                        outside[start:end] = False
+                    assert not page.buffer.view(torch.uint8)[outside].any(), page.name
+                finally:
+                    manager.release([page])
+        loss_fn, data = CASES["gpt"][2], batches("gpt")
+        assert [step(engine, loss_fn, data[s]) for s in range(AT, STEPS)] == losses[AT:]
+        assert_bitwise(states, final_states(engine))
+    finally:
+        engine.close()

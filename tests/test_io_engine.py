@@ -165,3 +165,49 @@ def test_large_cpu_buffers_are_huge_page_aligned_and_small_ones_page_aligned():
     assert forced_off.data_ptr() % 4096 == 0
     big.fill_(5)  # the memory is usable whatever the kernel did with the advice
     assert int(big[-1]) == 5 and int(big[0]) == 5
+
+
+def _anon_huge_kib(address: int) -> int | None:
+    """AnonHugePages (KiB) of the mapping holding `address`, from /proc/self/smaps (None where unreadable)."""
+    try:
+        lines = open("/proc/self/smaps").read().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split()[0]
+        if "-" in head and not head.endswith(":"):
+            start, end = (int(x, 16) for x in head.split("-"))
+            inside = start <= address < end
+        elif inside and head == "AnonHugePages:":
+            return int(line.split()[1])
+    return None
+
+
+def test_transient_buffers_are_private_mappings_of_their_own_in_huge_pages_and_go_back_when_dropped():
+    """A checkpoint save's page buffers and write chunks (anonymous_aligned): 2 MiB-aligned, out of the allocator's
+    heap, and in transparent huge pages where the kernel grants them on advice (a shared anonymous mapping is shmem,
+    which it does not: O_DIRECT into 4 KiB pages ran 2-3x slower here)."""
+    import gc
+
+    import psutil
+
+    from angel_ptm.io.slot_file import HUGE_PAGE, anonymous_aligned
+
+    small = anonymous_aligned(64 << 10)
+    assert small.data_ptr() % 4096 == 0 and small.numel() == 64 << 10
+    big = anonymous_aligned(2 * HUGE_PAGE)
+    assert big.data_ptr() % HUGE_PAGE == 0 and big.numel() == 2 * HUGE_PAGE
+    big.fill_(3)
+    assert int(big[0]) == int(big[-1]) == 3
+    try:
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+    except OSError:
+        mode = ""
+    huge = _anon_huge_kib(big.data_ptr())
+    if "[never]" not in mode and huge is not None:
+        assert huge >= 2048, f"no huge page backs the buffer (THP: {mode.strip()})"
+    rss = psutil.Process().memory_info().rss
+    del big
+    gc.collect()
+    assert psutil.Process().memory_info().rss <= rss - HUGE_PAGE  # unmapped, not kept in a heap

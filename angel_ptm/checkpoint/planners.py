@@ -11,7 +11,7 @@ Saved tensors (every one with the model's full shape; DCP chunks say which part 
 A rank writes page i of a kind when it owns page i (`i % dp == rank`): its own pages of a sharded kind and one
 rank's share of a replicated one, so each element is written once. Each tensor segment on a page is one run of the
 tensor's elements, written as the boxes that tile it (boxes.py). Items are listed in page order, so a page is read
-from its tier once (PageStream: a bounded set of scratch buffers, disk reads of the next pages in flight).
+from its tier once (buffers.py's PageStream: a bounded set of scratch buffers, disk reads of the next pages in flight).
 
 Loading asks, for every page this rank holds in the new layout (any page size, any number of ranks), for the runs
 its segments cover, and DCP finds them in whichever files hold them: that is the resharding.
@@ -38,12 +38,11 @@ from torch.distributed.checkpoint.planner import (LoadItemType, LoadPlan, LoadPl
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from angel_ptm.checkpoint.boxes import box_start, flat_boxes
-from angel_ptm.checkpoint.buffers import BufferPool
 from angel_ptm.errors import CheckpointError
 from angel_ptm.state_dict import _persistent_buffers
 from angel_ptm.memory import Page, PageLayout, PageState, Tier
 from angel_ptm.memory.store import PageKind
-from angel_ptm.memory.backing import Extent, Source, zero_outside
+from angel_ptm.memory.backing import Extent, Source, ZeroOutsideRuns, zero_outside
 
 SAVED_KINDS = tuple(kind.value for kind in PageKind if kind.checkpointed)  # param, master, exp_avg, exp_avg_sq
 
@@ -141,70 +140,6 @@ def in_file_order(groups: list[list[ReadItem]], storage: dict | None) -> list[Re
 def held_pages(engine, kind: str) -> list[tuple[int, Page]]:
     """(index, page) of every page of `kind` this rank holds as its own."""
     return [(i, p) for i, p in enumerate(engine.pages.get(kind, ())) if p is not None and p.home is None]
-
-
-class PageStream:
-    """Pages served in a known order, with no page changing tier: a page in CPU memory is served as its own buffer
-    (a save between steps: nothing moves it until the save is over), a GPU page copied out, a disk page read from
-    its slot into a buffer of its own (checked against its checksum; the reads of the next `depth - 1` disk pages
-    in flight meanwhile), a dead one is zeros. Items are views of what `get` returns (zero-copy), so a buffer lives
-    exactly as long as the items the writer has not written yet: about `depth` + 1 pages at a time."""
-
-    def __init__(self, manager, order: list[Page], page_bytes: int, depth: int = 2):
-        self.manager, self.order, self.depth, self.page_bytes = manager, order, max(1, depth), page_bytes
-        self._ready: dict[int, tuple[torch.Tensor, object]] = {}  # position -> (buffer, disk read or None)
-        self._position = {page.id: i for i, page in enumerate(order)}
-        self._next = 0  # the next position to start
-        self._current: tuple[int, torch.Tensor] | None = None
-        self._pool = BufferPool(page_bytes, cap=self.depth + 1)  # the ones this holds, one the writer holds
-        self.read_bytes = 0
-
-    def get(self, page: Page) -> torch.Tensor:
-        """Page `page`'s bytes, a CPU uint8 tensor."""
-        position = self._position[page.id]
-        if self._current is not None and self._current[0] == position:
-            return self._current[1]
-        if self._current is not None:
-            self._pool.give_back(self._current[1])
-        self._current = None
-        for stale in [p for p in self._ready if p < position]:  # skipped pages
-            buffer, handle = self._ready.pop(stale)
-            if handle is not None:
-                handle.wait()
-            self._pool.give_back(buffer)
-        self._next = max(self._next, position)
-        self._start_until(position)
-        buffer, handle = self._ready.pop(position)
-        if handle is not None:
-            self.manager.disk.check_read(page, handle)
-        self._current = (position, buffer)
-        self._start_until(position + self.depth - 1)  # read ahead
-        return buffer
-
-    def _start_until(self, last: int) -> None:
-        while self._next <= min(last, len(self.order) - 1) and len(self._ready) < self.depth:
-            page = self.order[self._next]
-            self.manager.flush([page])
-            handle = None
-            if page.buffer is not None:
-                raw = page.buffer.view(torch.uint8).reshape(-1)
-                buffer = raw if raw.device.type == "cpu" else self._pool.take().copy_(raw)
-            elif page.dead or page.disk_slot is None:
-                buffer = torch.zeros(self.page_bytes, dtype=torch.uint8)
-            else:
-                buffer = self._pool.take()
-                handle = self.manager.disk.read(page.kind, page.disk_slot, buffer)
-                self.read_bytes += buffer.numel()
-            self._ready[self._next] = (buffer, handle)
-            self._next += 1
-
-    def close(self) -> None:
-        for _, handle in self._ready.values():
-            if handle is not None:
-                handle.wait()
-        self._ready.clear()
-        self._current = None
-        self._pool.clear()
 
 
 class PageSavePlanner(SavePlanner):
@@ -328,6 +263,7 @@ class PageLoadPlanner(LoadPlanner):
         # Pages this load made afresh (discarded, then zero-filled when first held): their bytes outside the items
         # are zeros already, and nothing but the load writes them while it runs
         self._zeroed: set[int] = set()
+        self._clearers: dict[str, Callable] = {}  # the manager's clearers this load replaced (`end`)
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.metadata = metadata
@@ -424,8 +360,8 @@ class PageLoadPlanner(LoadPlanner):
         if not self.started:
             self._clear_targets()
         manager = self.engine.manager
-        if page.dead and page.kind not in manager.clearers:  # (acquired, it is zero-filled: PageManager._materialize)
-            self._zeroed.add(page.id)
+        if page.dead and (page.kind not in manager.clearers or page.kind in self._clearers):
+            self._zeroed.add(page.id)  # (acquired, it is zero-filled but where the items go: PageManager._materialize)
         manager.acquire([page], Tier.HOST)  # a page in memory is written where it is
         self._held[page.id] = page
         self._items.setdefault(page.id, 0)
@@ -440,10 +376,26 @@ class PageLoadPlanner(LoadPlanner):
         self.started = True
         manager = self.engine.manager
         pages = {(run.kind, run.page): self.engine.pages[run.kind][run.page] for run in self.targets.values()}
+        covered: dict[str, dict[int, list[tuple[int, int]]]] = {}
+        for run in self.targets.values():
+            start = run.offset * run.dtype.itemsize
+            covered.setdefault(run.kind, {}).setdefault(run.page, []).append((start, start + run.numel *
+                                                                               run.dtype.itemsize))
+        for kind, runs in covered.items():  # a page made afresh is zeroed only where no item lands
+            if kind not in manager.clearers:
+                self._clearers[kind] = manager.clearers[kind] = ZeroOutsideRuns(runs)
         manager.flush(list(pages.values()))
         manager.discard([p for p in pages.values()
                          if not p.dead and (p.state is PageState.DISK
                                             or (p.state is PageState.HOST and manager.disk is not None))])
+
+    def end(self) -> None:
+        """The load is over (read whole or not): the page kinds' clearers as they were before it."""
+        clearers = self.engine.manager.clearers
+        for kind, clearer in self._clearers.items():
+            if clearers.get(kind) is clearer:
+                del clearers[kind]
+        self._clearers.clear()
 
     def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         """The bytes are in the held page (it is released dirty once its items are read)."""
@@ -488,3 +440,4 @@ class PageLoadPlanner(LoadPlanner):
         if page.id in self._zeroed or zero_outside(buffer, extents):
             disk.offer(page, Source(extents, page.version,
                                     disk.engine.checksum(buffer) if checksum is None else checksum))
+

@@ -38,7 +38,8 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from angel_ptm.checkpoint.planners import PageLoadPlanner, PageSavePlanner, PageStream
+from angel_ptm.checkpoint.buffers import PageStream
+from angel_ptm.checkpoint.planners import PageLoadPlanner, PageSavePlanner
 from angel_ptm.checkpoint.snapshot import Snapshot
 from angel_ptm.checkpoint.storage import CheckedReader, CheckedWriter, fault, fsync_dir
 from angel_ptm.config.loader import config_to_dict
@@ -255,6 +256,7 @@ def load_checkpoint(engine, path: str | os.PathLike) -> Any:
                                                   no_dist=group is None))
         finally:
             planner.release_all()
+            planner.end()
         state = planner.objects.get(ENGINE)
         if state is None:
             raise CheckpointCorruptError(f"checkpoint: {path} holds no {ENGINE} record", str(path))

@@ -14,10 +14,11 @@ disk at once (posix_fadvise DONTNEED starts their writeback), so the closing fsy
 `max_bytes_per_s` paces the writes (a save beside training: `checkpoint.async_max_gbps`): a number, or a `Pace`,
 which another thread may `lift` (someone waits for the file: the rest goes as fast as it can).
 
-Memory: `depth` chunks of `chunk` bytes (2 x 2 MiB), whatever the file's size. 2 x 2 MiB wrote 2.9 GB/s here,
-2 x 1 MiB 2.5; a checkpoint save of 310 MB (tools/bench/checkpoint's model) took 12-18% less CPU time with 2 MiB
-chunks than with 1 MiB (medians of 8 saves, twice) -- what a save beside training takes from it -- with the same
-RSS growth (3.05 pages of 4 MiB).
+Memory: `depth` chunks of `chunk` bytes (2 x 1 MiB), whatever the file's size, in one anonymous mapping
+(slot_file.anonymous_aligned: 2 MiB-aligned, so the two chunks are one transparent huge page). A checkpoint save
+of 310 MB (tools/bench/checkpoint's model, its pages mostly read from disk beside the writes) took 0.24-0.28 s
+with 2 x 1 MiB in one huge page, 0.23-0.26 s with 2 x 2 MiB in two (2 MiB more RSS growth: 4.05 pages, over the
+bench's 4-page goal), 0.35-0.39 s with 2 x 1 MiB in 4 KiB pages.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import time
 
 from angel_ptm.errors import PageIOError
 from angel_ptm.io.engine import create_engine
-from angel_ptm.io.slot_file import ALIGNMENT, aligned_empty, open_direct
+from angel_ptm.io.slot_file import ALIGNMENT, anonymous_aligned, open_direct
 
-CHUNK = 2 << 20
+CHUNK = 1 << 20
 DEPTH = 2
 KICK = 32 << 20
 
@@ -67,7 +68,8 @@ class SequentialWriter:
         except BaseException:
             os.close(self.fd)
             raise
-        self._buffers = [aligned_empty(chunk, huge=False) for _ in range(depth)]
+        staging = anonymous_aligned(chunk * depth)  # (one mapping: huge pages once the chunks together fill one)
+        self._buffers = [staging[k * chunk: (k + 1) * chunk] for k in range(depth)]
         # Filled by memoryview assignment: a memcpy with the GIL held (numpy's copy releases it above a few hundred
         # bytes, and a writer beside training then waits for the GIL back after every chunk)
         self._views = [memoryview(b.numpy()) for b in self._buffers]

@@ -59,6 +59,26 @@ def zero_outside(buffer: torch.Tensor, extents: tuple[Extent, ...]) -> bool:
     return not (position < buffer.numel() and buffer[position:].any())
 
 
+class ZeroOutsideRuns:
+    """A clearer of one page kind (PageManager.clearers) for a checkpoint load: a page made afresh while it runs is
+    zeroed only outside the byte ranges (`runs`: page index -> [(start, end)]) its items will fill -- the padding
+    between tensors and after the last -- not whole and then overwritten (4 MiB pages: ~40 ms of a 310 MB load's
+    ~200 here). Its bytes outside them are zeros, as `zero_outside` would find."""
+
+    def __init__(self, runs: dict[int, list[tuple[int, int]]]):
+        self.runs = {index: sorted(ranges) for index, ranges in runs.items()}
+
+    def __call__(self, index: int, buffer: torch.Tensor) -> None:
+        flat = buffer.view(torch.uint8).reshape(-1)
+        at = 0
+        for start, end in self.runs.get(index, ()):
+            if start > at:
+                memops.zero_(flat[at:start])
+            at = max(at, end)
+        if at < flat.numel():
+            memops.zero_(flat[at:])
+
+
 class SourceFiles:
     """Read-only descriptors of checkpoint files, open while any offer or backed slot refers to them."""
 
