@@ -177,3 +177,29 @@ def test_a_load_zeroes_only_the_padding_of_the_pages_it_makes_afresh_and_leaves_
         assert_bitwise(states, final_states(engine))
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_backed_slots_read_the_same_bytes_through_o_direct_staging_and_through_the_page_cache(tmp_path, monkeypatch,
+                                                                                             direct):
+    """A backed page's blocks come in with one O_DIRECT read and are copied out (the file's last partial block
+    through the page cache), or, where O_DIRECT is refused, every extent through the page cache: either way the
+    page checks against its checksum and training resumes exactly."""
+    from angel_ptm.memory import backing
+
+    if not direct:
+        monkeypatch.setattr(backing, "_open_direct", lambda path: -1)
+    staged = []
+    stage = backing.BackedReader._stage
+    monkeypatch.setattr(backing.BackedReader, "_stage",
+                        lambda self, *a: (lambda out: staged.append(len(out)) or out)(stage(self, *a)))
+    engine, losses, states, _writes = loaded_with_page_writes_counted(tmp_path, monkeypatch)
+    try:
+        loss_fn, data = CASES["gpt"][2], batches("gpt")
+        assert [step(engine, loss_fn, data[s]) for s in range(AT, STEPS)] == losses[AT:]
+        assert_bitwise(states, final_states(engine))
+    finally:
+        engine.close()
+    if direct and not any(staged) and backing._open_direct(str(tmp_path / "ckpt" / ".metadata")) < 0:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    assert staged and (any(staged) if direct else not any(staged))

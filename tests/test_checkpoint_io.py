@@ -1,5 +1,6 @@
 """Checkpoint I/O pieces: item checksums by the name the manifest gives (native CRC-32C, zlib CRC-32, the
-pure-Python fallback), the save's buffer pool, the load's read-ahead."""
+pure-Python fallback), the save's buffer pool, the load's read-ahead (through the page cache, and O_DIRECT
+chunks)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import angel_ptm
 from angel_ptm.checkpoint import storage
 from angel_ptm.errors import CheckpointCorruptError
 
-from test_checkpoint import AT, CASES, assert_bitwise, config, resume_from, scrambled, train_with_checkpoint
+from test_checkpoint import (AT, CASES, STEPS, assert_bitwise, batches, config, final_states, resume_from, scrambled,
+                             step, train_with_checkpoint)
 
 
 # --- item checksums and write-back -----------------------------------------------------------------------------------
@@ -304,24 +306,38 @@ def test_the_load_plan_lists_pages_in_the_order_their_bytes_lie_in_the_files():
     assert [i.storage_index for i in in_file_order(groups, None)] == ["c", "a", "d", "b"]  # no map: as given
 
 
-def test_a_load_at_the_saved_layout_reads_its_file_front_to_back(tmp_path, monkeypatch):
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_load_at_the_saved_layout_reads_its_file_front_to_back(tmp_path, monkeypatch, direct):
     """The pages' reads go through the file front to back, never back: the save wrote the kinds page by page,
-    the load plan makes the pages kind by kind, and the reads follow the file (the kernel then reads ahead)."""
-    from angel_ptm.checkpoint import files
+    the load plan makes the pages kind by kind, and the reads follow the file (through O_DIRECT chunks read ahead
+    where the filesystem allows, else the page cache, the kernel reading ahead), and the resumed run is exact."""
+    from angel_ptm.checkpoint import direct_reads, files, storage
 
-    train_with_checkpoint(tmp_path, "gpt", config(tmp_path, "a"), tmp_path / "ckpt")
+    losses, states = train_with_checkpoint(tmp_path, "gpt", config(tmp_path, "a"), tmp_path / "ckpt")
+    monkeypatch.setattr(storage, "DIRECT_READS", direct)
     reads: list[tuple[int, int]] = []
-    real = files.CheckpointFile.readinto_parts
+    cls = direct_reads.DirectFile if direct else files.CheckpointFile
+    real = cls.readinto_parts
 
     def recording(self, views, offset):
-        reads.append((offset, sum(len(v) for v in views)))
+        if type(self) is cls:  # (a DirectFile's reads outside its chunks come through CheckpointFile's)
+            reads.append((offset, sum(len(v) for v in views)))
         return real(self, views, offset)
 
-    monkeypatch.setattr(files.CheckpointFile, "readinto_parts", recording)
+    monkeypatch.setattr(cls, "readinto_parts", recording)
+    opened = []
+    real_open = direct_reads.DirectFile.open.__func__
+    monkeypatch.setattr(direct_reads.DirectFile, "open", classmethod(
+        lambda c, path, ranges: opened.append(real_open(c, path, ranges)) or opened[-1]))
     engine = angel_ptm.initialize(scrambled(CASES["gpt"][0]), config(tmp_path, "b"))
     try:
         engine.load_checkpoint(tmp_path / "ckpt")
+        loss_fn, data = CASES["gpt"][2], batches("gpt")
+        assert [step(engine, loss_fn, data[s]) for s in range(AT, STEPS)] == losses[AT:]
+        assert_bitwise(states, final_states(engine))
     finally:
         engine.close()
-    assert len(reads) > 10
+    if direct and opened == [None]:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    assert len(reads) > 10 and len(opened) == (1 if direct else 0)
     assert all(b[0] >= a[0] + a[1] for a, b in zip(reads, reads[1:]))

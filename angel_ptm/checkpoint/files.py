@@ -106,7 +106,8 @@ class ReadAhead:
                 if self._stop:
                     return
             try:
-                file.advise(offset, length)
+                if file is not None:  # (None: a range read otherwise, direct_reads.py)
+                    file.advise(offset, length)
             except OSError:
                 pass
 

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from angel_ptm.checkpoint.direct_reads import DirectFile
 from angel_ptm.checkpoint.files import CheckpointFile, ReadAhead, data_record_ends, record_start
 from angel_ptm.checkpoint.page_reads import PAGES_IN_FLIGHT, InPlace, PageReads, Whole
 from angel_ptm.checkpoint.serialize import Containers, CrcWriter
@@ -244,11 +245,12 @@ class CheckedReader(FileSystemReader):
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """The items in plan order (PageLoadPlanner lists them page by page, the pages in the order their bytes lie
-        in the files: each file is read front to back), while the kernel reads the next READ_AHEAD bytes of items
-        ahead (WILLNEED, from a thread: a checkpoint just written, read back at once, came in at 0.44-0.58 s for
-        310 MB here with the kernel's own read-ahead alone, 0.15-0.27 s with the advice). A dense item that fills
-        its target whole is read straight into the target (one copy, page cache to page: no mapping, no
-        unpickling) and checked there; any other item is read whole, checked, then unpacked. With a planner that
+        in the files: each file is read front to back): out of O_DIRECT chunks read ahead (direct_reads.py: 310 MB
+        came in at 0.13-0.17 s here, 0.17-0.30 s through the page cache), or where the filesystem refuses O_DIRECT
+        through the page cache, the kernel reading the next READ_AHEAD bytes of items ahead (WILLNEED, from a
+        thread: 0.44-0.58 s with the kernel's own read-ahead alone). A dense item that fills its target whole is
+        read straight into the target (one copy, chunk or page cache to page: no mapping, no unpickling) and
+        checked there; any other item is read whole, checked, then unpacked. With a planner that
         can hold several pages, a thread reads the items of up to PAGES_IN_FLIGHT pages, through descriptors of
         its own, while this thread takes the next page (makes room, zeroes it) and, as each page's reads land,
         checks its items, unpacks what needs it and hands the page back. Every byte is checked against the
@@ -260,7 +262,9 @@ class CheckedReader(FileSystemReader):
         depth = min(PAGES_IN_FLIGHT, planner.holdable() - 1) if hasattr(planner, "holdable") else 0
         paged = depth > 0  # (a PageLoadPlanner: it also says which page an item fills and releases each)
         try:
-            ranges = [(self.open_file(info.relative_path), info.offset, info.length) for info in infos]
+            direct = self._open_direct(items, infos)
+            ranges = [(self.open_file(info.relative_path), info.offset, info.length) if info.relative_path not in
+                      direct else (None, 0, 0) for info in infos]
             with ReadAhead(ranges, READ_AHEAD) as ahead, PageReads(planner if paged else None, depth) as reads:
                 for position, (req, sinfo) in enumerate(zip(items, infos)):
                     ahead.reached(position)
@@ -275,6 +279,25 @@ class CheckedReader(FileSystemReader):
         future: Future[None] = Future()
         future.set_result(None)
         return future
+
+    def _open_direct(self, items, infos) -> set[str]:
+        """The files whose tensor items the page reads take through O_DIRECT chunks read ahead (direct_reads.py),
+        opened as their "pages" descriptors; the others are read through the page cache, the kernel asked ahead."""
+        wanted: dict[str, list[tuple[int, int]]] = {}
+        for req, info in zip(items, infos):
+            if req.type != LoadItemType.BYTE_IO:
+                wanted.setdefault(info.relative_path, []).append((info.offset, info.length))
+        opened = set()
+        for relative_path, spans in wanted.items():
+            path = Path(self.path).absolute() / relative_path
+            try:
+                file = DirectFile.open(path, spans) if DIRECT_READS else None
+            except FileNotFoundError:
+                raise CheckpointCorruptError(f"checkpoint {self.path}: {path} is missing", str(path)) from None
+            if file is not None:
+                self._files[(relative_path, "pages")] = file
+                opened.add(relative_path)
+        return opened
 
     def _in_place(self, req, sinfo, planner) -> "InPlace | None":
         """A dense item whose elements fill the planner's target exactly (same dtype and shape, contiguous, in
@@ -405,6 +428,7 @@ class CheckedReader(FileSystemReader):
 
 
 READ_AHEAD = 32 << 20  # bytes of items a load asks the kernel to read ahead of the one being read
+DIRECT_READS = True  # page reads through O_DIRECT chunks where the filesystem allows (False: the page cache)
 SMALL_ITEM = 64 << 10  # a dense item up to this size with no recorded start is read whole, then unpacked
 QUEUE = 1  # items waiting between the two threads of a save (each at most a page)
 
