@@ -75,13 +75,32 @@ def test_a_failed_chunk_read_is_a_typed_error_naming_the_file_and_close_waits_fo
     path = tmp_path / "ckpt.distcp"
     path.write_bytes(os.urandom(512 * KIB))
     file = direct_file(path, [(0, 512 * KIB)])
-    file._engine.inject_fault(READ, errno.EIO)
     try:
+        file.readinto_parts([memoryview(bytearray(10))], 0)  # the first chunks are read (or in flight)
+        file._engine.inject_fault(READ, errno.EIO)  # the next one fails
         with pytest.raises(CheckpointCorruptError, match="ckpt.distcp"):
-            file.readinto_parts([memoryview(bytearray(100))], 0)
+            file.readinto_parts([memoryview(bytearray(512 * KIB))], 0)
     finally:
         file.close()
     file = direct_file(path, [(0, 512 * KIB)])
     file.readinto_parts([memoryview(bytearray(10))], 0)  # the next chunks are in flight
     file.close()
     assert file.direct_fd == -1 and file.fd == -1
+
+
+def test_the_chunks_and_threads_go_once_the_last_planned_byte_is_read(tmp_path):
+    path = tmp_path / "ckpt.distcp"
+    data = os.urandom(300 * KIB + 5)
+    path.write_bytes(data)
+    file = direct_file(path, [(100, 200 * KIB)])
+    try:
+        assert file._engine is None  # nothing made before the first read
+        part = bytearray(200 * KIB)
+        file.readinto_parts([memoryview(part)], 100)
+        assert bytes(part) == data[100: 100 + 200 * KIB]
+        assert file._engine is None and not file._free
+        late = bytearray(1000)  # a read after them: through the page cache
+        file.readinto_parts([memoryview(late)], 5000)
+        assert bytes(late) == data[5000: 6000]
+    finally:
+        file.close()

@@ -54,9 +54,11 @@ class DirectFile(CheckpointFile):
         super().__init__(path)
         self.direct_fd = direct_fd
         self._spans = collections.deque(spans_of(ranges, self.size - self.size % ALIGNMENT, chunk))
+        self._end = max((o + n for o, n in ranges), default=0)  # once read to there: chunks and threads go
         self._window: collections.deque = collections.deque()  # (start, end, buffer, handle), in file order
-        self._free = [anonymous_aligned(chunk) for _ in range(min(depth, len(self._spans)))]
-        self._engine = create_engine(threads=max(1, len(self._free)), queue_depth=max(1, len(self._free)))
+        self._chunk, self._depth = chunk, min(depth, len(self._spans))
+        self._free: list | None = None  # the chunks and the engine, made at the first read, dropped after the last
+        self._engine = None
 
     @classmethod
     def open(cls, path, ranges: list[tuple[int, int]]) -> "DirectFile | None":
@@ -95,6 +97,8 @@ class DirectFile(CheckpointFile):
                     view[done: done + n] = buffer[pos - start: pos - start + n]
                 done += n
                 pos += n
+        if pos >= self._end and self._engine is not None:  # the last planned byte read: chunks and threads go
+            self._release()
 
     def _chunk_at(self, pos: int) -> tuple[int, int, memoryview] | None:
         """The chunk holding byte `pos`, landed (chunks wholly before it go back for the next reads), or None."""
@@ -102,6 +106,9 @@ class DirectFile(CheckpointFile):
             self._free.append(self._settle(self._window.popleft())[2])
         while self._spans and self._spans[0][1] <= pos:  # skipped: never read
             self._spans.popleft()
+        if self._free is None and self._spans:
+            self._free = [anonymous_aligned(self._chunk) for _ in range(self._depth)]
+            self._engine = create_engine(threads=self._depth, queue_depth=self._depth)
         while self._free and self._spans:
             start, end = self._spans.popleft()
             buffer = self._free.pop()
@@ -126,17 +133,23 @@ class DirectFile(CheckpointFile):
                                              f"{self.path}: {err}", self.path) from None
         return entry
 
-    def close(self) -> None:
-        for entry in self._window:  # no read may still land in a chunk once it is unmapped
+    def _release(self) -> None:
+        """Reads in flight waited for (no read may land in a chunk once it is unmapped), chunks and engine gone."""
+        for entry in self._window:
             try:
                 self._settle(entry)
             except CheckpointCorruptError:
                 pass
         self._window.clear()
         self._spans.clear()
-        if self.direct_fd >= 0:
+        if self._engine is not None:
             self._engine.close()
+            self._engine = None
+        self._free = []
+
+    def close(self) -> None:
+        self._release()
+        if self.direct_fd >= 0:
             os.close(self.direct_fd)
             self.direct_fd = -1
-        self._free = []
         super().close()
