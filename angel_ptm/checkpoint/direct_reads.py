@@ -17,13 +17,12 @@ slower.
 from __future__ import annotations
 
 import collections
-import errno as errno_mod
 import os
 
 from angel_ptm.checkpoint.files import CheckpointFile
 from angel_ptm.errors import CheckpointCorruptError, PageIOError
 from angel_ptm.io.engine import create_engine
-from angel_ptm.io.slot_file import ALIGNMENT, anonymous_aligned
+from angel_ptm.io.slot_file import ALIGNMENT, anonymous_aligned, open_direct_readonly
 
 CHUNK = 4 << 20  # bytes one O_DIRECT read brings in
 DEPTH = 3  # chunks read ahead (their memory: DEPTH x CHUNK, whatever the file's size)
@@ -63,15 +62,12 @@ class DirectFile(CheckpointFile):
     @classmethod
     def open(cls, path, ranges: list[tuple[int, int]]) -> "DirectFile | None":
         """The file read through O_DIRECT, or None where the filesystem refuses it (the caller reads it buffered)."""
-        flag = getattr(os, "O_DIRECT", 0)
-        if not flag:
-            return None
         try:
-            fd = os.open(path, os.O_RDONLY | flag)
+            fd = open_direct_readonly(path)
         except OSError as err:
-            if err.errno in (errno_mod.EINVAL, errno_mod.EOPNOTSUPP):
-                return None
             raise CheckpointCorruptError(f"cannot read {path}: {err.strerror}", str(path)) from None
+        if fd < 0:
+            return None
         try:
             return cls(path, fd, ranges)
         except BaseException:

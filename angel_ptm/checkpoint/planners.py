@@ -11,7 +11,8 @@ Saved tensors (every one with the model's full shape; DCP chunks say which part 
 A rank writes page i of a kind when it owns page i (`i % dp == rank`): its own pages of a sharded kind and one
 rank's share of a replicated one, so each element is written once. Each tensor segment on a page is one run of the
 tensor's elements, written as the boxes that tile it (boxes.py). Items are listed in page order, so a page is read
-from its tier once (buffers.py's PageStream: a bounded set of scratch buffers, disk reads of the next pages in flight).
+from its tier once (buffers.py's PageStream: a bounded set of scratch buffers, disk reads of the next pages in
+flight).
 
 Loading asks, for every page this rank holds in the new layout (any page size, any number of ranks), for the runs
 its segments cover, and DCP finds them in whichever files hold them: that is the resharding.
@@ -263,7 +264,7 @@ class PageLoadPlanner(LoadPlanner):
         # Pages this load made afresh (discarded, then zero-filled when first held): their bytes outside the items
         # are zeros already, and nothing but the load writes them while it runs
         self._zeroed: set[int] = set()
-        self._clearers: dict[str, Callable] = {}  # the manager's clearers this load replaced (`end`)
+        self._clearers: dict[str, Callable] = {}  # clearers this load set for kinds that had none (`end` drops them)
 
     def set_up_planner(self, state_dict, metadata=None, is_coordinator: bool = False) -> None:
         self.metadata = metadata
@@ -440,4 +441,3 @@ class PageLoadPlanner(LoadPlanner):
         if page.id in self._zeroed or zero_outside(buffer, extents):
             disk.offer(page, Source(extents, page.version,
                                     disk.engine.checksum(buffer) if checksum is None else checksum))
-

@@ -289,11 +289,7 @@ class CheckedReader(FileSystemReader):
                 wanted.setdefault(info.relative_path, []).append((info.offset, info.length))
         opened = set()
         for relative_path, spans in wanted.items():
-            path = Path(self.path).absolute() / relative_path
-            try:
-                file = DirectFile.open(path, spans) if DIRECT_READS else None
-            except FileNotFoundError:
-                raise CheckpointCorruptError(f"checkpoint {self.path}: {path} is missing", str(path)) from None
+            file = DirectFile.open(Path(self.path).absolute() / relative_path, spans) if DIRECT_READS else None
             if file is not None:
                 self._files[(relative_path, "pages")] = file
                 opened.add(relative_path)

@@ -47,6 +47,28 @@ def open_direct(path: str) -> tuple[int, bool]:
         raise PageIOError(f"cannot open {path}: {exc.strerror}", errno=exc.errno or 0, path=path) from exc
 
 
+def open_direct_readonly(path: str | os.PathLike) -> int:
+    """`path` opened read-only with O_DIRECT, or -1 where the filesystem refuses it (at the open, or at the first
+    read: the probe of `open_direct`); any other error is raised (OSError)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return -1
+    try:
+        fd = os.open(path, os.O_RDONLY | flag)
+    except OSError as exc:
+        if exc.errno in (errno_mod.EINVAL, errno_mod.EOPNOTSUPP):
+            return -1
+        raise
+    try:
+        if _direct_io_works(fd):
+            return fd
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return -1
+
+
 def _direct_io_works(fd: int) -> bool:
     # Some filesystems accept O_DIRECT at open and refuse it at the first transfer: probe one aligned block.
     probe = aligned_empty(ALIGNMENT)

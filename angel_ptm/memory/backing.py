@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from angel_ptm.errors import PageIOError
-from angel_ptm.io.slot_file import ALIGNMENT, HUGE_PAGE, anonymous_aligned
+from angel_ptm.io.slot_file import ALIGNMENT, HUGE_PAGE, anonymous_aligned, open_direct_readonly
 from angel_ptm.memory import memops
 
 
@@ -147,9 +147,9 @@ class SourceFiles:
 
 def _open_direct(path: str) -> int:
     try:
-        return os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0)) if hasattr(os, "O_DIRECT") else -1
+        return open_direct_readonly(path)  # (-1 where refused, as on tmpfs: the page cache serves)
     except OSError:
-        return -1  # (tmpfs refuses it: the page cache serves)
+        return -1
 
 
 def _close_all(*fds: int) -> None:
