@@ -25,7 +25,10 @@ from angel_ptm.io.engine import create_engine
 from angel_ptm.io.slot_file import ALIGNMENT, anonymous_aligned, open_direct_readonly
 
 CHUNK = 4 << 20  # bytes one O_DIRECT read brings in
-DEPTH = 3  # chunks read ahead (their memory: DEPTH x CHUNK, whatever the file's size)
+# Chunks read ahead (their memory: DEPTH x CHUNK, whatever the file's size, while a file is read). The reader
+# checksums each page after copying it out, and the disk idles once every chunk ahead has landed: a 310 MB load
+# here took 0.18-0.21 s with 3 chunks, 0.13-0.19 s with 6 (8 MiB x 3: 0.14-0.19 s).
+DEPTH = 6
 GAP = 256 << 10  # ranges this close are read as one (the bytes between are read too, and dropped)
 
 
