@@ -80,6 +80,7 @@ def test_the_loaded_checkpoint_may_be_deleted_and_a_save_right_after_the_load_is
         ckpts = Checkpoints(tmp_path / "ckpts", keep=1)  # this save prunes it: the pages copy its bytes first
         ckpts.save(engine, AT, {"step": AT})
         assert disk.backed_slots == 0 and disk.sources.open_files == 0
+        assert disk._reader._staging is None  # the backed reads' staging buffer went with the last backed slot
         shutil.rmtree(tmp_path / "ckpt")
         loss_fn, data = CASES["gpt"][2], batches("gpt")
         assert [step(engine, loss_fn, data[s]) for s in range(AT, STEPS)] == losses[AT:]

@@ -171,9 +171,7 @@ class BackedRead:
         return self._future.result()
 
 
-# Threads reading backed slots (each with a staging buffer of its own). Two gave no clear gain over one in a save
-# after a load here (tools/bench/checkpoint's model, 4 rounds each, 0.25-0.31 s against 0.24-0.35 s per save).
-READERS = 1
+STAGE_MAX = 16 << 20  # bytes of blocks a backed read stages at most (larger pages read through the page cache)
 
 
 class BackedReader:
@@ -186,11 +184,13 @@ class BackedReader:
     def __init__(self, files: SourceFiles, checksum):
         self.files, self.checksum = files, checksum
         self._pool: ThreadPoolExecutor | None = None
-        self._local = threading.local()  # each reading thread's staging buffer
+        # The pool's one thread's O_DIRECT staging buffer, kept between reads; dropped (`release_staging`) once no
+        # slot is backed any more
+        self._staging: torch.Tensor | None = None
 
     def submit(self, source: Source, buffer: torch.Tensor) -> BackedRead:
         if self._pool is None:
-            self._pool = ThreadPoolExecutor(max_workers=READERS, thread_name_prefix="angel-backed-read")
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="angel-backed-read")
         paths = source.paths
         self.files.ref(paths)  # the files stay open for the read, even if the slot is unbacked meanwhile
         fds = {path: self.files.fd(path) for path in paths}
@@ -236,7 +236,8 @@ class BackedReader:
     def _stage(self, source: Source, direct: dict, page_bytes: int) -> dict[str, tuple[int, memoryview]]:
         """path -> (where in the file they start, the whole blocks around the source's extents in that file, read
         with O_DIRECT into the staging buffer), for the files that take O_DIRECT and whose extents lie close
-        together (their blocks at most twice the page, with the file's last partial block left out)."""
+        together (their blocks at most twice the page and STAGE_MAX, with the file's last partial block left
+        out)."""
         spans = {}
         for extent in source.extents:
             lo, hi = spans.get(extent.path, (extent.offset, extent.offset + extent.nbytes))
@@ -248,11 +249,11 @@ class BackedReader:
             if fd >= 0 and start < end:
                 blocks[path] = (fd, start, end)
         total = sum(end - start for _, start, end in blocks.values())
-        if not total or total > 2 * page_bytes + len(blocks) * 2 * ALIGNMENT:
+        if not total or total > min(STAGE_MAX, 2 * page_bytes + len(blocks) * 2 * ALIGNMENT):
             return {}
-        buffer = getattr(self._local, "staging", None)
+        buffer = self._staging
         if buffer is None or buffer.numel() < total:
-            buffer = self._local.staging = anonymous_aligned(-(-total // HUGE_PAGE) * HUGE_PAGE)
+            buffer = self._staging = anonymous_aligned(-(-total // HUGE_PAGE) * HUGE_PAGE)
         staging = memoryview(buffer.numpy()).cast("B")
         staged, at = {}, 0
         for path, (fd, start, end) in blocks.items():
@@ -272,7 +273,12 @@ class BackedReader:
             at += end - start
         return staged
 
+    def release_staging(self) -> None:
+        """No slot reads a checkpoint any more: the staging buffer goes (a read under way keeps its own)."""
+        self._staging = None
+
     def close(self) -> None:
+        self._staging = None
         if self._pool is not None:
             self._pool.shutdown(wait=True)
             self._pool = None

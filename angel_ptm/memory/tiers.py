@@ -364,6 +364,8 @@ class DiskTier:
         source = self._backed.pop((kind, slot), None)
         if source is not None:
             self.sources.unref(source.paths)
+            if not self._backed:
+                self._reader.release_staging()
 
     def path(self, kind: str) -> str:
         return self._file(kind).path
