@@ -22,7 +22,7 @@ import os
 from angel_ptm.checkpoint.files import CheckpointFile
 from angel_ptm.errors import CheckpointCorruptError, PageIOError
 from angel_ptm.io.engine import create_engine
-from angel_ptm.io.slot_file import ALIGNMENT, anonymous_aligned, open_direct_readonly
+from angel_ptm.io.slot_file import anonymous_aligned, open_direct_readonly, whole_blocks
 
 CHUNK = 4 << 20  # bytes one O_DIRECT read brings in
 # Chunks read ahead (their memory: DEPTH x CHUNK, whatever the file's size, while a file is read). The reader
@@ -32,12 +32,12 @@ DEPTH = 6
 GAP = 256 << 10  # ranges this close are read as one (the bytes between are read too, and dropped)
 
 
-def spans_of(ranges: list[tuple[int, int]], limit: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
+def spans_of(ranges: list[tuple[int, int]], size: int, chunk: int = CHUNK) -> list[tuple[int, int]]:
     """Aligned [start, end) spans of at most `chunk` bytes, in file order, covering every byte of `ranges`
-    ((offset, length) pairs) below `limit` (a multiple of ALIGNMENT)."""
+    ((offset, length) pairs) but those in the last partial block of a file of `size` bytes."""
     merged: list[list[int]] = []
     for offset, length in sorted(ranges):
-        start, end = offset - offset % ALIGNMENT, min(-(-(offset + length) // ALIGNMENT) * ALIGNMENT, limit)
+        start, end = whole_blocks(offset, offset + length, size)
         if end <= start:
             continue
         if merged and start <= merged[-1][1] + GAP:
@@ -55,7 +55,7 @@ class DirectFile(CheckpointFile):
                  depth: int = DEPTH):
         super().__init__(path)
         self.direct_fd = direct_fd
-        self._spans = collections.deque(spans_of(ranges, self.size - self.size % ALIGNMENT, chunk))
+        self._spans = collections.deque(spans_of(ranges, self.size, chunk))
         self._end = max((o + n for o, n in ranges), default=0)  # once read to there: chunks and threads go
         self._window: collections.deque = collections.deque()  # (start, end, buffer, handle), in file order
         self._chunk, self._depth = chunk, min(depth, len(self._spans))

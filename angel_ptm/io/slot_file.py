@@ -47,6 +47,12 @@ def open_direct(path: str) -> tuple[int, bool]:
         raise PageIOError(f"cannot open {path}: {exc.strerror}", errno=exc.errno or 0, path=path) from exc
 
 
+def whole_blocks(start: int, end: int, size: int) -> tuple[int, int]:
+    """Byte range [start, end) of a file of `size` bytes widened to whole ALIGNMENT blocks, as an O_DIRECT read
+    takes them, and cut at the file's last whole block (O_DIRECT cannot read the partial one after it)."""
+    return start - start % ALIGNMENT, min(-(-end // ALIGNMENT) * ALIGNMENT, size - size % ALIGNMENT)
+
+
 def open_direct_readonly(path: str | os.PathLike) -> int:
     """`path` opened read-only with O_DIRECT, or -1 where the filesystem refuses it (at the open, or at the first
     read: the probe of `open_direct`); any other error is raised (OSError)."""

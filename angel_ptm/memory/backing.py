@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from angel_ptm.errors import PageIOError
-from angel_ptm.io.slot_file import ALIGNMENT, HUGE_PAGE, anonymous_aligned, open_direct_readonly
+from angel_ptm.io.slot_file import ALIGNMENT, HUGE_PAGE, anonymous_aligned, open_direct_readonly, whole_blocks
 from angel_ptm.memory import memops
 
 
@@ -245,7 +245,7 @@ class BackedReader:
         blocks = {}
         for path, (lo, hi) in spans.items():
             fd, size = direct[path]
-            start, end = lo - lo % ALIGNMENT, min(-(-hi // ALIGNMENT) * ALIGNMENT, size - size % ALIGNMENT)
+            start, end = whole_blocks(lo, hi, size)
             if fd >= 0 and start < end:
                 blocks[path] = (fd, start, end)
         total = sum(end - start for _, start, end in blocks.values())
