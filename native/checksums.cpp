@@ -3,11 +3,35 @@
 
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <cstring>
+
 namespace py = pybind11;
 
 // Calls below this many bytes of work keep the GIL (a CRC-32C of 1 MiB takes tens of microseconds): releasing it
 // lets another Python thread take it, and this one then waits for it back, up to the interpreter's switch interval.
 constexpr size_t kReleaseGilBytes = size_t{1} << 20;
+// copy_crc32c copies this much, then checksums it while it is still in the cache (L2 holds it), and goes on.
+constexpr size_t kCopyPiece = size_t{128} << 10;
+
+namespace {
+
+const uint8_t* contiguous_bytes(const py::buffer_info& info, const char* what) {
+    if (info.ndim != 1 || info.strides[0] != info.itemsize)
+        throw py::value_error(std::string("copy_crc32c: ") + what + " must be a contiguous one-dimensional buffer");
+    return static_cast<const uint8_t*>(info.ptr);
+}
+
+uint32_t copy_crc(uint8_t* dst, const uint8_t* src, size_t n, uint32_t crc) {
+    for (size_t at = 0; at < n; at += kCopyPiece) {
+        size_t piece = std::min(kCopyPiece, n - at);
+        std::memcpy(dst + at, src + at, piece);
+        crc = angel::crc32c_extend(crc, dst + at, piece);
+    }
+    return crc;
+}
+
+}  // namespace
 
 void register_checksums(py::module_& m) {
     m.def(
@@ -31,6 +55,22 @@ void register_checksums(py::module_& m) {
         },
         py::arg("data"), py::arg("value") = 0,
         "CRC-32C (Castagnoli) of a buffer's bytes, continuing from `value` (as zlib.crc32 continues CRC-32).");
+    m.def(
+        "copy_crc32c",
+        [](py::buffer dst, py::buffer src, uint32_t value) {
+            py::buffer_info out = dst.request(true), in = src.request();  // held while the GIL is released
+            auto* to = const_cast<uint8_t*>(contiguous_bytes(out, "the destination"));
+            const uint8_t* from = contiguous_bytes(in, "the source");
+            size_t nbytes = static_cast<size_t>(in.size) * static_cast<size_t>(in.itemsize);
+            if (nbytes != static_cast<size_t>(out.size) * static_cast<size_t>(out.itemsize))
+                throw py::value_error("copy_crc32c: the source and the destination differ in size");
+            if (nbytes < kReleaseGilBytes) return copy_crc(to, from, nbytes, value);
+            py::gil_scoped_release release;
+            return copy_crc(to, from, nbytes, value);
+        },
+        py::arg("dst"), py::arg("src"), py::arg("value") = 0,
+        "Copy `src` into `dst` (as many bytes) and return the CRC-32C of those bytes continuing from `value`: one "
+        "pass over memory instead of a copy and then a checksum.");
     m.attr("CHECKSUM_BLOCK") = angel::kChecksumBlock;
     m.def("crc32c_impl", &angel::crc32c_impl_name);
 }

@@ -1,6 +1,6 @@
 """A load's O_DIRECT chunk reads (checkpoint/direct_reads.py): the spans cover the planned ranges in whole blocks,
-every read returns the file's bytes whether it lies in a chunk, between chunks, before the chunk being read or in
-the file's last partial block, and a failed chunk read is a CheckpointCorruptError naming the file."""
+every read returns the file's bytes (and, asked, their CRC-32Cs taken as they are copied) whether it lies in a
+chunk, between chunks, before the chunk being read or in the file's last partial block, and a failed chunk read is a CheckpointCorruptError naming the file."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ import random
 import pytest
 
 from angel_ptm.checkpoint.direct_reads import GAP, DirectFile, spans_of
+from angel_ptm.checkpoint.files import CheckpointFile
 from angel_ptm.errors import CheckpointCorruptError
-from angel_ptm.io import READ
+from angel_ptm.io import READ, checksums
 
 KIB = 1024
 
@@ -65,8 +66,19 @@ def test_every_read_returns_the_files_bytes_in_a_chunk_between_chunks_backwards_
             sizes = [rng.randrange(0, n + 1) for _, n in group]
             total = sum(sizes)
             parts = [bytearray(size) for size in sizes]
-            file.readinto_parts([memoryview(p) for p in parts], start)
+            chain = [rng.random() < 0.5 for _ in parts] if rng.random() < 0.7 else None
+            sums = file.readinto_parts([memoryview(p) for p in parts], start, chain)
             assert b"".join(parts) == data[start: start + total]
+            # the CRC-32Cs taken while copying out of the chunks (or after a page-cache read) are the parts' own,
+            # chained where a part goes on from the one before; the same as a buffered file's
+            assert sums == (None if chain is None else checksums.chained_crc32c(parts, chain))
+            if chain is not None:
+                buffered = CheckpointFile(path)
+                try:
+                    again = [bytearray(size) for size in sizes]
+                    assert buffered.readinto_parts([memoryview(p) for p in again], start, chain) == sums
+                finally:
+                    buffered.close()
     finally:
         file.close()
 

@@ -45,6 +45,37 @@ def test_crc32c_native_joins_its_interleaved_chains_at_every_length():
             assert checksums.crc32c(chunk, 0x1234) == checksums.crc32c_python(chunk, 0x1234), (n, start)
 
 
+@pytest.mark.parametrize("native", [True, False])
+def test_copy_crc32c_copies_and_checksums_in_one_pass_at_every_length(monkeypatch, native):
+    """A load copies an item out of its O_DIRECT chunk and takes its CRC-32C in one pass (in pieces of 128 KiB,
+    the GIL released from 1 MiB): the bytes and the CRC are a copy's and crc32c's, at lengths around the pieces,
+    continuing from a value; sizes that differ and a read-only destination are refused; without the extension the
+    same results come from a copy and the pure-Python CRC."""
+    from angel_ptm.io import checksums
+
+    if native and checksums.crc32c is checksums.crc32c_python:
+        pytest.skip("the native extension is not built")
+    if not native:
+        monkeypatch.setattr(checksums, "crc32c", checksums.crc32c_python)
+    data = torch.randint(0, 256, ((1 << 20) + (3 << 17) + 5,), generator=torch.Generator().manual_seed(1),
+                         dtype=torch.uint8).numpy().tobytes()
+    lengths = (0, 1, 4095, (1 << 17) - 1, 1 << 17, (1 << 17) + 1, 1 << 20, len(data) - 7) if native else (0, 1, 5000)
+    for n in lengths:
+        out = bytearray(n + 3)
+        crc = checksums.copy_crc32c(memoryview(out)[2: 2 + n], data[7: 7 + n], 0xBEEF)
+        assert out[2: 2 + n] == data[7: 7 + n] and out[:2] == b"\0\0" and out[-1:] == b"\0", n
+        assert crc == checksums.crc32c_python(data[7: 7 + n], 0xBEEF), n
+    if native:
+        with pytest.raises(ValueError, match="differ in size"):
+            checksums.copy_crc32c(bytearray(3), data[:4])
+        with pytest.raises(BufferError):
+            checksums.copy_crc32c(data[:4], data[4:8])
+    parts = [data[:10], data[10:10], data[10:300], data[300:301]]
+    assert checksums.chained_crc32c(parts, [True, False, True, False]) == [
+        checksums.crc32c_python(data[:10]), checksums.crc32c_python(data[:10]),
+        checksums.crc32c_python(data[10:300]), checksums.crc32c_python(data[10:301])]
+
+
 @pytest.mark.parametrize("written,read", [("crc32", "crc32"), ("crc32c", "python")])
 def test_a_checkpoint_is_checked_with_the_checksum_its_manifest_names(tmp_path, monkeypatch, written, read):
     """Each checksum kind round-trips and still catches a flipped bit: zlib's CRC-32 (a build without the native
@@ -319,10 +350,10 @@ def test_a_load_at_the_saved_layout_reads_its_file_front_to_back(tmp_path, monke
     cls = direct_reads.DirectFile if direct else files.CheckpointFile
     real = cls.readinto_parts
 
-    def recording(self, views, offset):
+    def recording(self, views, offset, chain=None):
         if type(self) is cls:  # (a DirectFile's reads outside its chunks come through CheckpointFile's)
             reads.append((offset, sum(len(v) for v in views)))
-        return real(self, views, offset)
+        return real(self, views, offset, chain)
 
     monkeypatch.setattr(cls, "readinto_parts", recording)
     opened = []

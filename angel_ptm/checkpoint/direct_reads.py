@@ -21,6 +21,7 @@ import os
 
 from angel_ptm.checkpoint.files import CheckpointFile
 from angel_ptm.errors import CheckpointCorruptError, PageIOError
+from angel_ptm.io import checksums
 from angel_ptm.io.engine import create_engine
 from angel_ptm.io.slot_file import anonymous_aligned, open_direct_readonly, whole_blocks
 
@@ -77,12 +78,17 @@ class DirectFile(CheckpointFile):
             os.close(fd)
             raise
 
-    def readinto_parts(self, views: list[memoryview], offset: int) -> None:
+    def readinto_parts(self, views: list[memoryview], offset: int, chain: list[bool] | None = None
+                       ) -> list[int] | None:
         """The bytes from `offset` on into `views`, one after the other: out of the chunks where they lie there,
-        through the page cache where not."""
-        pos = offset
-        for view in views:
+        through the page cache where not. With `chain`, their CRC-32Cs (as CheckpointFile's), taken as the bytes
+        are copied out of the chunks (checksums.copy_crc32c: one pass over memory, not two)."""
+        sums: list[int] | None = None if chain is None else []
+        crc, pos = 0, offset
+        for k, view in enumerate(views):
             view = memoryview(view).cast("B")
+            if chain is not None and chain[k]:
+                crc = 0
             done = 0
             while done < len(view):
                 span = self._chunk_at(pos)
@@ -90,14 +96,22 @@ class DirectFile(CheckpointFile):
                     upto = self._window[0][0] if self._window and self._window[0][0] > pos else pos + len(view)
                     n = min(len(view) - done, upto - pos)
                     super().readinto_parts([view[done: done + n]], pos)
+                    if chain is not None:
+                        crc = checksums.crc32c(view[done: done + n], crc)
                 else:
                     start, end, buffer = span
                     n = min(len(view) - done, end - pos)
-                    view[done: done + n] = buffer[pos - start: pos - start + n]
+                    if chain is None:
+                        view[done: done + n] = buffer[pos - start: pos - start + n]
+                    else:
+                        crc = checksums.copy_crc32c(view[done: done + n], buffer[pos - start: pos - start + n], crc)
                 done += n
                 pos += n
+            if sums is not None:
+                sums.append(crc)
         if pos >= self._end and self._engine is not None:  # the last planned byte read: chunks and threads go
             self._release()
+        return sums
 
     def _chunk_at(self, pos: int) -> tuple[int, int, memoryview] | None:
         """The chunk holding byte `pos`, landed (chunks wholly before it go back for the next reads), or None."""

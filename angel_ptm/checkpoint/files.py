@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 from angel_ptm.errors import CheckpointCorruptError
+from angel_ptm.io import checksums
 
 
 def _iov_max() -> int:
@@ -40,11 +41,13 @@ class CheckpointFile:
     def readinto(self, view: memoryview, offset: int) -> None:
         self.readinto_parts([view], offset)
 
-    def readinto_parts(self, views: list[memoryview], offset: int) -> None:
+    def readinto_parts(self, views: list[memoryview], offset: int, chain: list[bool] | None = None
+                       ) -> list[int] | None:
         """The bytes from `offset` on into `views`, one after the other (one preadv per IOV_MAX views: a single
-        front-to-back read of the file however the destination is split)."""
+        front-to-back read of the file however the destination is split). With `chain` (a flag per view), their
+        CRC-32Cs as checksums.chained_crc32c takes them, once read (a DirectFile takes them as it copies)."""
         total = sum(len(v) for v in views)
-        views = [v for v in views if len(v)]
+        given, views = views, [v for v in views if len(v)]
         done = i = 0
         while i < len(views):
             try:
@@ -61,6 +64,7 @@ class CheckpointFile:
                 i += 1
             if got:
                 views[i] = views[i][got:]
+        return None if chain is None else checksums.chained_crc32c(given, chain)
 
     def advise(self, offset: int, length: int) -> None:
         if hasattr(os, "posix_fadvise"):

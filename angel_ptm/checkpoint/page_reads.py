@@ -13,6 +13,7 @@ import concurrent.futures
 import torch
 
 from angel_ptm.checkpoint.files import data_record_ends
+from angel_ptm.io import checksums
 
 PAGES_IN_FLIGHT = 2  # pages whose reads run while the next page's items are resolved
 
@@ -31,9 +32,12 @@ class InPlace:
         self.view = memoryview(self.target.reshape(-1).view(torch.uint8).numpy()).cast("B")
         return [memoryview(self.head), self.view, memoryview(self.tail)]
 
-    def landed(self) -> None:
-        checksum = self.reader.checksum
-        self.got = checksum(self.tail, checksum(self.view, checksum(self.head)))
+    def landed(self, crc: int | None = None) -> None:
+        """The bytes are in: their checksum (`crc`, the item's CRC-32C when the read took it)."""
+        if crc is None:
+            checksum = self.reader.checksum
+            crc = checksum(self.tail, checksum(self.view, checksum(self.head)))
+        self.got = crc
 
     def commit(self) -> None:
         if self.got != self.crc:
@@ -61,8 +65,8 @@ class Whole:
         self.data = bytearray(self.sinfo.length)
         return [memoryview(self.data)]
 
-    def landed(self) -> None:
-        self.got = self.reader.checksum(self.data)
+    def landed(self, crc: int | None = None) -> None:
+        self.got = crc if crc is not None else self.reader.checksum(self.data)
 
     def commit(self) -> None:
         data, self.data = self.data, None
@@ -139,14 +143,19 @@ def read_page(reads: list, page_checksum) -> int | None:
 
 def run_all(reads: list) -> None:
     """The reads' bytes, each run of items lying back to back in one file read by one preadv (a page's items
-    usually are one run), each item checksummed as it lands."""
+    usually are one run), each item checksummed as it lands: as its bytes are copied where the manifest's checksum
+    is CRC-32C (checksums.copy_crc32c), after the read otherwise."""
     i = 0
     while i < len(reads):
-        start, first, parts, end = i, reads[i], [], None
+        start, first, parts, chain, ends, end = i, reads[i], [], [], [], None
         while i < len(reads) and reads[i].file is first.file and (end is None or reads[i].sinfo.offset == end):
-            parts += reads[i].parts()
+            new = reads[i].parts()
+            parts += new
+            chain += [True] + [False] * (len(new) - 1)
+            ends.append(len(parts) - 1)
             end = reads[i].sinfo.offset + reads[i].sinfo.length
             i += 1
-        first.file.readinto_parts(parts, first.sinfo.offset)
-        for read in reads[start:i]:
-            read.landed()
+        fused = first.reader.checksum is checksums.crc32c
+        sums = first.file.readinto_parts(parts, first.sinfo.offset, chain if fused else None)
+        for read, last in zip(reads[start:i], ends):
+            read.landed(sums[last] if sums is not None else None)

@@ -58,6 +58,27 @@ def _crc32c_native(data, value: int = 0) -> int:
 
 
 crc32c: Checksum = _crc32c_native if _native is not None and hasattr(_native, "crc32c") else crc32c_python
+
+
+def copy_crc32c(dst, src, value: int = 0) -> int:
+    """`src`'s bytes copied into `dst` (as many), and their CRC-32C continuing from `value`: natively one pass over
+    memory, each piece checksummed while the cache still holds it (the GIL released), instead of a copy and then
+    a checksum reading every byte again."""
+    dst, src = memoryview(dst).cast("B"), memoryview(src).cast("B")
+    if crc32c is _crc32c_native and hasattr(_native, "copy_crc32c"):
+        return _native.copy_crc32c(dst, src, value)
+    dst[:] = src
+    return crc32c(dst, value)
+
+
+def chained_crc32c(views, chain) -> list[int]:
+    """The CRC-32C at the end of each of `views`, a checksum starting at each view whose `chain` flag is True and
+    going on over the views after it while their flags are False."""
+    sums, crc = [], 0
+    for view, starts in zip(views, chain):
+        crc = crc32c(view, 0 if starts else crc)
+        sums.append(crc)
+    return sums
 ALGORITHMS: dict[str, Checksum] = {"crc32": zlib.crc32, "crc32c": crc32c}
 PREFERRED = "crc32c" if crc32c is _crc32c_native else "crc32"
 
