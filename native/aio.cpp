@@ -134,8 +134,9 @@ class Engine {
                 queue_.push_back(Chunk{req, start, std::min(chunk_bytes_, nbytes - start)});
             }
         }
-        // One waiting worker per chunk queued: waking every idle worker for one chunk costs the others a wake-up
-        // each, and on a machine with as many busy threads as cores each wake-up preempts the caller.
+        // One waiting worker, who relays to the next if more is queued: waking every idle worker for one chunk
+        // costs the others a wake-up each, and on a machine with as many busy threads as cores each wake-up
+        // preempts the caller.
         if (wake) {
             wake_workers(i);
         } else {
@@ -161,10 +162,12 @@ class Engine {
         return req;
     }
 
-    // Wakes a worker for each chunk queued without a wake-up (and `more` besides), at most every worker.
+    // Wakes one worker if chunks were queued without a wake-up (or `more` now); a worker that takes a chunk and
+    // leaves others queued wakes the next (worker_loop), so the submitting thread -- the one compute runs on --
+    // pays one futex wake-up (tens of microseconds in a VM) however many chunks it queued.
     void wake_workers(size_t more = 0) {
         size_t n = unwoken_.exchange(0, std::memory_order_relaxed) + more;
-        for (size_t k = 0; k < n && k < workers_.size(); ++k) not_empty_.notify_one();
+        if (n) not_empty_.notify_one();
     }
     void wake() { wake_workers(0); }
 
@@ -235,6 +238,7 @@ class Engine {
                 queue_.erase(next);
                 if (fault_count_ == 0) take_adjacent(run);  // (an injected fault counts single transfers)
                 not_full_.notify_all();
+                if (!queue_.empty()) not_empty_.notify_one();  // the relay: another worker for what is left
             }
             if (run.size() == 1)
                 run_chunk(run[0]);
