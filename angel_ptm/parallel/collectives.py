@@ -222,8 +222,11 @@ class Collectives:
         parts = [mine if r == self.rank else received[r] for r in range(self.size)]
         if self.rank and output.data_ptr() == mine.data_ptr():  # `mine` is added after rank 0's part
             parts[self.rank] = mine.clone()
-        output.copy_(parts[0])
-        for part in parts[1:]:
+        if len(parts) > 1:  # the first two summed straight into `output`: one pass over it, not a copy and an add
+            torch.add(parts[0], parts[1], out=output)
+        else:
+            output.copy_(parts[0])
+        for part in parts[2:]:
             output.add_(part)
         for buffer in received.values():
             self._spare.setdefault((buffer.numel(), buffer.dtype, buffer.device), []).append(buffer)

@@ -328,13 +328,16 @@ class GradSync:
         return inputs, staged
 
     def write_mean(self, index: int, summed: torch.Tensor) -> None:
-        """Gradient page `index` takes the mean over the dp ranks of a reduction's sum (`summed`, scaled in place)."""
+        """Gradient page `index` takes the mean over the dp ranks of a reduction's sum (`summed`, which is spent)."""
         page = self.pages["grad"][index]
         self._writing(index)
         self.manager.acquire([page], self.tier)
         try:
-            page.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)].copy_(
-                summed.mul_(1.0 / self.dp))
+            mean = page.view(self.layout.page_dtypes[index])[: self.layout.page_numel(index)]
+            if mean.dtype == summed.dtype:  # scaled straight into the page (one pass, not a scale and a copy)
+                torch.mul(summed, 1.0 / self.dp, out=mean)
+            else:
+                mean.copy_(summed.mul_(1.0 / self.dp))
         finally:
             self.manager.release([page], dirty=True)
 
