@@ -56,7 +56,7 @@ class NonBlockingMoves:
 
     def leaving(self, tier: Tier) -> int:
         """Moves under way out of `tier` (each frees a slot there when it lands)."""
-        return sum(1 for m in self._moves.values() if m.src is tier and not m.src_freed)
+        return self._leaving[tier]  # (kept as moves begin and settle: this is asked for every fetch a pump looks at)
 
     def make_room_async(self, tier: Tier, need: float, keep: Page | None = None) -> bool:
         """Start evicting one page from `tier` whose next use is after `need` (Belady's choice among them);

@@ -51,6 +51,7 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards, MoveAccounting):
         self._rest_of: dict[int, Tier | None] = {}
         self._indexed = 0
         self._moves: dict[int, Move] = {}
+        self._leaving: Counter = Counter()  # tier -> moves in flight out of it whose source slot is still held
         self._pinned: set[int] = set()  # ids of pages with pin_count > 0
         self._guards: dict[int, Callable[[Page], None]] = {}  # page id -> told of its next change (guards.py)
         self._quiet: int | None = None  # a page whose pin count changes with no byte changed: its guard not told
@@ -394,9 +395,8 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards, MoveAccounting):
         """A free slot on `tier`: a victim chosen by the policy is evicted if there is none."""
         pool = self.pools[tier]
         while pool.free_slots == 0:
-            leaving = [m for m in self._moves.values() if m.src is tier and not m.src_freed]
-            if leaving:  # a slot is about to be freed by a move already under way
-                self._wait_move(leaving[0].page)
+            if self._leaving[tier]:  # a slot is about to be freed by a move already under way
+                self._wait_move(next(m for m in self._moves.values() if m.src is tier and not m.src_freed).page)
                 continue
             candidates = self._candidates(tier)
             if not candidates:
@@ -419,11 +419,15 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards, MoveAccounting):
     def _begin(self, move: Move) -> None:
         move.started = self.trace.now() if self.trace.enabled else 0.0
         self._moves[move.page.id] = move
+        if not move.src_freed:
+            self._leaving[move.src] += 1
         self._emit("move", move.page, move.src, move.dst)
 
     def _wait_move(self, page: Page) -> None:
         move = self._moves.pop(page.id, None)
         if move is not None:
+            if not move.src_freed:
+                self._leaving[move.src] -= 1
             move.finish(move)
 
     def _cross(self, page: Page, dst: Tier, buffer: torch.Tensor, wait: bool, after: CopyHandle | None = None) -> None:
