@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,49 @@ def test_a_failed_background_save_whose_error_was_raised_fails_no_later_save(tmp
     finally:
         engine.close()
     assert (tmp_path / "second" / ".metadata").is_file() and not (tmp_path / "first").exists()
+
+
+EXIT_SCRIPT = """
+import sys, torch
+import angel_ptm
+from angel_ptm.models import GPT, GPTConfig
+torch.manual_seed(0)
+model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=64))
+engine = angel_ptm.initialize(model, {"memory": {"page_bytes": 1 << 14, "device_budget": 1 << 20,
+                                                 "host_budget": 1 << 20, "disk_dir": sys.argv[1] + "/pages"},
+                                      "trainer": {"device": "cpu"},
+                                      "checkpoint": {"async_max_gbps": 1e-6}})  # a year at this pace
+x = torch.randint(0, 64, (2, 16))
+engine.backward(engine(x, x))
+engine.step()
+engine.save_checkpoint(sys.argv[1] + "/ckpt", background=True)
+print("returned", flush=True)
+"""
+
+
+def test_a_script_that_returns_while_a_background_save_is_written_exits_once_it_is_whole(tmp_path):
+    """No close(), no wait(): the interpreter's exit lifts the save's pace and waits for it (its thread was a
+    daemon, cut off at exit: no checkpoint and status 0, or an abort inside a native call), says so in one line,
+    and the checkpoint loads."""
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(Path(angel_ptm.__file__).parents[1]),
+                                                                        os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "returned" in run.stdout
+    assert f"the checkpoint {tmp_path / 'ckpt'} is still being written: the exit waits for it" in run.stderr
+    assert (tmp_path / "ckpt" / ".metadata").is_file() and not (tmp_path / "ckpt.tmp").exists()
+    from angel_ptm.models import GPT, GPTConfig
+
+    engine = angel_ptm.initialize(GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=64)),
+                                  {"memory": {"page_bytes": 1 << 14, "disk_dir": str(tmp_path / "pages2")},
+                                   "trainer": {"device": "cpu"}})
+    try:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        assert engine._steps_done == 1
+    finally:
+        engine.close()

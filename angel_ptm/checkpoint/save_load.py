@@ -23,12 +23,14 @@ a failed save removes its `.tmp` on rank 0 and leaves the engine as it was.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
 import threading
 import time
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any, Callable
 
@@ -186,9 +188,32 @@ def _broadcast_on(group, outcome):
     return box[0]
 
 
+log = logging.getLogger("angel_ptm.checkpoint")
+# Saves being written beside training, for the interpreter's exit (_finish_saves_at_exit)
+_IN_FLIGHT: "weakref.WeakSet[PendingSave]" = weakref.WeakSet()
+_EXIT_HOOK = [False, False]  # (registered, the interpreter is exiting)
+
+
+def _finish_saves_at_exit() -> None:
+    """The interpreter is ending (a script returned with a save still being written: no engine.close() or wait()).
+    Run by threading's shutdown before it joins the threads that are not daemons, which a save's is: each save goes
+    on unpaced and the exit waits for it, so it lands whole (or, if it fails, its error is logged and its `.tmp` is
+    left for the next save to remove). As a daemon the save was cut off wherever it was: no checkpoint and a 0 exit
+    status, or an abort (std::terminate) when the cut came inside a native call that had released the GIL."""
+    _EXIT_HOOK[1] = True
+    for save in list(_IN_FLIGHT):
+        if save.done():
+            save._log_unreported()
+            continue
+        log.warning("angel_ptm: the checkpoint %s is still being written: the exit waits for it", save.path)
+        if save.pace is not None:
+            save.pace.lift()
+
+
 class PendingSave:
     """A checkpoint being written beside training. `wait()` returns its path once complete on every rank, or
-    raises the save's typed error; `done()` says whether it has finished."""
+    raises the save's typed error; `done()` says whether it has finished. The interpreter's exit waits for it
+    (`_finish_saves_at_exit`)."""
 
     def __init__(self, path: Path, snapshot: Snapshot, pace: Pace | None = None):
         self.path, self._snapshot, self.pace = path, snapshot, pace
@@ -212,9 +237,20 @@ class PendingSave:
             except BaseException as exc:  # noqa: BLE001 - raised by wait() in the training thread
                 self.error = exc
             self.seconds = time.perf_counter() - t0
+            if _EXIT_HOOK[1]:  # nobody will wait() for it any more
+                self._log_unreported()
 
-        self._thread = threading.Thread(target=run, name="angel-ptm-checkpoint", daemon=True)
+        if not _EXIT_HOOK[0] and hasattr(threading, "_register_atexit"):  # (concurrent.futures' hook, 3.9+)
+            threading._register_atexit(_finish_saves_at_exit)
+            _EXIT_HOOK[0] = True
+        _IN_FLIGHT.add(self)
+        self._thread = threading.Thread(target=run, name="angel-ptm-checkpoint", daemon=False)
         self._thread.start()
+
+    def _log_unreported(self) -> None:
+        if self.error is not None and not self.reported:
+            self.reported = True
+            log.error("angel_ptm: the checkpoint %s was not written: %s", self.path, self.error)
 
     def done(self) -> bool:
         return self._thread is not None and not self._thread.is_alive()
