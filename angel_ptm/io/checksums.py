@@ -79,6 +79,8 @@ def chained_crc32c(views, chain) -> list[int]:
         crc = crc32c(view, 0 if starts else crc)
         sums.append(crc)
     return sums
+
+
 ALGORITHMS: dict[str, Checksum] = {"crc32": zlib.crc32, "crc32c": crc32c}
 PREFERRED = "crc32c" if crc32c is _crc32c_native else "crc32"
 

@@ -419,15 +419,13 @@ class PageManager(RemotePages, NonBlockingMoves, PageGuards, MoveAccounting):
     def _begin(self, move: Move) -> None:
         move.started = self.trace.now() if self.trace.enabled else 0.0
         self._moves[move.page.id] = move
-        if not move.src_freed:
-            self._leaving[move.src] += 1
+        self._leaving[move.src] += not move.src_freed
         self._emit("move", move.page, move.src, move.dst)
 
     def _wait_move(self, page: Page) -> None:
         move = self._moves.pop(page.id, None)
         if move is not None:
-            if not move.src_freed:
-                self._leaving[move.src] -= 1
+            self._leaving[move.src] -= not move.src_freed
             move.finish(move)
 
     def _cross(self, page: Page, dst: Tier, buffer: torch.Tensor, wait: bool, after: CopyHandle | None = None) -> None:

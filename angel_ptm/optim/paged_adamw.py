@@ -251,8 +251,8 @@ class PagedAdamW:
             # One pass over master, gradient and both moments in the native kernel (clip coefficient and loss-scale
             # unscaling folded in), writing the compute copy in the same pass.
             fused_adamw_trusted_(param, grad, exp_avg, exp_avg_sq, lr=self.step_lr, beta1=beta1, beta2=beta2,
-                               eps=self.eps, weight_decay=weight_decay, step=step, grad_scale=self.grad_scale,
-                               out=copy)
+                                 eps=self.eps, weight_decay=weight_decay, step=step, grad_scale=self.grad_scale,
+                                 out=copy)
             return
         bias_correction1 = 1 - beta1**step
         bias_correction2_sqrt = (1 - beta2**step) ** 0.5
