@@ -28,6 +28,7 @@ from angel_ptm.errors import ConfigValueError, EngineBusyError, EngineClosedErro
 from angel_ptm.failure import Failure
 from angel_ptm.estimate import estimate_job
 from angel_ptm.inputs import to_device
+from angel_ptm.interrupts import defers_interrupts
 from angel_ptm.lr import ConfigSchedule
 from angel_ptm.memory import build_layout
 from angel_ptm.memory.materialize import buffers_back, buffers_onto
@@ -146,6 +147,7 @@ class Engine(StateAccess, EngineViews):
         self.graphs = OpenGraphs()  # training forwards not yet backwarded (a checkpoint refuses to cut a step)
 
     # ------------------------------------------------------------------ the step
+    @defers_interrupts
     def __call__(self, *args, **kwargs):
         """The model's forward, its inputs on the compute device (angel_ptm/inputs.py)."""
         self._check_alive()
@@ -162,6 +164,7 @@ class Engine(StateAccess, EngineViews):
                 self.binder.abort_forward()  # (a KeyboardInterrupt skips torch's always-call forward hooks)
                 raise
 
+    @defers_interrupts
     def backward(self, loss: torch.Tensor) -> None:
         """Backward of one micro-batch. In the last one (trainer.grad_accum of them per step), with the planned
         scheduler and no clipping, each page group is updated as soon as all its gradients are in. With fp16 the
@@ -200,6 +203,7 @@ class Engine(StateAccess, EngineViews):
         """The learning rate the next optimizer step uses."""
         return self.optimizer.lr
 
+    @defers_interrupts
     def step(self) -> None:
         """The optimizer step over every page, then gradients zeroed (the next backward overwrites them). With fp16
         loss scaling, a step whose gradients overflowed is skipped whole and the loss scale adjusted. An error part-way

@@ -1,0 +1,57 @@
+"""Ctrl-C during an engine call: raised when the call returns, not in the middle of it.
+
+A KeyboardInterrupt raised wherever the main thread happens to be (Python runs the SIGINT handler between any two
+bytecodes) could land inside the engine's own bookkeeping: between pinning a page and releasing it, between a
+page's two state changes, half-way through binding a unit. Training on after that met raw errors (`page grad:63
+is pinned`, `page param:17 has no readable buffer in state TO_DISK`, a parameter "used outside its unit") or, worse,
+none. So while the main thread is inside `engine(...)`, `engine.backward` or `engine.step`, a first SIGINT is
+noted, said once, and raised as KeyboardInterrupt when the call has finished: the engine is then as sound as after
+any completed call (a forward's output is dropped; a backward's gradients are in; a step is done). A second SIGINT
+in the same call raises at once, and the engine, which may then be torn, refuses every later call but `close()`
+(EngineFailedError: resume from the last checkpoint).
+
+Only the interpreter's own SIGINT handler is replaced, and only on the main thread: a handler of the caller's (the
+trainer's `checkpoint.on_signal`, a notebook's) is left as it is.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import threading
+
+log = logging.getLogger("angel_ptm")
+
+
+def defers_interrupts(method):
+    """Engine method decorator: a SIGINT while it runs is raised (KeyboardInterrupt) once it has returned."""
+
+    @functools.wraps(method)
+    def call(engine, *args, **kwargs):
+        if (threading.current_thread() is not threading.main_thread()
+                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+            return method(engine, *args, **kwargs)  # (not ours to defer, or deferred by an outer call already)
+        received: list[int] = []
+
+        def note(signum, frame):
+            if received:  # the second: now, and what the call was doing may be left half-done
+                engine.failure.fail(f"the engine was interrupted twice inside engine.{name} (step "
+                                    f"{engine.failure.steps_done + 1}): its pages may be torn, so it refuses to go "
+                                    f"on: resume from the last checkpoint")
+                raise KeyboardInterrupt
+            received.append(signum)
+            log.warning("angel_ptm: interrupted: raised when engine.%s returns (interrupt again to stop at once; "
+                        "the engine then refuses to go on)", name)
+
+        signal.signal(signal.SIGINT, note)
+        try:
+            result = method(engine, *args, **kwargs)
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+        if received:
+            raise KeyboardInterrupt
+        return result
+
+    name = "forward" if method.__name__ == "__call__" else method.__name__
+    return call

@@ -1,0 +1,151 @@
+"""Ctrl-C (SIGINT) inside an engine call (angel_ptm/interrupts.py): raised as KeyboardInterrupt once the call has
+finished, so training goes on exactly; a second one in the same call stops it at once and fails the engine; a
+handler of the caller's is left alone."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import pytest
+import torch
+
+import angel_ptm
+from angel_ptm.errors import EngineFailedError
+from angel_ptm.memory.manager import PageManager
+from angel_ptm.models import GPT, GPTConfig
+
+from test_checkpoint import assert_bitwise, final_states
+
+STEPS = 4
+
+
+def build():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=2, dim=64))
+
+
+def config(tmp_path, name):  # 8 KiB pages on all three tiers: every call pins and moves pages
+    return {"memory": {"page_bytes": 8 << 10, "device_budget": 640 << 10, "host_budget": 640 << 10,
+                       "disk_dir": str(tmp_path / name)},
+            "trainer": {"device": "cpu"}}
+
+
+DATA = [torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(i)) for i in range(STEPS)]
+
+
+class Interrupter:
+    """SIGINT(s) to this process at the `at`-th PageManager.acquire of a given call of a given step (`plan`: step
+    -> (call, at)), so the handler runs inside the engine's own bookkeeping: pins, moves, bindings."""
+
+    def __init__(self, monkeypatch, plan: dict, times: int = 1):
+        self.plan, self.times, self.step, self.call, self.count, self.fired = plan, times, 0, "", 0, set()
+        real = PageManager.acquire
+
+        def acquire(manager, *args, **kwargs):
+            self.count += 1
+            call, at = self.plan.get(self.step, ("", 0))
+            if (call, at) == (self.call, self.count) and self.step not in self.fired:
+                self.fired.add(self.step)
+                for _ in range(self.times):
+                    os.kill(os.getpid(), signal.SIGINT)
+            return real(manager, *args, **kwargs)
+
+        monkeypatch.setattr(PageManager, "acquire", acquire)
+
+    def entering(self, step: int, call: str) -> None:
+        self.step, self.call, self.count = step, call, 0
+
+
+def train(engine, interrupter: Interrupter | None = None) -> list[str]:
+    """Every step once, whatever interrupts come: a KeyboardInterrupt out of a call means the call finished (the
+    forward's output is lost: it runs again; a backward's step is taken; a step is done)."""
+    enter = interrupter.entering if interrupter is not None else (lambda step, call: None)
+    i, interrupted = 0, []
+    while i < len(DATA):
+        call = "forward"
+        try:
+            enter(i, call)
+            loss = engine(DATA[i], DATA[i])
+            call = "backward"
+            enter(i, call)
+            engine.backward(loss)
+            call = "step"
+            enter(i, call)
+            engine.step()
+            i += 1
+        except KeyboardInterrupt:
+            interrupted.append(call)
+            if call == "backward":
+                engine.step()
+            if call != "forward":
+                i += 1
+    return interrupted
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    engine = angel_ptm.initialize(build(), config(tmp_path_factory.mktemp("ref"), "pages"))
+    try:
+        assert train(engine) == []
+        return final_states(engine)
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_an_interrupt_inside_an_engine_call_is_raised_when_it_returns_and_training_goes_on_exactly(
+        tmp_path, monkeypatch, reference):
+    """SIGINTs at acquires spread over forward, backward and step (each call's pins, moves and bindings were cut
+    half-way before: a raw "page is pinned" or "no readable buffer" error, or a failed engine): each surfaces
+    as a KeyboardInterrupt after its call, and the run ends with the uninterrupted run's parameters and moments,
+    bit for bit."""
+    want = reference
+    engine = angel_ptm.initialize(build(), config(tmp_path, "run"))
+    interrupter = Interrupter(monkeypatch, {0: ("forward", 3), 1: ("backward", 12), 2: ("step", 2),
+                                            3: ("backward", 1)})
+    try:
+        interrupted = train(engine, interrupter)
+        assert interrupted == ["forward", "backward", "step", "backward"]
+        assert_bitwise(want, final_states(engine))
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        engine.close()
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_a_second_interrupt_in_the_same_call_stops_it_at_once_and_the_engine_refuses_to_go_on(tmp_path, monkeypatch):
+    engine = angel_ptm.initialize(build(), config(tmp_path, "pages"))
+    interrupter = Interrupter(monkeypatch, {0: ("backward", 5)}, times=2)
+    try:
+        loss = engine(DATA[0], DATA[0])
+        interrupter.entering(0, "backward")
+        with pytest.raises(KeyboardInterrupt):
+            engine.backward(loss)
+        with pytest.raises(EngineFailedError, match="interrupted twice inside engine.backward"):
+            engine(DATA[1], DATA[1])
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        engine.close()  # (a failed engine still closes)
+
+
+def test_a_sigint_handler_of_the_callers_and_a_call_from_another_thread_are_left_alone(tmp_path, monkeypatch):
+    seen = []
+    engine = angel_ptm.initialize(build(), config(tmp_path, "pages"))
+    engine.model.layers[0].register_forward_hook(lambda *a: seen.append(signal.getsignal(signal.SIGINT)))
+    mine = signal.signal(signal.SIGINT, lambda *a: None) if threading.current_thread() is threading.main_thread() \
+        else None
+    try:
+        engine.backward(engine(DATA[0], DATA[0]))
+        engine.step()
+        if mine is not None:
+            assert seen[-1] is signal.getsignal(signal.SIGINT) is not signal.default_int_handler
+        worker = threading.Thread(target=lambda: engine.backward(engine(DATA[1], DATA[1])) or engine.step())
+        worker.start()
+        worker.join()
+        assert len(seen) == 2
+    finally:
+        if mine is not None:
+            signal.signal(signal.SIGINT, mine)
+        engine.close()
