@@ -175,11 +175,13 @@ class Engine(StateAccess, EngineViews):
             self.driver.backward(loss)
         self.graphs.clear()
 
+    @defers_interrupts
     def flush(self) -> None:
         """staleness 1: finish the pending update and put its result in the parameters (the end of training, or
         before reading the final weights); the next step then computes with them. A no-op with staleness 0."""
         self.driver.flush()
 
+    @defers_interrupts
     def clip_grad_norm(self, max_norm: float) -> float:
         """The global L2 norm of this step's gradients (over every rank's pages); scales them to `max_norm`."""
         self._check_alive()
@@ -246,6 +248,7 @@ class Engine(StateAccess, EngineViews):
         ends = list(self._step_ends)
         return statistics.median(b - a for a, b in zip(ends, ends[1:])) if len(ends) > 1 else None
 
+    @defers_interrupts
     def zero_grad(self) -> None:
         self._check_alive()
         self.driver.zero_grad()

@@ -4,11 +4,11 @@ A KeyboardInterrupt raised wherever the main thread happens to be (Python runs t
 bytecodes) could land inside the engine's own bookkeeping: between pinning a page and releasing it, between a
 page's two state changes, half-way through binding a unit. Training on after that met raw errors (`page grad:63
 is pinned`, `page param:17 has no readable buffer in state TO_DISK`, a parameter "used outside its unit") or, worse,
-none. So while the main thread is inside `engine(...)`, `engine.backward` or `engine.step`, a first SIGINT is
-noted, said once, and raised as KeyboardInterrupt when the call has finished: the engine is then as sound as after
-any completed call (a forward's output is dropped; a backward's gradients are in; a step is done). A second SIGINT
-in the same call raises at once, and the engine, which may then be torn, refuses every later call but `close()`
-(EngineFailedError: resume from the last checkpoint).
+none. So while the main thread is inside `engine(...)`, `backward`, `step` (or `zero_grad`, `clip_grad_norm`,
+`flush`, which change pages too), a first SIGINT is noted, said once, and raised as KeyboardInterrupt when the call
+has finished: the engine is then as sound as after any completed call (a forward's output is dropped; a backward's
+gradients are in; a step is done). A second SIGINT in the same call raises at once, and the engine, which may then
+be torn, refuses every later call but `close()` (EngineFailedError: resume from the last checkpoint).
 
 Only the interpreter's own SIGINT handler is replaced, and only on the main thread: a handler of the caller's (the
 trainer's `checkpoint.on_signal`, a notebook's) is left as it is.
