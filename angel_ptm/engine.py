@@ -277,12 +277,17 @@ class Engine(StateAccess, EngineViews):
                                     "(model.state_dict()); angel_ptm.initialize(model, ...) trains on from them")
         self.failure.check()
 
+    @defers_interrupts(strict=True)
     def close(self) -> None:
         """Stop the engine and free its pages; the model keeps its trained weights as ordinary CPU tensors (the
         fp32 master weights under mixed precision), usable and saveable; a failed one leaves placeholders.
-        Idempotent."""
+        Idempotent. Refused (EngineBusyError) while another thread is inside a forward, backward or step."""
         if self._closed:
             return
+        with self._one_thread("close"):
+            self._close()
+
+    def _close(self) -> None:
         self._closed = True
         self.failure.closing()
         values = None  # the weights the model keeps: none from a failed engine, or when the last update fails

@@ -8,7 +8,9 @@ none. So while the main thread is inside `engine(...)`, `backward`, `step` (or `
 `flush`, which change pages too), a first SIGINT is noted, said once, and raised as KeyboardInterrupt when the call
 has finished: the engine is then as sound as after any completed call (a forward's output is dropped; a backward's
 gradients are in; a step is done). A second SIGINT in the same call raises at once, and the engine, which may then
-be torn, refuses every later call but `close()` (EngineFailedError: resume from the last checkpoint).
+be torn, refuses every later call but `close()` (EngineFailedError: resume from the last checkpoint). A call that
+raised an error of its own meanwhile raises the KeyboardInterrupt with that error as its cause. `close()` defers
+every SIGINT until it is done: the model gets its trained weights back whole.
 
 Only the interpreter's own SIGINT handler is replaced, and only on the main thread: a handler of the caller's (the
 trainer's `checkpoint.on_signal`, a notebook's) is left as it is.
@@ -24,8 +26,13 @@ import threading
 log = logging.getLogger("angel_ptm")
 
 
-def defers_interrupts(method):
-    """Engine method decorator: a SIGINT while it runs is raised (KeyboardInterrupt) once it has returned."""
+def defers_interrupts(method=None, *, strict: bool = False):
+    """Engine method decorator: a SIGINT while it runs is raised (KeyboardInterrupt) once it has returned, or
+    chained to the error it raised. `strict` (close(): the trained weights go back into the model): every SIGINT
+    waits for the end, a second one too."""
+    if method is None:
+        return lambda m: defers_interrupts(m, strict=strict)
+    name = "forward" if method.__name__ == "__call__" else method.__name__
 
     @functools.wraps(method)
     def call(engine, *args, **kwargs):
@@ -35,23 +42,27 @@ def defers_interrupts(method):
         received: list[int] = []
 
         def note(signum, frame):
-            if received:  # the second: now, and what the call was doing may be left half-done
+            if received and not strict:  # the second: now, and what the call was doing may be left half-done
                 engine.failure.fail(f"the engine was interrupted twice inside engine.{name} (step "
                                     f"{engine.failure.steps_done + 1}): its pages may be torn, so it refuses to go "
                                     f"on: resume from the last checkpoint")
                 raise KeyboardInterrupt
+            if not received:
+                log.warning("angel_ptm: interrupted: raised when engine.%s returns%s", name,
+                            "" if strict else " (interrupt again to stop at once; the engine then refuses to go on)")
             received.append(signum)
-            log.warning("angel_ptm: interrupted: raised when engine.%s returns (interrupt again to stop at once; "
-                        "the engine then refuses to go on)", name)
 
         signal.signal(signal.SIGINT, note)
         try:
             result = method(engine, *args, **kwargs)
+        except BaseException as exc:
+            if received and not isinstance(exc, KeyboardInterrupt):  # (an error of the call's own: kept as cause)
+                raise KeyboardInterrupt from exc
+            raise
         finally:
             signal.signal(signal.SIGINT, signal.default_int_handler)
         if received:
             raise KeyboardInterrupt
         return result
 
-    name = "forward" if method.__name__ == "__call__" else method.__name__
     return call

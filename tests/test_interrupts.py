@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import angel_ptm
+from angel_ptm.binding import ParamBinder
 from angel_ptm.errors import EngineFailedError
 from angel_ptm.memory.manager import PageManager
 from angel_ptm.models import GPT, GPTConfig
@@ -149,3 +150,69 @@ def test_a_sigint_handler_of_the_callers_and_a_call_from_another_thread_are_left
         if mine is not None:
             signal.signal(signal.SIGINT, mine)
         engine.close()
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_interrupts_inside_close_wait_for_it_and_the_model_keeps_its_trained_weights(tmp_path, monkeypatch):
+    """close() puts the trained weights back into the model: Ctrl-C twice while it does (pressed during a
+    `finally: engine.close()`) left half the parameters unbound and lost the weights; now it finishes first."""
+    engine = angel_ptm.initialize(build(), config(tmp_path, "pages"))
+    engine.backward(engine(DATA[0], DATA[0]))
+    engine.step()
+    want = {k: v.clone() for k, v in engine.state_dict().items()}
+    detach = ParamBinder.detach
+
+    def interrupted_detach(binder, values):  # Ctrl-C twice as the weights go back into the model
+        os.kill(os.getpid(), signal.SIGINT)
+        os.kill(os.getpid(), signal.SIGINT)
+        return detach(binder, values)
+
+    monkeypatch.setattr(ParamBinder, "detach", interrupted_detach)
+    with pytest.raises(KeyboardInterrupt):
+        engine.close()
+    assert engine._closed and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    got = engine.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert not any((tmp_path / "pages").rglob("*.slots"))  # the page files went too
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_an_interrupt_in_a_call_that_raises_is_not_lost_the_error_is_its_cause(tmp_path):
+    engine = angel_ptm.initialize(build(), config(tmp_path, "pages"))
+
+    def boom(*_):
+        os.kill(os.getpid(), signal.SIGINT)
+        raise ValueError("the model's own error")
+
+    handle = engine.model.layers[1].register_forward_pre_hook(boom)
+    try:
+        with pytest.raises(KeyboardInterrupt) as raised:
+            engine(DATA[0], DATA[0])
+        assert isinstance(raised.value.__cause__, ValueError)
+        handle.remove()
+        engine.backward(engine(DATA[0], DATA[0]))  # the engine goes on
+        engine.step()
+    finally:
+        engine.close()
+
+
+def test_close_from_another_thread_while_a_call_runs_is_refused(tmp_path):
+    """It closed the page files under the call's transfers (EBADF) or unbound its parameters mid-forward."""
+    from angel_ptm.errors import EngineBusyError
+
+    engine = angel_ptm.initialize(build(), config(tmp_path, "pages"))
+    inside, go = threading.Event(), threading.Event()
+    handle = engine.model.layers[1].register_forward_pre_hook(lambda *_: (inside.set(), go.wait(30)) and None)
+    outcome = []
+    worker = threading.Thread(target=lambda: outcome.append(engine(DATA[0], DATA[0])))
+    worker.start()
+    try:
+        assert inside.wait(30)
+        with pytest.raises(EngineBusyError, match="engine.close: another thread is inside"):
+            engine.close()
+    finally:
+        go.set()
+        worker.join()
+        handle.remove()
+        engine.close()
+    assert engine._closed and len(outcome) == 1  # the forward finished

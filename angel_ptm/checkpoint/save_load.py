@@ -218,6 +218,7 @@ class PendingSave:
     def __init__(self, path: Path, snapshot: Snapshot, pace: Pace | None = None):
         self.path, self._snapshot, self.pace = path, snapshot, pace
         self.error: BaseException | None = None
+        self._finished = threading.Event()  # set when the save's thread is through, whatever its outcome
         self.reported = False  # its error was raised to a caller of wait(): the engine's next wait is not told again
         self.seconds = 0.0
         self._thread: threading.Thread | None = None
@@ -237,6 +238,7 @@ class PendingSave:
             except BaseException as exc:  # noqa: BLE001 - raised by wait() in the training thread
                 self.error = exc
             self.seconds = time.perf_counter() - t0
+            self._finished.set()
             if _EXIT_HOOK[1]:  # nobody will wait() for it any more
                 self._log_unreported()
 
@@ -253,7 +255,8 @@ class PendingSave:
             log.error("angel_ptm: the checkpoint %s was not written: %s", self.path, self.error)
 
     def done(self) -> bool:
-        return self._thread is not None and not self._thread.is_alive()
+        # (not the thread's is_alive(): a KeyboardInterrupt in a join() leaves a running thread looking stopped)
+        return self._finished.is_set()
 
     def wait(self) -> Path:
         """(A paced save is waited for: its pace is lifted, the rest written as fast as it can.)"""

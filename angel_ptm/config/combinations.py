@@ -29,9 +29,6 @@ def check_combinations(config) -> None:
     if config.memory.lookahead and config.memory.scheduler != "planned":
         warn_once(f"memory.lookahead {config.memory.lookahead} has no effect: it bounds the planned scheduler's "
                    f"prefetches (this job: memory.scheduler {config.memory.scheduler})")
-    if config.checkpoint.async_max_gbps != "auto" and not config.checkpoint.async_save:
-        warn_once(f"checkpoint.async_max_gbps {config.checkpoint.async_max_gbps} has no effect: it paces "
-                   f"checkpoint.async_save, which is off")
     if not config.optimizer.overlap_updates and (config.trainer.grad_clip or config.memory.scheduler != "planned"):
         warn_once("optimizer.overlap_updates false has no effect: updates overlap backward only under "
                    "memory.scheduler planned with no clipping (this job: "
