@@ -376,10 +376,15 @@ class StateAccess:
     def wait_for_checkpoint(self):
         """Wait for a save running beside training to complete (its path), raising its error unless the save's own
         `wait()` raised it already (the caller knows: a later save is not failed by it); None without one."""
-        pending, self.pending_checkpoint = self.pending_checkpoint, None
+        pending = self.pending_checkpoint
         if pending is None or (pending.done() and pending.reported):
+            self.pending_checkpoint = None
             return None
-        return pending.wait()
+        try:
+            return pending.wait()
+        finally:
+            if pending.done():  # (a wait cut short by Ctrl-C leaves it pending: close() still waits for it)
+                self.pending_checkpoint = None
 
     def load_checkpoint(self, path):
         """The training state of checkpoint directory `path` (saved by any rank count, page size or placement) into

@@ -216,3 +216,29 @@ def test_close_from_another_thread_while_a_call_runs_is_refused(tmp_path):
         handle.remove()
         engine.close()
     assert engine._closed and len(outcome) == 1  # the forward finished
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_a_wait_for_a_background_save_cut_short_by_ctrl_c_leaves_it_for_close_to_wait_for(tmp_path, monkeypatch):
+    """The engine forgot the save before waiting: after a Ctrl-C there, close() no longer waited for it and closed
+    the page files under its reads."""
+    import time
+
+    from angel_ptm.checkpoint import storage
+
+    put = storage.Pipeline.put
+    monkeypatch.setattr(storage.Pipeline, "put", lambda pipeline, job: time.sleep(0.02) or put(pipeline, job))
+    engine = angel_ptm.initialize(build(), config(tmp_path, "pages"))
+    engine.backward(engine(DATA[0], DATA[0]))
+    engine.step()
+    pending = engine.save_checkpoint(tmp_path / "ckpt", background=True)
+    timer = threading.Timer(0.2, lambda: os.kill(os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            engine.wait_for_checkpoint()  # (the save's items at 20 ms each: seconds)
+        assert engine.pending_checkpoint is pending and not pending.done()
+    finally:
+        timer.join()
+        engine.close()
+    assert pending.done() and (tmp_path / "ckpt" / ".metadata").is_file()

@@ -263,7 +263,9 @@ class PendingSave:
         if self.pace is not None:
             self.pace.lift()
         if self._thread is not None:
-            self._thread.join()
+            # (its event, not join(): a KeyboardInterrupt inside a join leaves the thread looking stopped, and
+            # every later join returns at once while it still writes)
+            self._finished.wait()
         if self.error is not None:
             self.reported = True
             raise self.error
