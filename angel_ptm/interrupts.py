@@ -12,8 +12,8 @@ be torn, refuses every later call but `close()` (EngineFailedError: resume from 
 raised an error of its own meanwhile raises the KeyboardInterrupt with that error as its cause. `close()` defers
 every SIGINT until it is done: the model gets its trained weights back whole.
 
-Only the interpreter's own SIGINT handler is replaced, and only on the main thread: a handler of the caller's (the
-trainer's `checkpoint.on_signal`, a notebook's) is left as it is.
+Only the interpreter's own SIGINT handler is replaced, and only on the main thread. A handler of the caller's is
+left as it is; it may ask for the same (`defer`), as `angel-ptm train`'s does for SIGINT and SIGTERM.
 """
 
 from __future__ import annotations
@@ -24,6 +24,33 @@ import signal
 import threading
 
 log = logging.getLogger("angel_ptm")
+
+# The engine call the main thread is inside (the outermost): [engine, its name, strict, exceptions noted]
+_CALL: list = []
+
+
+def defer(exception: BaseException) -> bool:
+    """For a signal handler: inside an engine call on the main thread, `exception` is noted and raised when the
+    call returns (True). Outside one, or at a second signal in the same call (the engine, which may then be torn,
+    fails for good), False: the handler raises it now."""
+    if not _CALL or threading.current_thread() is not threading.main_thread():
+        return False
+    engine, name, strict, received = _CALL
+    if received and not strict:  # the second: now, and what the call was doing may be left half-done
+        engine.failure.fail(f"the engine was interrupted twice inside engine.{name} (step "
+                            f"{engine.failure.steps_done + 1}): its pages may be torn, so it refuses to go on: "
+                            f"resume from the last checkpoint")
+        return False
+    if not received:
+        log.warning("angel_ptm: %s: raised when engine.%s returns%s", type(exception).__name__, name,
+                    "" if strict else " (again to stop at once; the engine then refuses to go on)")
+    received.append(exception)
+    return True
+
+
+def _on_sigint(signum, frame) -> None:
+    if not defer(KeyboardInterrupt()):
+        raise KeyboardInterrupt
 
 
 def defers_interrupts(method=None, *, strict: bool = False):
@@ -36,33 +63,25 @@ def defers_interrupts(method=None, *, strict: bool = False):
 
     @functools.wraps(method)
     def call(engine, *args, **kwargs):
-        if (threading.current_thread() is not threading.main_thread()
-                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-            return method(engine, *args, **kwargs)  # (not ours to defer, or deferred by an outer call already)
-        received: list[int] = []
-
-        def note(signum, frame):
-            if received and not strict:  # the second: now, and what the call was doing may be left half-done
-                engine.failure.fail(f"the engine was interrupted twice inside engine.{name} (step "
-                                    f"{engine.failure.steps_done + 1}): its pages may be torn, so it refuses to go "
-                                    f"on: resume from the last checkpoint")
-                raise KeyboardInterrupt
-            if not received:
-                log.warning("angel_ptm: interrupted: raised when engine.%s returns%s", name,
-                            "" if strict else " (interrupt again to stop at once; the engine then refuses to go on)")
-            received.append(signum)
-
-        signal.signal(signal.SIGINT, note)
+        if _CALL or threading.current_thread() is not threading.main_thread():
+            return method(engine, *args, **kwargs)  # (inside an outer call, which defers; or not the main thread)
+        received: list[BaseException] = []
+        _CALL[:] = [engine, name, strict, received]
+        ours = signal.getsignal(signal.SIGINT) is signal.default_int_handler  # (a handler of the caller's: kept)
+        if ours:
+            signal.signal(signal.SIGINT, _on_sigint)
         try:
             result = method(engine, *args, **kwargs)
         except BaseException as exc:
             if received and not isinstance(exc, KeyboardInterrupt):  # (an error of the call's own: kept as cause)
-                raise KeyboardInterrupt from exc
+                raise received[0] from exc
             raise
         finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            _CALL.clear()
+            if ours:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
         if received:
-            raise KeyboardInterrupt
+            raise received[0]
         return result
 
     return call

@@ -47,6 +47,7 @@ from angel_ptm.config import Config, format_bytes, save_config, with_absolute_pa
 from angel_ptm.config.combinations import engine_config_for_trainer
 from angel_ptm.data import BatchSampler, check_part, load_tokens, split_train_val
 from angel_ptm.errors import ConfigValueError, DataError, Terminated
+from angel_ptm.interrupts import defer
 from angel_ptm.lr import lr_at
 from angel_ptm.models import build_model
 from angel_ptm.models.moe import moe_metrics, set_moe_step
@@ -362,7 +363,10 @@ class StopSignals:
     it unwinds as on Ctrl-C: the engine closes and removes its page files. Once `save_first` is set (the trainer
     does, with checkpoint.on_signal, when the engine is up): the first signal is noted, the trainer saves a
     checkpoint at the end of the step (`requested`, agreed over the ranks) and then raises; a second signal raises
-    at once (one within SAME_REQUEST_S of the first is the first delivered again). The previous handlers are
+    at once (one within SAME_REQUEST_S of the first is the first delivered again). "Where the run is" and "at once"
+    mean when the engine call under way returns (interrupts.defer: raised half-way through one, the engine's own
+    bookkeeping was left torn and its close() failed with a misleading error); another signal in that call raises
+    then and there. The previous handlers are
     restored after. Signal handlers belong to the main thread: a run on another thread keeps the defaults."""
 
     # A second signal this soon after the first is the same request delivered twice: Slurm signals every task of a
@@ -394,9 +398,10 @@ class StopSignals:
         if self.save_first and time.monotonic() - self._received_at < self.SAME_REQUEST_S:
             return
         signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second SIGTERM must not cut the cleanup short
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise Terminated(signum)
+        stop = KeyboardInterrupt() if signum == signal.SIGINT else Terminated(signum)
+        if defer(stop):  # inside an engine call: raised once it has finished (interrupts.py), not half-way
+            return
+        raise stop
 
     def requested(self, collectives: Optional[Collectives]) -> Optional[int]:
         """The signal that asks the run to stop after this step, on any rank (every rank calls this each step)."""

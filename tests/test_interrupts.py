@@ -242,3 +242,38 @@ def test_a_wait_for_a_background_save_cut_short_by_ctrl_c_leaves_it_for_close_to
         timer.join()
         engine.close()
     assert pending.done() and (tmp_path / "ckpt" / ".metadata").is_file()
+
+
+@pytest.mark.skipif(threading.current_thread() is not threading.main_thread(), reason="signals need the main thread")
+def test_the_trainers_stop_signals_wait_for_the_engine_call_under_way(tmp_path, monkeypatch, reference):
+    """`angel-ptm train` keeps its own SIGINT/SIGTERM handler (StopSignals): a signal it raised half-way through an
+    engine call tore the engine, whose close() then ended the run with a misleading error (exit 2, "parameter ...
+    used outside the forward of its paging unit") instead of exit 130. It now waits for the call, as ours does:
+    here SIGTERM in a backward's bookkeeping, then the step, and the run ends as the uninterrupted one."""
+    from angel_ptm.errors import Terminated
+    from angel_ptm.trainer import StopSignals
+
+    engine = angel_ptm.initialize(build(), config(tmp_path, "pages"))
+    signals, term = StopSignals(), signal.getsignal(signal.SIGTERM)
+    acquire, count = PageManager.acquire, [0]
+
+    def acquire_then_signal(manager, *args, **kwargs):
+        count[0] += 1
+        if count[0] == 8:
+            signals._on_signal(signal.SIGTERM, None)  # (as the handler runs: between two bytecodes of the engine)
+        return acquire(manager, *args, **kwargs)
+
+    try:
+        loss = engine(DATA[0], DATA[0])
+        monkeypatch.setattr(PageManager, "acquire", acquire_then_signal)
+        with pytest.raises(Terminated):
+            engine.backward(loss)
+        monkeypatch.undo()
+        engine.step()
+        for x in DATA[1:]:
+            engine.backward(engine(x, x))
+            engine.step()
+        assert_bitwise(reference, final_states(engine))
+    finally:
+        signal.signal(signal.SIGTERM, term)
+        engine.close()
