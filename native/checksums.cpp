@@ -5,6 +5,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <string>
+#include <utility>
 
 namespace py = pybind11;
 
@@ -16,10 +18,11 @@ constexpr size_t kCopyPiece = size_t{128} << 10;
 
 namespace {
 
-const uint8_t* contiguous_bytes(const py::buffer_info& info, const char* what) {
+// A requested buffer's bytes and their count; `who` names the call and the argument in the error.
+std::pair<uint8_t*, size_t> contiguous_bytes(const py::buffer_info& info, const char* who) {
     if (info.ndim != 1 || info.strides[0] != info.itemsize)
-        throw py::value_error(std::string("copy_crc32c: ") + what + " must be a contiguous one-dimensional buffer");
-    return static_cast<const uint8_t*>(info.ptr);
+        throw py::value_error(std::string(who) + " must be a contiguous one-dimensional buffer");
+    return {static_cast<uint8_t*>(info.ptr), static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize)};
 }
 
 uint32_t copy_crc(uint8_t* dst, const uint8_t* src, size_t n, uint32_t crc) {
@@ -45,10 +48,7 @@ void register_checksums(py::module_& m) {
         "crc32c",
         [](py::buffer data, uint32_t value) {
             py::buffer_info info = data.request();  // held (and the buffer with it) while the GIL is released
-            if (info.ndim != 1 || info.strides[0] != info.itemsize)
-                throw py::value_error("crc32c: a contiguous one-dimensional buffer is needed");
-            const auto* bytes = static_cast<const uint8_t*>(info.ptr);
-            size_t nbytes = static_cast<size_t>(info.size) * static_cast<size_t>(info.itemsize);
+            auto [bytes, nbytes] = contiguous_bytes(info, "crc32c: the data");
             if (nbytes < kReleaseGilBytes) return angel::crc32c_extend(value, bytes, nbytes);  // tens of us
             py::gil_scoped_release release;
             return angel::crc32c_extend(value, bytes, nbytes);
@@ -59,10 +59,9 @@ void register_checksums(py::module_& m) {
         "copy_crc32c",
         [](py::buffer dst, py::buffer src, uint32_t value) {
             py::buffer_info out = dst.request(true), in = src.request();  // held while the GIL is released
-            auto* to = const_cast<uint8_t*>(contiguous_bytes(out, "the destination"));
-            const uint8_t* from = contiguous_bytes(in, "the source");
-            size_t nbytes = static_cast<size_t>(in.size) * static_cast<size_t>(in.itemsize);
-            if (nbytes != static_cast<size_t>(out.size) * static_cast<size_t>(out.itemsize))
+            auto [to, room] = contiguous_bytes(out, "copy_crc32c: the destination");
+            auto [from, nbytes] = contiguous_bytes(in, "copy_crc32c: the source");
+            if (nbytes != room)
                 throw py::value_error("copy_crc32c: the source and the destination differ in size");
             if (nbytes < kReleaseGilBytes) return copy_crc(to, from, nbytes, value);
             py::gil_scoped_release release;
