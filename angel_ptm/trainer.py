@@ -164,6 +164,8 @@ class Trainer:
             resumed_from, done, consumed = None, 0, None  # the checkpoint continued from, its steps, micro-batches
             if resume is not None:
                 resumed_from, done, consumed = resume_run(engine, resume, checkpoints)
+                if resumed_from is not None:  # the steps after the checkpoint's, taken again, are traced once
+                    trace.resumed_at(done)
                 if done >= tcfg.steps and mesh.is_main:
                     logging.getLogger("angel_ptm").warning(
                         f"trainer.steps {tcfg.steps}: the checkpoint resumed from is at step {done}, so there is "

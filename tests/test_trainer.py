@@ -380,6 +380,47 @@ def test_trace_max_bytes_bounds_the_runs_trace_to_one_step_event_per_step(tmp_pa
     assert [e["left_out"] for e in events[3:]] == [{}, {"interval": 1}, {"interval": 1}, {"interval": 1}]
 
 
+def _trace_lines(path, events):
+    path.write_text("".join(json.dumps(e, separators=(",", ":")) + "\n" for e in events))
+
+
+def test_a_resumed_runs_trace_drops_the_earlier_runs_events_after_the_checkpoints_step(tmp_path):
+    """The steps after the checkpoint, which the resumed run takes again, are traced once: the earlier run's events
+    from the start of the next step (its compute interval's start) on leave the file; the save at the checkpoint's
+    step, before that start, stays; so do the resumed run's own events, after."""
+    from angel_ptm.trace import TraceRecorder
+
+    path = tmp_path / "trace.jsonl"
+    first = [{"t": 0.0, "event": "mark", "name": "trace start", "unix_s": 1.0},
+             {"t": 0.1, "event": "alloc", "page": "p0", "kind": "param", "src": None, "dst": "host", "bytes": 4},
+             {"t": 0.1, "event": "interval", "lane": "compute", "name": "step 1", "dur": 0.2},
+             {"t": 0.3, "event": "step", "step": 1, "loss": 2.0, "step_s": 0.2},
+             {"t": 0.35, "event": "moved", "page": "p0", "kind": "param", "src": "host", "dst": "disk", "bytes": 4},
+             {"t": 0.4, "event": "moved", "page": "p0", "kind": "param", "src": "disk", "dst": "host", "bytes": 4},
+             {"t": 0.4, "event": "interval", "lane": "compute", "name": "step 2", "dur": 0.2},
+             {"t": 0.6, "event": "step", "step": 2, "loss": 1.5, "step_s": 0.2}]
+    _trace_lines(path, first)
+    recorder = TraceRecorder(path)
+    recorder.event("alloc", page="p1", kind="param", dst="host", nbytes=4)
+    assert recorder.resumed_at(1) > 0
+    recorder.event("step", step=2, loss=1.5)
+    recorder.close()
+    events = read_jsonl(path)
+    assert events[:5] == first[:5]  # up to step 2's start: its moves from t = 0.4 on go, the save's before stay
+    assert [e["event"] for e in events[5:]] == ["mark", "alloc", "step"] and events[5]["name"] == "trace start"
+    assert [e["step"] for e in events if e["event"] == "step"] == [1, 2]
+    assert recorder.bytes == path.stat().st_size
+
+    # No compute intervals (a trace past trace.max_bytes): everything after the step's event goes; a step not in
+    # the trace (another run's) leaves the file as it is
+    _trace_lines(path, [e for e in first if e["event"] != "interval"])
+    recorder = TraceRecorder(path)
+    assert recorder.resumed_at(7) == 0
+    assert recorder.resumed_at(1) > 0
+    recorder.close()
+    assert [e["event"] for e in read_jsonl(path)] == ["mark", "alloc", "step", "mark"]
+
+
 # --- SIGTERM --------------------------------------------------------------------------------------------------
 def test_sigterm_during_a_run_raises_terminated_closes_the_engine_and_restores_the_handler(tmp_path):
     engines: list[PlainEngine] = []

@@ -109,17 +109,20 @@ def test_a_torchrun_restart_resumes_from_the_latest_checkpoint_by_itself(tmp_pat
     assert again.resumed_from.name == "step-5" and again.start_step == 6
     assert again.losses == whole.losses[5:]
     assert losses_logged(run_dir) == [(i + 1, loss) for i, loss in enumerate(whole.losses)]
-    # The trace is appended to as well: the first attempt's events stay, the restart's follow on one clock
+    # The trace is appended to as well: the first attempt's events up to its checkpoint's step stay (those of
+    # steps 6-10, taken again, go, as their metrics lines do), the restart's follow on one clock
     events = read_jsonl(run_dir / "trace.jsonl")
     starts = [i for i, e in enumerate(events) if e.get("name") == "trace start"]
     assert len(starts) == 2 and starts[0] == 0
-    assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, 11)) + list(range(6, 11))
+    assert [e["step"] for e in events if e["event"] == "step"] == list(range(1, 11))
+    compute = [e["name"] for e in events if e["event"] == "interval" and e["lane"] == "compute"]
+    assert compute == [f"step {k}" for k in range(1, 11)]
     from angel_ptm.viz.reader import ReadIssues, iter_events
 
     issues = ReadIssues()
     t = [e["t"] for e in iter_events(run_dir / "trace.jsonl", issues) if e["event"] == "step"]
     assert issues.segments == 2 and t == sorted(t)  # the restart's steps after the first attempt's
-    assert t[10] - t[9] >= events[starts[1]]["unix_s"] - events[0]["unix_s"] - t[9] - 1e-6
+    assert t[5] - t[4] >= events[starts[1]]["unix_s"] - events[0]["unix_s"] - t[4] - 1e-6
 
 
 def test_checkpoints_written_beside_training_resume_exactly(tmp_path):

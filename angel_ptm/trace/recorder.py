@@ -39,6 +39,7 @@ class TraceRecorder:
         self.counts: dict[str, int] = {}
         self.max_bytes = max_bytes  # None: no bound
         self.bytes = self._file.tell() if self._file is not None else 0  # in the file and buffered
+        self._segment_start = self.bytes  # where this recorder's events begin in the file (earlier runs' before)
         self.truncated = False
         self._left_out = StepSummary()
         if self.enabled:  # where t = 0 is on the wall clock: `angel-ptm viz` lines up the ranks' traces by it
@@ -47,6 +48,31 @@ class TraceRecorder:
 
     def now(self) -> float:
         return time.perf_counter() - self._t0
+
+    def resumed_at(self, step: int) -> int:
+        """This run resumed from a checkpoint of step `step`: the earlier runs' events after that step's (steps a
+        run took past its last checkpoint, which this one takes again; metrics.jsonl drops their lines too) leave
+        the file, so `angel-ptm viz` counts every step once. Kept: everything up to the start of step `step` + 1
+        (the checkpoint's save and an evaluation at `step` included, where the trace marks that start: the
+        step's compute interval) or else up to step `step`'s event; then this recorder's events so far. Where
+        no event of step `step` is found (another run's trace, or one cut already) the file is left as it is.
+        Returns the bytes dropped."""
+        if not self.enabled:
+            return 0
+        self.flush()
+        cut = superseded_from(self.path, self._segment_start, step)
+        if cut is None or cut >= self._segment_start:
+            return 0
+        with open(self.path, "r+b") as f:  # (the recorder's own handle appends: its writes go to the new end)
+            f.seek(self._segment_start)
+            ours = f.read()
+            f.seek(cut)
+            f.write(ours)
+            f.truncate()
+        dropped = self._segment_start - cut
+        self.bytes -= dropped
+        self._segment_start = cut
+        return dropped
 
     def count(self, event: str) -> None:
         """Count `event` without recording it (what `event` does when the trace is off)."""
@@ -132,3 +158,46 @@ class StepSummary:
         if self.in_use is not None:
             fields["in_use"] = self.in_use
         return fields
+
+
+def superseded_from(path: str | os.PathLike, end: int, step: int) -> int | None:
+    """Where, in the first `end` bytes of trace file `path`, the events after step `step` begin (see
+    `TraceRecorder.resumed_at`): after the last `step` event of that step, at the first line that starts step
+    `step` + 1 (at or after its compute interval's start, on the same segment's clock) or a later segment; None
+    when no such `step` event is there."""
+    after = start_next = None
+    same_segment = False  # whether the lines read since `after` are on its segment's clock
+    with open(path, "rb") as f:
+        at = 0
+        for line in f:  # the last `step` event of `step`, and the start of the next step after it
+            if at >= end:
+                break
+            at += len(line)
+            if b'"event":"step"' in line and _field(line, "step") == step:
+                after, start_next, same_segment = at, None, True
+            elif START_MARK.encode() in line:
+                same_segment = False
+            elif same_segment and start_next is None and b'"lane":"compute"' in line and \
+                    _field(line, "name") == f"step {step + 1}":
+                t = _field(line, "t")
+                start_next = t if isinstance(t, (int, float)) else None
+        if after is None or start_next is None:
+            return after
+        f.seek(after)
+        at = after
+        for line in f:
+            if at >= end or START_MARK.encode() in line:
+                return at
+            t = _field(line, "t")
+            if isinstance(t, (int, float)) and t >= start_next:
+                return at
+            at += len(line)
+    return min(at, end)
+
+
+def _field(line: bytes, key: str):
+    try:
+        record = json.loads(line)
+    except ValueError:  # a line torn by a crash
+        return None
+    return record.get(key) if isinstance(record, dict) else None

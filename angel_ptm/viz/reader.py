@@ -4,8 +4,9 @@ Bad input is counted, not fatal: a malformed line (a crash cuts the last line sh
 in the middle), a JSON value that is not an event, and an event type this version does not know are skipped and
 reported through `ReadIssues`, which turns each kind of problem into one warning line for the log and the report.
 
-A resumed run appends to its trace: each segment starts with the recorder's "trace start" mark, its `t` counted
-from that segment's start. The reader puts every segment on the first one's clock (its `unix_s` after the first's;
+A resumed run appends to its trace (dropping first the earlier run's events of the steps it takes again:
+TraceRecorder.resumed_at): each segment starts with the recorder's "trace start" mark, its `t` counted from that
+segment's start. The reader puts every segment on the first one's clock (its `unix_s` after the first's;
 never before the events already read), so a run and its resumptions read as one timeline.
 """
 
