@@ -247,3 +247,21 @@ def test_a_rank_local_error_in_a_step_ends_every_rank_with_a_typed_error_and_not
     assert results[0]["after"] == results[1]["after"] == "EngineFailedError", results
     for result in results:
         assert result["new_engine"].startswith("CollectiveError: rank ") and "out of step" in result["new_engine"]
+
+
+def test_a_rank_whose_peers_never_start_gives_up_about_parallel_timeout_s_later(monkeypatch):
+    """torch's store client alone tries for twice its timeout and more (7.8 s for 4 s); a rank whose rank 0 never
+    comes ends with a DistributedError naming it about parallel.timeout_s after it started."""
+    from angel_ptm.config import ParallelConfig
+    from angel_ptm.errors import DistributedError
+    from angel_ptm.parallel.mesh import init_mesh
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))  # nobody listens
+    for key, value in {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    t0 = time.monotonic()
+    with pytest.raises(DistributedError, match=r"^rank 1: cannot set up the gloo process group of 2 ranks"):
+        init_mesh(ParallelConfig(timeout_s=5))
+    assert time.monotonic() - t0 < 5 * 1.6

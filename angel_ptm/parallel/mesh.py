@@ -168,7 +168,7 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
             # NCCL binds each rank's communicators to its current GPU: cuda:LOCAL_RANK, set before the group exists
             _use_local_gpu(device_type, _env_int("LOCAL_RANK", rank % max(1, _env_int("LOCAL_WORLD_SIZE", world))))
             try:
-                dist.init_process_group(backend, timeout=timedelta(seconds=parallel.timeout_s))
+                _init_default_group(backend, rank, world, parallel.timeout_s)
                 if backend == "gloo":
                     atexit.register(_destroy_at_exit)
             except (RuntimeError, ValueError) as exc:
@@ -191,6 +191,23 @@ def init_mesh(parallel, device_type: str = "cpu") -> Mesh:
     return Mesh(rank, world, local_rank, local_world, dp, parallel.timeout_s, backend, tp,
                 parallel.sequence_parallel and tp > 1, ep, parallel.moe_a2a, dp_group, tp_group, ep_group,
                 expert_dp_group)
+
+
+def _init_default_group(backend: str, rank: int, world: int, timeout_s: float) -> None:
+    """init_process_group from the environment (env://, as torch does it) within about `timeout_s` when a peer
+    never comes: torch's store client tries to connect for its timeout, waits a moment and tries once more (twice
+    the timeout and more: 7.8 s for 4 s here), so a rank that connects to a store (not rank 0's own, nor with
+    torchrun's agent store, which is up before any rank starts) tries for half of it each time; the store then
+    waits `timeout_s` as any collective does."""
+    from torch.distributed import PrefixStore, rendezvous
+
+    timeout = timedelta(seconds=timeout_s)
+    connects = rank != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store, rank, world = next(rendezvous("env://", rank, world,
+                                         timeout=timedelta(seconds=timeout_s / 2) if connects else timeout))
+    store.set_timeout(timeout)
+    dist.init_process_group(backend, store=PrefixStore("default_pg", store), rank=rank, world_size=world,
+                            timeout=timeout)
 
 
 def mesh_shape(parallel, world: int) -> tuple[int, int, int]:
