@@ -469,3 +469,47 @@ def test_a_unit_inside_a_recomputed_one_is_recomputed_with_it():
     assert checkpoint_modes(units, "full") == ["none", "full", "none", "none"]
     assert checkpoint_modes(units, "none", unit_modes={"FeedForward": "full"}) == ["none", "none", "full", "full"]
     assert checkpoint_modes(units, "full", types=("FeedForward",)) == ["none", "none", "full", "full"]
+
+
+class _WritesItsProducts(torch.nn.Module):
+    """Units whose matrix products' outputs are then written in place: nn.ReLU(inplace=True) after a Linear, and
+    a CPU GRU, whose cells write the views unsafe_split makes of their matmuls' outputs (no version counter
+    sees those writes)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlps = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(inplace=True),
+                                                            torch.nn.Linear(16, 8)) for _ in range(2))
+        self.grus = torch.nn.ModuleList(torch.nn.GRU(8, 8, batch_first=True) for _ in range(2))
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        for mlp, gru in zip(self.mlps, self.grus):
+            x = x + mlp(x)
+            x = x + gru(x)[0]
+        return self.head(x[:, -1]).squeeze(-1)
+
+
+def test_selective_gives_back_the_products_as_computed_when_the_forward_then_writes_them(tmp_path):
+    """selective keeps the matrix products' outputs for backward: one the forward then writes in place is copied
+    first, so the recomputation gets it as computed (torch's selective checkpoint keeps the very tensor: the GRU's
+    gradients came out wrong, silently, and the in-place ReLU ended backward with torch's 'mutated' error)."""
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randn(4, 5, 8, generator=g) for _ in range(4)]
+    runs = {}
+    for mode in ("none", "selective"):
+        torch.manual_seed(0)
+        engine = angel_ptm.initialize(_WritesItsProducts(), {
+            "memory": {"page_bytes": "4KiB", "scheduler": "on_demand"}, "trainer": {"device": "cpu"},
+            "activations": {"checkpoint": mode}})
+        try:
+            losses = []
+            for x in batches:
+                loss = (engine(x) - x[:, -1].sum(-1).sin()).pow(2).mean()
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            runs[mode] = losses
+        finally:
+            engine.close()
+    assert runs["selective"] == runs["none"]

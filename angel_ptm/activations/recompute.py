@@ -6,7 +6,9 @@ A checkpointed unit's forward runs under `torch.utils.checkpoint` (non-reentrant
 - selective: the forward also keeps the outputs of its matrix products and fused attention kernels
   (`SAVED_OPS`: costly to recompute, one row of `dim` per token) and recomputes the rest -- norms, activation
   functions, softmax, dropout, elementwise ops, the [seq, seq] scores of an unfused attention -- Megatron's
-  selective recomputation expressed as torch's selective-checkpoint policy, so it holds for any module.
+  selective recomputation, for any module: two dispatch modes keep those outputs in the forward and give them
+  back in the recomputation (`_Kept`; as torch's selective-checkpoint cache, but an output the forward then
+  writes in place is copied before the write).
 
 In backward the unit's parameters are bound to copies brought from their pages for the recomputation alone (the
 binder's `bind_copies`): the recomputed saved tensors view no page, since pages may move before backward reads them.
@@ -33,7 +35,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from angel_ptm.errors import ConfigValueError, EngineClosedError
+from angel_ptm.errors import ActivationError, ConfigValueError, EngineClosedError
 from angel_ptm.parallel.activation_watch import ACTIVATION_WATCH
 
 
@@ -48,13 +50,98 @@ def saved_ops() -> frozenset:
     return frozenset(getattr(aten, name) for name in names if hasattr(aten, name))
 
 
-def _selective_policy(_ctx, op, *_args, **_kwargs):
-    policy = torch.utils.checkpoint.CheckpointPolicy
-    return policy.MUST_SAVE if op.overloadpacket in saved_ops() else policy.PREFER_RECOMPUTE
+@functools.cache
+def _written(func) -> tuple[tuple[int, str], ...]:
+    """(position, name) of each argument op `func` writes (in-place ops, out= variants)."""
+    return tuple((i, a.name) for i, a in enumerate(func._schema.arguments)
+                 if a.alias_info is not None and a.alias_info.is_write)
 
 
-def _selective_contexts():
-    return torch.utils.checkpoint.create_selective_checkpoint_contexts(_selective_policy)
+class _Kept:
+    """What selective keeps of one call of a checkpointed unit: the outputs of its SAVED_OPS, per op in order,
+    given back to the recomputation in the same order (torch's selective-checkpoint cache does the same, but
+    keeps the very tensor the forward goes on with: an op that then writes it in place -- nn.ReLU(inplace=True)
+    after a Linear, CPU GRU cells on the views unsafe_split makes of their matmuls' outputs, which no version
+    counter sees -- changed the kept value, and the recomputation read the changed one: wrong gradients, or
+    torch's "cached ... has been mutated" error in backward). Here a kept output about to be written is copied
+    first (once), and the copy is what the recomputation gets; an output nothing writes is kept as it is."""
+
+    def __init__(self):
+        self.outputs: dict = {}  # op -> deque of [output leaves (detached), pytree spec]
+        self._watched: dict[int, list] = {}  # storage address of a kept leaf -> [(entry, leaf index)]
+        self.copied_bytes = 0
+
+    def keep(self, func, out) -> None:
+        from torch.utils._pytree import tree_flatten
+
+        leaves, spec = tree_flatten(out)
+        entry = [[leaf.detach() if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves], spec]
+        self.outputs.setdefault(func, deque()).append(entry)
+        for i, leaf in enumerate(entry[0]):
+            if isinstance(leaf, torch.Tensor) and leaf.layout is torch.strided:
+                self._watched.setdefault(leaf.untyped_storage().data_ptr(), []).append((entry, i))
+
+    def before_write(self, func, args, kwargs) -> None:
+        """Op `func` is about to write its written arguments: a kept output among them (any view of its memory)
+        is copied first."""
+        for i, name in _written(func):
+            value = args[i] if i < len(args) else kwargs.get(name)
+            for t in tree_leaves(value):
+                if isinstance(t, torch.Tensor) and t.layout is torch.strided:
+                    for entry, k in self._watched.pop(t.untyped_storage().data_ptr(), ()):
+                        entry[0][k] = entry[0][k].clone()
+                        self.copied_bytes += entry[0][k].untyped_storage().nbytes()
+
+    def forget_writes(self) -> None:
+        """The forward is over: no more writes to watch for (nor kept outputs to hold for it)."""
+        self._watched.clear()
+
+    def take(self, func, unit_name: str):
+        from torch.utils._pytree import tree_unflatten
+
+        queue = self.outputs.get(func)
+        if not queue:
+            raise ActivationError(f"activations.checkpoint selective: the recomputation of {unit_name} ran "
+                                  f"{func} more often than its forward (a forward whose ops depend on something "
+                                  f"other than its inputs; see angel_ptm.activations.same_in_recompute)")
+        leaves, spec = queue.popleft()
+        return tree_unflatten(leaves, spec)
+
+
+class _KeepMode(TorchDispatchMode):
+    """selective's forward: the outputs of SAVED_OPS kept (`_Kept`), the rest left to autograd, which
+    checkpoint drops."""
+
+    def __init__(self, kept: _Kept):
+        super().__init__()
+        self.kept = kept
+
+    def __exit__(self, *exc):
+        self.kept.forget_writes()  # (the recomputation takes each kept output once: it may write it)
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        writes = _written(func)
+        if writes and self.kept._watched:
+            self.kept.before_write(func, args, kwargs)
+        out = func(*args, **kwargs)
+        if not writes and func.overloadpacket in saved_ops():
+            self.kept.keep(func, out)
+        return out
+
+
+class _ReuseMode(TorchDispatchMode):
+    """selective's recomputation: the SAVED_OPS' outputs given back from `_Kept`, every other op run again."""
+
+    def __init__(self, kept: _Kept, unit_name: str):
+        super().__init__()
+        self.kept, self.unit_name = kept, unit_name
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in saved_ops() and not _written(func):
+            return self.kept.take(func, self.unit_name)
+        return func(*args, **(kwargs or {}))
 
 
 class _Outputs(TorchDispatchMode):
@@ -193,7 +280,8 @@ class _Forward:
             self.watch.__exit__(*exc)
         finally:
             self.policy.__exit__(*exc)
-        kept = self.watch.alive_bytes((self.call.out, self.call.inputs))
+        # (with the copies of kept outputs the forward then wrote, made where the watch does not see them)
+        kept = self.watch.alive_bytes((self.call.out, self.call.inputs)) + self.policy.kept.copied_bytes
         self.call.kept += kept
         self.call.out = self.call.inputs = None
         self.owner.binder.count_activations(kept)
@@ -320,7 +408,9 @@ class Recomputation:
             call = _Call()
 
             def contexts():
-                first, again = _selective_contexts() if selective else (nullcontext(), nullcontext())
+                kept = _Kept()
+                first, again = (_KeepMode(kept), _ReuseMode(kept, unit.name)) if selective \
+                    else (nullcontext(), nullcontext())
                 forward_context = _Forward(self, call, first) if selective else first
                 return (_Both(_Logging("record", call.decisions), forward_context),
                         _Both(_Logging("replay", call.decisions), _Recompute(self, call, unit, again)))
