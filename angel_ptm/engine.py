@@ -183,9 +183,13 @@ class Engine(StateAccess, EngineViews):
 
     @defers_interrupts
     def clip_grad_norm(self, max_norm: float) -> float:
-        """The global L2 norm of this step's gradients (over every rank's pages); scales them to `max_norm`."""
+        """The global L2 norm of this step's gradients (over every rank's pages); scales them to `max_norm` (a number,
+        not NaN: torch's clip turns every gradient into NaN there)."""
+        if isinstance(max_norm, (bool, str)) or not isinstance(max_norm, (int, float, torch.Tensor)) or \
+                math.isnan(float(max_norm)):
+            raise ConfigValueError(f"clip_grad_norm: max_norm must be a number (inf: no clipping), got {max_norm!r}")
         self._check_alive()
-        return self.driver.clip_grad_norm(max_norm)
+        return self.driver.clip_grad_norm(float(max_norm))
 
     def set_lr(self, lr: float) -> None:
         """Drive the learning rate yourself: from now on the config's lr_schedule is no longer applied. A number

@@ -1,5 +1,5 @@
 """What the engine refuses in a model at `initialize`, each a ConfigValueError naming the parameter or module and
-what to do instead: a model an engine already manages, modules that give sparse gradients, complex parameters,
+what to do instead: anything but an nn.Module, a model an engine already manages, modules that give sparse gradients, complex parameters,
 a model compiled as a whole, and embeddings that rewrite their weight in forward (max_norm)."""
 
 from __future__ import annotations
@@ -10,6 +10,9 @@ from angel_ptm.errors import ConfigValueError
 
 
 def refuse_unsupported(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise ConfigValueError(f"initialize: the model must be a torch.nn.Module (its parameters are paged), got a "
+                               f"{type(model).__name__}")
     refuse_managed(model)
     refuse_lazy(model)
     refuse_sparse_gradients(model)

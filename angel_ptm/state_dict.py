@@ -14,13 +14,15 @@ slice), so a state dict moves between tp degrees and to plain PyTorch unchanged.
 
 from __future__ import annotations
 
+import difflib
 import warnings
 from collections import namedtuple
+from collections.abc import Mapping
 
 import torch
 from torch import nn
 
-from angel_ptm.errors import StateDictError
+from angel_ptm.errors import ParameterAccessError, StateDictError
 from angel_ptm.expert_state import ExpertView
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
@@ -95,6 +97,9 @@ def _state_dict_order(model: nn.Module) -> list[str]:
 def load_model_state_dict(engine, state_dict: dict, strict: bool = True) -> IncompatibleKeys:
     """Write `state_dict`'s parameters into their pages (all kinds that hold the weights) and its buffers into the
     model; missing or unexpected keys are a StateDictError when `strict`, a shape that differs always is."""
+    if not isinstance(state_dict, Mapping):
+        raise StateDictError(f"load_state_dict: expected a dict of tensors (model.state_dict()), got a "
+                             f"{type(state_dict).__name__}")
     model = engine.model
     params, buffers, extra = _parameter_keys(model), _persistent_buffers(model), _extra_states(model)
     expected = set(params) | set(buffers) | set(extra)
@@ -124,12 +129,12 @@ def load_model_state_dict(engine, state_dict: dict, strict: bool = True) -> Inco
         if tuple(value.shape) != shape:
             raise StateDictError(f"load_state_dict: '{key}' has shape {tuple(value.shape)}, the model's is {shape}"
                                  + (" (whole, split over parallel.tp)" if shape != tuple(target.shape) else ""))
-    written: set[str] = set()
+    last: dict[str, str] = {}  # a parameter under several names (tied): the last of them, as torch's load keeps
     for key, param in params.items():
-        name = names[id(param)]
-        if key in state_dict and name not in written:
-            written.add(name)
-            engine.write_parameter(name, _local(shards, name, state_dict[key].detach()))
+        if key in state_dict:
+            last[names[id(param)]] = key
+    for name, key in last.items():
+        engine.write_parameter(name, _local(shards, name, state_dict[key].detach()))
     with torch.no_grad():
         for key, buffer in buffers.items():
             if key in state_dict:
@@ -189,6 +194,9 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
     """Take a `torch.optim.AdamW.state_dict()` (one param group over `model.parameters()`, in order; with
     optimizer.no_decay the two groups of `_grouped`, the second's weight decay 0) into the pages: moments,
     per-parameter step counts and the first group's hyperparameters."""
+    if not isinstance(state_dict, Mapping):
+        raise StateDictError(f"load_optimizer_state_dict: expected a torch.optim.AdamW.state_dict() (a dict with "
+                             f"'state' and 'param_groups'), got a {type(state_dict).__name__}")
     groups = state_dict.get("param_groups")
     grouped = _grouped(engine)
     if not isinstance(groups, list) or len(groups) != len(grouped):
@@ -275,14 +283,30 @@ class StateAccess:
     def master_parameter(self, name: str) -> torch.Tensor:
         """A copy of the weights the optimizer updates for `name`: the fp32 master under mixed precision."""
         self._settle_outside_writes()
-        slot = self.layout.slot(name)
+        slot = self._slot_named(name)
         return self.tensors.read(self.tensors.weights_kind(slot), slot)
 
     def state(self, kind: str, name: str) -> torch.Tensor:
         """A copy of tensor `name` in the pages of `kind` (param, grad, master, exp_avg, exp_avg_sq), on the CPU.
         Pages are read where they are (a disk page into a scratch buffer): no page changes tier."""
         self._settle_outside_writes()
-        return self.tensors.read(kind, self.layout.slot(name))
+        return self.tensors.read(kind, self._slot_named(name))
+
+    def _slot_named(self, name: str):
+        """The layout's slot of parameter `name` (any of a tied parameter's names, as model.named_parameters gives
+        them), or a ParameterAccessError naming it and the nearest names."""
+        try:
+            return self.layout.slot(name)
+        except KeyError:
+            pass
+        for alias, param in self.model.named_parameters(remove_duplicate=False):
+            if alias == name and id(param) in self.binder.slots:
+                return self.binder.slots[id(param)]
+        names = [n for n, _ in self.model.named_parameters(remove_duplicate=False)]
+        near = difflib.get_close_matches(str(name), names, n=3)
+        raise ParameterAccessError(f"no parameter named {name!r} in the model"
+                                   + (f" (did you mean {', '.join(repr(n) for n in near)}?)" if near else
+                                      f" ({len(names)} parameters, e.g. {names[0]!r})" if names else ""))
 
     def _busy_for_writes(self) -> str | None:
         """Why a parameter cannot be written outside its unit now (outside_writes.py), or None."""
@@ -314,13 +338,13 @@ class StateAccess:
     def write_parameter(self, name: str, value: torch.Tensor) -> None:
         """Write `value` into `name`'s weight pages (the master under mixed precision: then `parameters_written`)."""
         self._check_alive()
-        slot = self.layout.slot(name)
+        slot = self._slot_named(name)
         self.tensors.write(self.tensors.weights_kind(slot), slot, value)
 
     def write_state(self, kind: str, name: str, value: torch.Tensor) -> None:
         """Write `value` into tensor `name`'s pages of `kind` (exp_avg, exp_avg_sq, ...)."""
         self._check_alive()
-        self.tensors.write(kind, self.layout.slot(name), value)
+        self.tensors.write(kind, self._slot_named(name), value)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """`model.state_dict()`'s keys with the real values, on the CPU (angel_ptm/state_dict.py)."""

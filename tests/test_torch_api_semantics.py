@@ -438,3 +438,45 @@ def test_a_backward_the_engine_does_not_run_through_its_frozen_model_leaves_no_p
         assert not engine.manager.pinned_ids
     finally:
         engine.close()
+
+
+class _Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 8)
+        self.head = nn.Linear(8, 16, bias=False)
+        self.head.weight = self.emb.weight  # one parameter, two names
+
+    def forward(self, x):
+        return self.head(self.emb(x))
+
+
+def test_tied_names_misuse_and_a_nan_clip_are_taken_as_torch_takes_them_or_refused_typed(tmp_path):
+    """A tied parameter under either of its names; of a state dict whose two names of it differ, the last one
+    (torch's load copies each key in order); a name the model lacks, a non-module, an optimizer state that is
+    not a dict and a NaN max_norm (torch's clip then makes every gradient NaN) each a typed one-line error."""
+    with pytest.raises(ConfigValueError, match="initialize: the model must be a torch.nn.Module"):
+        angel_ptm.initialize(lambda x: x, config(memory(tmp_path / "fn", placement={"page_bytes": "4KiB"})))
+    torch.manual_seed(0)
+    model = _Tied()
+    engine = angel_ptm.initialize(model, config(memory(tmp_path, placement={"page_bytes": "4KiB"}), grad_clip=1.0))
+    try:
+        assert torch.equal(engine.parameter("head.weight"), engine.parameter("emb.weight"))
+        with pytest.raises(ParameterAccessError, match=r"no parameter named 'emb.weights' .*did you mean 'emb.weight'"):
+            engine.parameter("emb.weights")
+        reference = _Tied()
+        loaded = {"emb.weight": torch.zeros(16, 8), "head.weight": torch.ones(16, 8)}
+        reference.load_state_dict(loaded)
+        engine.load_state_dict(loaded)
+        assert torch.equal(engine.parameter("emb.weight"), reference.emb.weight.detach())  # ones, the last
+        with pytest.raises(StateDictError, match="load_optimizer_state_dict: expected .* got a list"):
+            engine.load_optimizer_state_dict([1, 2, 3])
+        with pytest.raises(StateDictError, match="load_state_dict: expected a dict of tensors"):
+            engine.load_state_dict([("emb.weight", torch.zeros(16, 8))])
+        engine.backward(engine(torch.tensor([[1, 2, 3]])).pow(2).mean())
+        with pytest.raises(ConfigValueError, match="clip_grad_norm: max_norm must be a number"):
+            engine.clip_grad_norm(float("nan"))
+        engine.clip_grad_norm(float("inf"))  # no clipping, as torch
+        engine.step()  # usable: nothing failed
+    finally:
+        engine.close()
