@@ -162,6 +162,8 @@ class StepDriver:
 
     # ------------------------------------------------------------------ backward
     def backward(self, loss: torch.Tensor) -> None:
+        if not (isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1):
+            loss.backward()  # torch's own error (a loss with no graph, or not a scalar), before this backward counts
         self.micro += 1
         if self.micro > self.grad_accum and self.eager_done:
             # The last micro-batch's backward reduced gradients onto their owners (ZeRO 2-3), updated pages or

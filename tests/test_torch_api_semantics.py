@@ -480,3 +480,22 @@ def test_tied_names_misuse_and_a_nan_clip_are_taken_as_torch_takes_them_or_refus
         engine.step()  # usable: nothing failed
     finally:
         engine.close()
+
+
+def test_a_backward_torch_refuses_at_once_does_not_count_as_a_micro_batch(tmp_path):
+    """A loss that is not a scalar, or has no graph: torch's own error, and the step goes on as if the call had not
+    been made (it counted as a micro-batch, and the next backward was refused as one too many for grad_accum)."""
+    torch.manual_seed(0)
+    engine = angel_ptm.initialize(nn.Linear(4, 2), config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
+    try:
+        x = torch.randn(3, 4)
+        with pytest.raises(RuntimeError, match="grad can be implicitly created only for scalar outputs"):
+            engine.backward(engine(x))
+        with torch.no_grad():
+            detached = engine(x).sum()
+        with pytest.raises(RuntimeError, match="does not require grad"):
+            engine.backward(detached)
+        engine.backward(engine(x).sum())
+        engine.step()
+    finally:
+        engine.close()
