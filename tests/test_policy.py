@@ -142,3 +142,32 @@ def test_belady_on_live_sets_keeps_its_index_bounded_over_many_steps():
                 assert policy.victim(live, "host") == _farthest(future, sorted(live), policy._now,
                                                                 policy.history._last_use)
     assert len(policy._heaps["host"]) + len(policy._expiry["host"]) <= 4 * 50 + 1024 + 50
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["access", "join", "leave", "victim", "plain", "belady"]),
+                              st.integers(0, 60), st.sampled_from(["device", "host"]), st.booleans()),
+                    max_size=100))
+def test_lru_reading_the_managers_live_resting_sets_picks_the_least_recently_used(ops):
+    """LRU's index over the manager's live sets (the pages that joined since its last choice; accesses while a
+    page rests; an excluded page; a plain collection now and then; a Belady policy reading the same sets between
+    its choices, as after a plan) names the page a scan names: the least recently used, then the lowest id."""
+    lru, belady = LRUPolicy(), BeladyPolicy(list(range(10)) * 3)
+    sets = {"device": RestingSet(), "host": RestingSet(range(3))}
+    for op, number, group, flag in ops:
+        live = sets[group]
+        if op == "access":
+            lru.on_access(number % 10)
+        elif op == "join":
+            live.add(number % 10)
+        elif op == "leave":
+            live.discard(number % 10)
+        elif op == "belady" and live:
+            belady.victim(live, group)
+        elif live and op in ("victim", "plain"):
+            exclude = number % 10 if flag else None
+            choices = [pid for pid in live if pid != exclude]
+            if not choices:
+                continue
+            expected = min(choices, key=lambda pid: (lru._last_use.get(pid, 0), pid))
+            assert lru.victim(sorted(live) if op == "plain" else live, group, exclude=exclude) == expected

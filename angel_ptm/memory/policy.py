@@ -19,19 +19,21 @@ class RestingSet(set):
     comparing every candidate on every eviction. The log holds each id once, so it is never larger than the
     number of pages."""
 
-    __slots__ = ("_joined",)
+    __slots__ = ("_joined", "reader")
 
     def __init__(self, ids: Iterable[int] = ()):
         super().__init__(ids)
         self._joined: set[int] = set(self)
+        self.reader = None  # who took the log last (a policy's index for one group): another reader missed joins
 
     def add(self, page_id: int) -> None:
         super().add(page_id)
         self._joined.add(page_id)
 
-    def take_joined(self) -> set[int]:
-        """The ids added since the last call (some may have left again), and a fresh log."""
+    def take_joined(self, reader=None) -> set[int]:
+        """The ids added since the last call (some may have left again), and a fresh log; `reader` takes it."""
         joined, self._joined = self._joined, set()
+        self.reader = reader
         return joined
 
 
@@ -42,23 +44,62 @@ class Policy(Protocol):
 
 
 class LRUPolicy:
-    """Least recently used; a page never accessed counts as the oldest (ties: lowest page id)."""
+    """Least recently used; a page never accessed counts as the oldest (ties: lowest page id).
+
+    Given the manager's live `RestingSet`, a victim costs a few heap operations: a heap per group of (last use,
+    page) entries, fed by the pages that joined the set since the group's last call; an entry whose page left the
+    set, or was used since, is dropped (or renewed) when it comes to the top. Scanning every candidate instead
+    cost ~1.6 million key reads a step on the MoE bench's on-demand run (550 candidates, 3,000 evictions), half of
+    its step. Given any other collection, every candidate is compared."""
 
     name = "lru"
 
     def __init__(self):
         self._clock = 0
         self._last_use: dict[int, int] = {}
+        self._heaps: dict = {}  # group -> heap of (last use when pushed, page)
+        self._tokens: dict = {}  # group -> this policy's reader token for that group's RestingSet
 
     def on_access(self, page_id: int) -> None:
         self._clock += 1
         self._last_use[page_id] = self._clock
 
     def victim(self, candidates: Collection[int], group=None, exclude: int | None = None) -> int:
-        choices = [pid for pid in candidates if pid != exclude]
-        if not choices:
+        if not isinstance(candidates, RestingSet):
+            choices = [pid for pid in candidates if pid != exclude]
+            if not choices:
+                raise ValueError("no eviction candidates")
+            return min(choices, key=self.recency)
+        if not candidates or (exclude is not None and len(candidates) == 1 and exclude in candidates):
             raise ValueError("no eviction candidates")
-        return min(choices, key=self.recency)
+        last_use = self._last_use
+        token = self._tokens.setdefault(group, object())
+        heap = self._heaps.get(group)
+        if heap is None or candidates.reader is not token or len(heap) > 4 * len(candidates) + 1024:
+            candidates.take_joined(token)  # (first call, another reader took the joins, or stale entries piled up)
+            heap = self._heaps[group] = [(last_use.get(pid, 0), pid) for pid in candidates]
+            heapq.heapify(heap)
+        else:
+            for pid in candidates.take_joined(token):
+                if pid in candidates:
+                    heapq.heappush(heap, (last_use.get(pid, 0), pid))
+        passed, found = [], None
+        while heap:
+            key, pid = heap[0]
+            if pid not in candidates:
+                heapq.heappop(heap)  # left (pinned, moved): pushed again when it joins again
+            elif last_use.get(pid, 0) != key:
+                heapq.heapreplace(heap, (last_use.get(pid, 0), pid))  # used since, resting all along
+            elif pid == exclude:
+                passed.append(heapq.heappop(heap))
+            else:
+                found = pid
+                break
+        for entry in passed:
+            heapq.heappush(heap, entry)
+        if found is None:
+            raise AssertionError("every candidate has an entry")  # (pushed above)
+        return found
 
     def recency(self, page_id: int) -> tuple[int, int]:
         """(when the page was last accessed, its id): smaller is older (never accessed: the oldest)."""
@@ -155,15 +196,16 @@ class BeladyPolicy:
             _, stamp, pid = heapq.heappop(expiry)
             if stamps.get(pid, 0) == stamp:
                 self._rekey(pid)
-        if isinstance(candidates, RestingSet) and self._logs.get(group) is candidates:
+        if isinstance(candidates, RestingSet) and self._logs.get(group) is candidates and \
+                candidates.reader is self._logs:
             wanted = candidates
-            joined = candidates.take_joined()
+            joined = candidates.take_joined(self._logs)
             fresh = [pid for pid in (joined | rekeyed if rekeyed else joined) if pid in wanted and pid not in known]
         else:  # a collection of the caller's, or a resting set seen for the first time here: compare them all
             for other in [g for g, log in self._logs.items() if log is candidates or g == group]:
                 del self._logs[other]  # (a log has one reader: another group reading it would miss joins)
             if isinstance(candidates, RestingSet):
-                candidates.take_joined()
+                candidates.take_joined(self._logs)
                 self._logs[group] = candidates
             wanted = candidates if isinstance(candidates, (set, frozenset)) else set(candidates)
             fresh = wanted - known
