@@ -126,10 +126,15 @@ class PageLayout:
         return page % self.dp_world_size
 
     def slot(self, name: str) -> TensorSlot:
-        for slot in self.slots:
-            if slot.name == name:
-                return slot
-        raise KeyError(name)
+        """The slot of tensor `name` (KeyError if none): by a name index, made at the first call (and again if the
+        slot list is replaced): a scan per lookup made callers that look up every tensor quadratic in their count
+        (the binder's set-up, the estimate, a checkpoint's planning)."""
+        index = self.__dict__.get("_by_name")
+        if index is None or index[0] is not self.slots or index[1] != len(self.slots):
+            index = self.__dict__["_by_name"] = (self.slots, len(self.slots), {})
+            for slot in self.slots:
+                index[2].setdefault(slot.name, slot)  # (the first of a name, as the scan found)
+        return index[2][name]
 
     def tensors_on(self, page: int) -> list[TensorSlot]:
         return [s for s in self.slots if page in s.pages]
