@@ -313,6 +313,15 @@ def test_a_forward_that_cannot_be_traced_leaves_the_activations_unknown(caplog):
         footprint = activation_footprint_of(Routed(), load_config({}), example_inputs=(torch.randn(3, 4),))
     assert footprint is None
     assert "could not be traced" in caplog.text
+    # Under offload the guessed room says why (not "pass example_inputs=", which were given)
+    from angel_ptm.activations.source import ActivationSource, activation_page_bytes
+
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="angel_ptm"):
+        source = ActivationSource(Routed(), load_config({"activations": {"offload": "host"}}), (torch.randn(3, 4),))
+        assert activation_page_bytes(source, 4096) == 4096
+    assert "could not be traced with the example_inputs given" in caplog.text and "pass example_inputs" not in \
+        caplog.text
 
 
 def test_a_collective_in_a_traced_forward_is_refused_before_it_reaches_the_process_group(caplog):

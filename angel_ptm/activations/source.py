@@ -38,6 +38,7 @@ class ActivationSource:
     def __init__(self, model: nn.Module, config: Config, example_inputs=None, units=None,
                  device: Optional[torch.device] = None):
         self.model, self.config, self.example_inputs, self.units = model, config, example_inputs, units
+        self.trace_failed = False  # example_inputs were given, but fake tensors could not run the forward
         if example_inputs is None and isinstance(model, GPT) and not self.formula:
             # our GPT with dropout, MoE layers or other units: its batch is known, traced (MoE at its routing bound)
             tokens = torch.empty(config.data.batch_size, model.cfg.seq_len, dtype=torch.long, device="meta")
@@ -105,6 +106,7 @@ class ActivationSource:
                     log.warning(f"activations: the forward could not be traced with example_inputs ({reason}); its "
                                 f"activations are not counted in the estimate")
                 self.example_inputs = None
+                self.trace_failed = True
                 return None
             finally:
                 fake_log.setLevel(level)
@@ -132,10 +134,12 @@ def activation_page_bytes(acts: ActivationSource, states_bytes: int) -> int:
         return 0
     footprint = acts.footprint()
     if footprint is None:
-        _warn_once("activations.offload %s: the activations of this %s are unknown without example_inputs, so "
-                    "the room for its activation pages is a guess (%s, the size of its states); pass "
-                    "example_inputs= to angel_ptm.initialize to size it", acts.config.activations.offload,
-                    type(acts.model).__name__, format_bytes(states_bytes))
+        why, remedy = (("unknown", "its forward could not be traced with the example_inputs given (the warning "
+                        "above says why)") if acts.trace_failed else
+                       ("unknown without example_inputs", "pass example_inputs= to angel_ptm.initialize to size it"))
+        _warn_once("activations.offload %s: the activations of this %s are %s, so the room for its activation "
+                   "pages is a guess (%s, the size of its states); %s", acts.config.activations.offload,
+                   type(acts.model).__name__, why, format_bytes(states_bytes), remedy)
         return states_bytes
     page = acts.config.memory.page_bytes
     # A tensor that fits a page never straddles two: up to a tenth more, and two pages per unit of slack.
