@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import math
 import os
@@ -43,7 +42,7 @@ import torch
 from tqdm import tqdm
 
 from angel_ptm.checkpoint.directory import Checkpoints
-from angel_ptm.config import Config, format_bytes, save_config, with_absolute_paths
+from angel_ptm.config import Config, save_config, with_absolute_paths
 from angel_ptm.config.combinations import engine_config_for_trainer
 from angel_ptm.data import BatchSampler, check_part, load_tokens, split_train_val
 from angel_ptm.errors import ConfigValueError, DataError, Terminated
@@ -55,10 +54,11 @@ from angel_ptm.parallel import Mesh, init_mesh, rank_device
 from angel_ptm.parallel.collectives import Collectives, world_group
 from angel_ptm.run_dir import agree_run_dir, keep_metrics_until, release_run_dir, resume_run, set_aside
 from angel_ptm.trace import TraceRecorder
+from angel_ptm.train_metrics import (add_counts, finite_or_none, moved_since, precision_metrics,
+                                     progress_line, progress_text, schedule_metrics, write_metrics)
 
 
 EngineFactory = Callable[..., Any]  # (model, config, trace=TraceRecorder) -> Engine
-TIERS = ("device", "host", "disk")
 VAL_SEED = 0  # the held-out batches are the same at every evaluation and in every run
 
 
@@ -188,6 +188,15 @@ class Trainer:
             since_line, skipped_since = {}, 0  # the steps' figures since the last metrics line
             last_checkpoint = None
 
+            def save(step: int, stop) -> Path:
+                background = cfg.checkpoint.async_save and stop is None  # a signal's save is the last: waited
+                saved = checkpoints.save(engine, step, {"step": step, "micro_batches": first_micro + (
+                    step - done) * micro_per_step}, background=background)
+                if progress:
+                    bar.write(f"step {step}: checkpoint {saved.path if background else saved}"
+                              + (" (writing)" if background else ""))
+                return saved.path if background else saved
+
             for step in range(done + 1, tcfg.steps + 1):
                 t_start = time.perf_counter()
                 lr = lr_at(step - 1, cfg.optimizer.lr, tcfg.steps, cfg.lr_schedule.warmup_steps,
@@ -208,8 +217,6 @@ class Trainer:
                 trace.interval("compute", f"step {step}", t_compute, trace.now())
                 grad_norm = engine.clip_grad_norm(tcfg.grad_clip) if tcfg.grad_clip else None
                 engine.step()
-                if step == tcfg.steps and hasattr(engine, "flush"):
-                    engine.flush()  # optimizer.staleness 1: the last update lands in the parameters too
 
                 step_s = time.perf_counter() - t_start
                 train_seconds += step_s
@@ -264,6 +271,16 @@ class Trainer:
                 bar.update(1)
                 bar.set_postfix_str(progress_text(step_loss, tokens_per_step / step_s, stats["in_use"]))
 
+                # A checkpoint every checkpoint.every steps and after the last; on SIGTERM/SIGINT one now, then the
+                # run stops as the signal asks. After the last step it is saved before optimizer.staleness 1's last
+                # update lands in the parameters (flush): it records them a step behind, as a longer run has them,
+                # so a resume that trains on continues that run exactly; the evaluation then sees the final weights.
+                saving = stop is not None or (every and (step % every == 0 or step == tcfg.steps))
+                if step == tcfg.steps:
+                    last_checkpoint = save(step, stop) if saving else last_checkpoint
+                    saving = False
+                    if hasattr(engine, "flush"):
+                        engine.flush()
                 if evaluate is not None and (step % evaluate_every == 0 or step == tcfg.steps):
                     before = engine.memory_stats()
                     final_val_loss = evaluate()
@@ -281,15 +298,8 @@ class Trainer:
                     if progress:
                         bar.write(f"step {step}: val_loss {final_val_loss:.4f}")
 
-                # A checkpoint every checkpoint.every steps and after the last; on SIGTERM/SIGINT one now, then the
-                # run stops as the signal asks.
-                if stop is not None or (every and (step % every == 0 or step == tcfg.steps)):
-                    background = cfg.checkpoint.async_save and stop is None  # a signal's save is the last: waited
-                    saved = checkpoints.save(engine, step, {"step": step, "micro_batches": first_micro + (
-                        step - done) * micro_per_step}, background=background)
-                    last_checkpoint = saved.path if background else saved
-                    if progress:
-                        bar.write(f"step {step}: checkpoint {last_checkpoint}" + (" (writing)" if background else ""))
+                if saving:
+                    last_checkpoint = save(step, stop)
                 if stop is not None:
                     raise Terminated(stop) if stop != signal.SIGINT else KeyboardInterrupt()
             if can_checkpoint:
@@ -415,71 +425,6 @@ class StopSignals:
             collectives.all_reduce(flag, "stop signal", op=torch.distributed.ReduceOp.MAX)
             received = int(flag.item())
         return received or None
-
-
-def precision_metrics(engine: Any) -> dict[str, Any]:
-    """fp16 loss scaling: the scale after the step and whether the step was skipped for an overflow."""
-    scale = getattr(engine, "loss_scale", None)
-    if scale is None:
-        return {}
-    return {"loss_scale": float(scale), "skipped": bool(getattr(engine, "last_step_skipped", False))}
-
-
-def schedule_metrics(schedule: dict | None, experts: bool = False) -> dict[str, Any]:
-    """The scheduler's figures for the step just finished (an engine without a scheduler reports none); `experts`
-    (the engine pages MoE experts): the expert accesses' figures on every line, zeros included."""
-    if not schedule:
-        return {}
-    out = {"stall_s": schedule["stall_s"], "deviations": schedule["deviations"],
-           "planned_moves": schedule["issued"], "replanned": schedule["replanned"],
-           "repair_reads": schedule["repair_reads"]}
-    if experts or any(schedule.get(key) for key in ("optional_skipped", "optional_unplanned", "optional_cancelled",
-                                                    "optional_reordered", "optional_resumed", "experts_cold")):
-        out.update(expert_accesses_skipped=schedule["optional_skipped"],  # MoE: experts routed or not
-                   expert_accesses_unplanned=schedule["optional_unplanned"],
-                   expert_fetches_cancelled=schedule.get("optional_cancelled", 0),
-                   expert_accesses_reordered=schedule.get("optional_reordered", 0),
-                   expert_fetches_resumed=schedule.get("optional_resumed", 0),
-                   experts_cold_pages=schedule.get("experts_cold", 0))
-    return out
-
-
-def add_counts(total: dict[str, Any], step: dict[str, Any]) -> dict[str, Any]:
-    """`total` with one step's figures added: numbers summed, flags or-ed."""
-    for key, value in step.items():
-        if isinstance(value, bool):
-            total[key] = total.get(key, False) or value
-        elif isinstance(value, (int, float)):
-            total[key] = round(total.get(key, 0) + value, 9)  # (stall_s: no float noise in the log)
-        else:
-            total[key] = value
-    return total
-
-
-def moved_since(base: dict[str, int], before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    """`base` (bytes per tier pair) plus what moved between the counters `before` and `after`."""
-    return {pair: base.get(pair, 0) + n - before.get(pair, 0) for pair, n in after.items()}
-
-
-def finite_or_none(value: float) -> float | None:
-    """Strict JSON: a loss that is NaN or infinite (the run diverged) is logged as null."""
-    return value if math.isfinite(value) else None
-
-
-def write_metrics(file: Any, record: dict[str, Any]) -> None:
-    file.write(json.dumps(record, separators=(",", ":")) + "\n")
-    file.flush()  # a crash keeps every line logged so far
-
-
-def progress_line(step: int, steps: int, loss: float, lr: float, tokens_per_s: float) -> str:
-    """The plain line printed per logged step where there is no terminal for a bar."""
-    return f"step {step}/{steps} | loss {loss:.4f} | lr {lr:.3e} | {tokens_per_s:,.0f} tokens/s"
-
-
-def progress_text(loss: float, tokens_per_s: float, in_use: dict[str, int]) -> str:
-    tiers = " ".join(f"{label} {format_bytes(in_use.get(tier, 0)).replace(' ', '')}"
-                     for tier, label in zip(TIERS, ("dev", "host", "disk")))
-    return f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s | {tiers}"
 
 
 def _interrupted_alone(engine, mesh):

@@ -184,3 +184,19 @@ def test_a_run_resumed_with_another_grad_accum_goes_on_with_the_next_micro_batch
     again = dataclasses.replace(again, run=dataclasses.replace(again.run, resume="auto"))
     assert Trainer(again, progress=False).run().start_step == 6  # from step 5's checkpoint, grad_accum 1 now
     assert seen == [10, 11, 12]  # not 5, 6, 7 (step * grad_accum): those were trained on before
+
+
+def test_a_finished_staleness_1_run_extended_by_resume_continues_as_the_longer_run(tmp_path):
+    """optimizer.staleness 1: the checkpoint after the last step is saved before that step's update lands in the
+    parameters (the run's final flush), a step behind as a longer run has them, so resuming it with more steps
+    continues that run bit for bit (it was saved flushed: the extension's losses differed from step 4 on)."""
+    def config(run_dir, steps, **run):
+        return tiny_config(run_dir, memory=PAGES, optimizer={"lr": 1e-2, "staleness": 1},
+                           lr_schedule={"warmup_steps": 0, "decay": "constant"},
+                           trainer={"steps": steps, "eval_every": 0, "device": "cpu"}, checkpoint={"every": 3},
+                           run=run)
+
+    longer = Trainer(config(tmp_path / "longer", 6), progress=False).run()
+    Trainer(config(tmp_path / "short", 3), progress=False).run()
+    extended = Trainer(config(tmp_path / "short", 6, resume="auto"), progress=False).run()
+    assert extended.start_step == 4 and extended.losses == longer.losses[3:]
