@@ -41,7 +41,7 @@ from angel_ptm.parallel.moe.placement import rebalancer_for
 from angel_ptm.parallel.ownership import with_experts
 from angel_ptm.parallel.split import split_model
 from angel_ptm.schedule import Scheduler
-from angel_ptm.state_dict import StateAccess
+from angel_ptm.state_dict import StateAccess, exclusive
 from angel_ptm.saved_tensors import OpenGraphs
 from angel_ptm.step import build_step, cast_master_into_parameters, copy_masters_into_params
 from angel_ptm.trace import TraceRecorder
@@ -176,12 +176,14 @@ class Engine(StateAccess, EngineViews):
         self.graphs.clear()
 
     @defers_interrupts
+    @exclusive
     def flush(self) -> None:
         """staleness 1: finish the pending update and put its result in the parameters (the end of training, or
         before reading the final weights); the next step then computes with them. A no-op with staleness 0."""
         self.driver.flush()
 
     @defers_interrupts
+    @exclusive
     def clip_grad_norm(self, max_norm: float) -> float:
         """The global L2 norm of this step's gradients (over every rank's pages); scales them to `max_norm` (a number,
         not NaN: torch's clip turns every gradient into NaN there)."""
@@ -234,8 +236,9 @@ class Engine(StateAccess, EngineViews):
         me = threading.get_ident()
         with self._busy_lock:
             if self._busy_thread not in (None, me):
-                raise EngineBusyError(f"engine.{call}: another thread is inside a forward, backward or step of this "
-                                      f"engine; drive it from one thread, or one call after another")
+                raise EngineBusyError(f"engine.{call}: another thread is inside a call of this engine (a forward, "
+                                      f"backward, step, checkpoint or state read); drive it from one thread, or "
+                                      f"one call after another")
             self._busy_thread, self._busy_depth = me, self._busy_depth + 1
         try:
             yield
@@ -253,6 +256,7 @@ class Engine(StateAccess, EngineViews):
         return statistics.median(b - a for a, b in zip(ends, ends[1:])) if len(ends) > 1 else None
 
     @defers_interrupts
+    @exclusive
     def zero_grad(self) -> None:
         self._check_alive()
         self.driver.zero_grad()

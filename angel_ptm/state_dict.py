@@ -15,6 +15,7 @@ slice), so a state dict moves between tp degrees and to plain PyTorch unchanged.
 from __future__ import annotations
 
 import difflib
+import functools
 import warnings
 from collections import namedtuple
 from collections.abc import Mapping
@@ -272,20 +273,37 @@ def load_optimizer_state_dict(engine, state_dict: dict) -> None:
     opt.lr, opt.betas, opt.eps, opt.weight_decay = hyper
 
 
+def exclusive(method):
+    """The engine call runs in one thread at a time with the engine's others (Engine._one_thread: EngineBusyError
+    while another thread is inside one): pages are pinned and moved by one thread, and a save must not see a
+    step half-way (a save from a second thread beside the training thread wrote checkpoints with some tensors a
+    step ahead of others, checksums and all)."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        with self._one_thread(method.__name__):
+            return method(self, *args, **kwargs)
+
+    return call
+
+
 class StateAccess:
     """The engine's tensor-level and state-dict surface (mixed into Engine): copies of what the pages hold, in torch's
     formats, and writes into them. Reads of sharded kinds under data parallelism are collective (PageTensors)."""
 
+    @exclusive
     def parameter(self, name: str) -> torch.Tensor:
         """A copy of parameter `name` as it is now (gathered from its pages), in the dtype the model computes with."""
         return self.state("param", name)
 
+    @exclusive
     def master_parameter(self, name: str) -> torch.Tensor:
         """A copy of the weights the optimizer updates for `name`: the fp32 master under mixed precision."""
         self._settle_outside_writes()
         slot = self._slot_named(name)
         return self.tensors.read(self.tensors.weights_kind(slot), slot)
 
+    @exclusive
     def state(self, kind: str, name: str) -> torch.Tensor:
         """A copy of tensor `name` in the pages of `kind` (param, grad, master, exp_avg, exp_avg_sq), on the CPU.
         Pages are read where they are (a disk page into a scratch buffer): no page changes tier."""
@@ -335,17 +353,20 @@ class StateAccess:
         if not self._closed and self.failure.reason is None:
             self.binder.outside_writes.settle()
 
+    @exclusive
     def write_parameter(self, name: str, value: torch.Tensor) -> None:
         """Write `value` into `name`'s weight pages (the master under mixed precision: then `parameters_written`)."""
         self._check_alive()
         slot = self._slot_named(name)
         self.tensors.write(self.tensors.weights_kind(slot), slot, value)
 
+    @exclusive
     def write_state(self, kind: str, name: str, value: torch.Tensor) -> None:
         """Write `value` into tensor `name`'s pages of `kind` (exp_avg, exp_avg_sq, ...)."""
         self._check_alive()
         self.tensors.write(kind, self._slot_named(name), value)
 
+    @exclusive
     def state_dict(self) -> dict[str, torch.Tensor]:
         """`model.state_dict()`'s keys with the real values, on the CPU (angel_ptm/state_dict.py)."""
         self._check_alive(reading=True)
@@ -360,18 +381,21 @@ class StateAccess:
             with self.failure.step(self.optimizer, delayed):
                 delayed.finish()
 
+    @exclusive
     def load_state_dict(self, state_dict: dict, strict: bool = True):
         """Write a `model.state_dict()` into the pages (and the model's buffers); as `nn.Module.load_state_dict`."""
         self._check_alive()
         self.flush()  # staleness 1: no pending update may land on top of the loaded weights
         return load_model_state_dict(self, state_dict, strict)
 
+    @exclusive
     def optimizer_state_dict(self) -> dict:
         """The AdamW state in `torch.optim.AdamW.state_dict()`'s format, for `model.parameters()` in order."""
         self._check_alive(reading=True)
         self._run_pending_update()
         return optimizer_state_dict(self)
 
+    @exclusive
     def load_optimizer_state_dict(self, state_dict: dict) -> None:
         """Take a `torch.optim.AdamW.state_dict()` (moments, step counts, hyperparameters) into the pages."""
         self._check_alive()
@@ -380,6 +404,7 @@ class StateAccess:
 
     pending_checkpoint = None  # a save running beside training (save_checkpoint(..., background=True))
 
+    @exclusive
     def save_checkpoint(self, path, extra=None, background: bool = False):
         """The whole training state into checkpoint directory `path` (DCP format, written as `path`.tmp and renamed
         when complete), on every rank, between steps; `extra`: any picklable object, returned by load_checkpoint
@@ -410,6 +435,7 @@ class StateAccess:
             if pending.done():  # (a wait cut short by Ctrl-C leaves it pending: close() still waits for it)
                 self.pending_checkpoint = None
 
+    @exclusive
     def load_checkpoint(self, path):
         """The training state of checkpoint directory `path` (saved by any rank count, page size or placement) into
         the pages, on every rank; returns the `extra` it was saved with."""

@@ -336,6 +336,13 @@ def test_a_second_thread_entering_a_busy_engine_gets_engine_busy_and_nothing_is_
         assert inside.wait(10)
         with pytest.raises(EngineBusyError, match="another thread is inside"):
             engine(torch.randn(2, 8))
+        # Every call that touches pages: a checkpoint taken from a second thread saw a step half-way (torn)
+        for call in (lambda: engine.save_checkpoint(tmp_path / "ck"), lambda: engine.parameter("layers.0.weight"),
+                     engine.state_dict, engine.optimizer_state_dict, engine.zero_grad, engine.flush,
+                     lambda: engine.clip_grad_norm(1.0), lambda: engine.load_checkpoint(tmp_path / "ck")):
+            with pytest.raises(EngineBusyError, match="another thread is inside"):
+                call()
+        assert not (tmp_path / "ck").exists() and not (tmp_path / "ck.tmp").exists()
         release.set()
         worker.join(10)
         engine.backward(results[0])  # one call after another, from either thread, is fine
