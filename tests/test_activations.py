@@ -548,3 +548,56 @@ def test_under_offload_the_estimate_bounds_a_skewed_routings_device_bytes(tmp_pa
     finally:
         engine.close()
     assert 0 < measured <= estimate, (measured, estimate)
+
+
+class _ReadsThenUpdatesABuffer(torch.nn.Module):
+    """A unit whose forward reads a buffer, then updates it (a decay kept in a buffer, a step counter)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Decaying() for _ in range(2))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x.pow(2).mean()
+
+
+class _Decaying(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(()))
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        y = x + torch.tanh(self.linear(x)) * self.scale.clone() * (1 + self.calls)
+        with torch.no_grad():
+            self.scale.mul_(0.5)
+            self.calls += 1
+        return y
+
+
+@pytest.mark.parametrize("mode", ["full", "selective"])
+def test_the_recomputation_reads_the_buffers_as_the_forward_read_them(tmp_path, mode):
+    """A checkpointed unit's forward that reads a buffer and then updates it: the recomputation reads the value
+    the forward read (it read the updated one: losses off from the second step, silently), and the update is made
+    once."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
+    runs = {}
+    for setting in ("none", mode):
+        torch.manual_seed(0)
+        model = _ReadsThenUpdatesABuffer()
+        engine = angel_ptm.initialize(model, {"memory": {"page_bytes": "4KiB"}, "trainer": {"device": "cpu"},
+                                              "activations": {"checkpoint": setting}})
+        try:
+            losses = []
+            for _ in range(3):
+                loss = engine(x)
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+            runs[setting] = losses, [(b.scale.item(), b.calls.item()) for b in model.blocks]
+        finally:
+            engine.close()
+    assert runs[mode] == runs["none"]

@@ -256,12 +256,23 @@ class _Call:
     """One call of a checkpointed unit: the bytes its forward kept (given back when backward recomputes it), the
     recomputation's inputs and output while it runs, and the forward's decisions (`same_in_recompute`)."""
 
-    __slots__ = ("kept", "inputs", "out", "decisions")
+    __slots__ = ("kept", "inputs", "out", "decisions", "buffers")
 
     def __init__(self):
         self.kept = 0
         self.inputs = self.out = None
         self.decisions: deque = deque()
+        self.buffers: list = []  # (module, name, value before the forward) of the buffers the forward changed
+
+    def note_buffers(self, unit) -> list:
+        """The unit's buffers before its forward: (module, name, tensor, version, copy)."""
+        return [(module, name, buffer, buffer._version, buffer.clone()) for module in unit.module.modules()
+                for name, buffer in module._buffers.items() if buffer is not None]
+
+    def keep_changed(self, before: list) -> None:
+        """Of `before`, the buffers the forward wrote or replaced: the recomputation reads them as it read them."""
+        self.buffers = [(module, name, copy) for module, name, buffer, version, copy in before
+                        if module._buffers.get(name) is not buffer or buffer._version != version]
 
 
 class _Forward:
@@ -316,9 +327,12 @@ class _Recompute:
         binder.count_activations(-self.call.kept - owner.rebuilt)
         self.call.kept = owner.rebuilt = 0
         binder.bind_copies(self.unit)
-        # The forward ran once already: what it did to buffers (BatchNorm's running statistics) is not done twice
+        # The forward ran once already: what it did to buffers (BatchNorm's running statistics) is not done twice,
+        # and the recomputation reads them as the forward did (a decay or counter it read, then updated)
         self._buffers = [(module, name, buffer, buffer.clone()) for module in self.unit.module.modules()
                          for name, buffer in module._buffers.items() if buffer is not None]
+        for module, name, before in self.call.buffers:
+            module._buffers[name] = before.clone()  # (put back after it, with the others)
         try:
             self.policy.__enter__()
             self.watch.__enter__()
@@ -420,12 +434,14 @@ class Recomputation:
                 call.out = forward_of()(*inner_args, **inner_kwargs)
                 return call.out
 
+            before = call.note_buffers(unit)
             try:
                 # The whole forward is recomputed (no early stop), so the rebuilt tensors are counted once it ends.
                 with torch.utils.checkpoint.set_checkpoint_early_stop(False):
                     return torch.utils.checkpoint.checkpoint(run, *args, use_reentrant=False, context_fn=contexts,
                                                              **kwargs)
             finally:
+                call.keep_changed(before)
                 call.out = call.inputs = None
 
         return checkpointed
