@@ -186,7 +186,8 @@ class ParamBinder(OutsideUnits):
         self._recomputed.clear()
         if values is not None:
             for param in self.model.parameters():
-                guard.release(param, values(self.slots[id(param)]))
+                if id(param) in self.slots:  # (one set after initialize is the model's own already)
+                    guard.release(param, values(self.slots[id(param)]))
 
     # ------------------------------------------------------------------ forward
     def _unit_pre_hook(self, unit: PagingUnit):

@@ -33,7 +33,7 @@ from angel_ptm.lr import ConfigSchedule
 from angel_ptm.memory import build_layout
 from angel_ptm.memory.materialize import buffers_back, buffers_onto
 from angel_ptm.memory.placement import CREATION_ORDER, compute_dtype, creation_order
-from angel_ptm.model_checks import refuse_compiled, refuse_unsupported
+from angel_ptm.model_checks import refuse_changed_parameters, refuse_compiled, refuse_unsupported
 from angel_ptm.page_tensors import PageTensors
 from angel_ptm.paging import Paging, choose_disk_dir, open_paging
 from angel_ptm.parallel.data_parallel import agree_on_job, broadcast_buffers, join
@@ -152,6 +152,7 @@ class Engine(StateAccess, EngineViews):
         """The model's forward, its inputs on the compute device (angel_ptm/inputs.py)."""
         self._check_alive()
         refuse_compiled(self.model)  # model.compile() after initialize
+        refuse_changed_parameters(self.model, self.binder.slots, self.layout.frozen)
         args, kwargs = to_device((args, kwargs), self.device, self.compute_dtype)
         with self._one_thread("forward"), self.failure.in_step("forward"), self.failure.reads(), \
                 self.binder.saved_tensor_hooks():

@@ -80,3 +80,22 @@ def refuse_renormed_embeddings(model: nn.Module) -> None:
                                    f"rewrites its weight in place during forward, which the engine's pages do not "
                                    f"keep: build it without max_norm (or renormalize the looked-up rows out of place "
                                    f"in your forward)")
+
+
+def refuse_changed_parameters(model: nn.Module, slots: dict, frozen) -> None:
+    """A ConfigValueError naming the first parameter the model gained, replaced or unfroze since initialize:
+    the engine made pages for the parameters it was given, gradient and optimizer pages for those that required
+    grad then. (Such a parameter trained silently never, or made close() fail part-way with the trained weights
+    lost.) `slots`: id(parameter) -> its slot; `frozen(slot)`: whether it has no gradient pages."""
+    for name, param in model.named_parameters():
+        slot = slots.get(id(param))
+        if slot is None:
+            raise ConfigValueError(
+                f"parameter '{name}' was added or replaced after angel_ptm.initialize (a lazy module's first "
+                f"forward, an assignment): the engine pages the parameters it was given; build the model whole "
+                f"first (run one forward for lazy modules), or close the engine and initialize again")
+        if param.requires_grad and frozen(slot):
+            raise ConfigValueError(
+                f"parameter '{name}' was frozen at angel_ptm.initialize (requires_grad False) and requires grad "
+                f"now: the engine made no gradient or optimizer pages for it; set requires_grad before "
+                f"initialize (gradual unfreezing: close the engine and initialize again at each change)")

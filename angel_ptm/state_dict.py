@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from angel_ptm.errors import ParameterAccessError, StateDictError
+from angel_ptm.model_checks import refuse_changed_parameters
 from angel_ptm.expert_state import ExpertView
 
 IncompatibleKeys = namedtuple("IncompatibleKeys", ["missing_keys", "unexpected_keys"])
@@ -392,6 +393,7 @@ class StateAccess:
     def optimizer_state_dict(self) -> dict:
         """The AdamW state in `torch.optim.AdamW.state_dict()`'s format, for `model.parameters()` in order."""
         self._check_alive(reading=True)
+        refuse_changed_parameters(self.model, self.binder.slots, lambda slot: False)
         self._run_pending_update()
         return optimizer_state_dict(self)
 

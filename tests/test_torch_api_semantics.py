@@ -506,3 +506,34 @@ def test_a_backward_torch_refuses_at_once_does_not_count_as_a_micro_batch(tmp_pa
         engine.step()
     finally:
         engine.close()
+
+
+def test_a_parameter_added_replaced_or_unfrozen_after_initialize_is_refused_at_the_next_forward(tmp_path):
+    """The engine pages the parameters it was given (gradient pages for those requiring grad then): a parameter
+    assigned or made by a lazy module after initialize, or one unfrozen, is a one-line error at the next forward
+    (it trained silently never, and close() failed part-way on it, the trained weights lost); close() gives the
+    model the trained weights of every parameter the engine has."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 1))
+    model[0].bias.requires_grad_(False)
+    engine = angel_ptm.initialize(model, config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
+    x = torch.randn(3, 4)
+    try:
+        engine.backward(engine(x).sum())
+        engine.step()
+        trained = engine.parameter("0.weight")
+        model[0].bias.requires_grad_(True)
+        with pytest.raises(ConfigValueError, match="parameter '0.bias' was frozen at angel_ptm.initialize"):
+            engine(x)
+        model[0].bias.requires_grad_(False)
+        model[2].weight = nn.Parameter(torch.zeros(1, 4))
+        with pytest.raises(ConfigValueError, match=r"parameter '2.weight' was added or replaced after "):
+            engine(x)
+        with pytest.raises(ConfigValueError, match=r"parameter '2.weight' was added or replaced after "):
+            engine.optimizer_state_dict()
+        model.extra = nn.LazyLinear(2)
+        with pytest.raises(ConfigValueError, match="added or replaced"):
+            engine(x)
+    finally:
+        engine.close()
+    assert torch.equal(model[0].weight.detach(), trained) and torch.equal(model[2].weight.detach(), torch.zeros(1, 4))
