@@ -257,6 +257,33 @@ def test_another_models_checkpoint_is_refused_naming_the_tensors(tmp_path):
     # a larger model's checkpoint (a layer this one lacks) is refused too, not loaded in part
     refused("larger", layers(3), layers(2), r"does not fit this model: 'param\.2\.weight' is none of this model's")
 
+    # one whose modules' extra states differ: refused before a page is written, the engine trains on as it was (it
+    # was refused after the pages were filled: the engine failed, its state lost)
+    class Extra(nn.Linear):
+        def get_extra_state(self):
+            return {"k": 1}
+
+        def set_extra_state(self, state):
+            pass
+
+    torch.manual_seed(0)
+    engine = angel_ptm.initialize(layers(2), config(tmp_path, "plain"))
+    engine.save_checkpoint(tmp_path / "plain")
+    engine.close()
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(8, 8), Extra(8, 8))
+    other = angel_ptm.initialize(model, config(tmp_path, "extra"))
+    try:
+        before = other.state_dict()
+        with pytest.raises(CheckpointError, match=r"extra states \[\] saved, \['1._extra_state'\] in the model"):
+            other.load_checkpoint(tmp_path / "plain")
+        after = other.state_dict()
+        assert all(torch.equal(before[k], after[k]) for k in before if isinstance(before[k], torch.Tensor))
+        other.backward(other(torch.randn(2, 8)).sum())
+        other.step()  # not failed
+    finally:
+        other.close()
+
 
 # --- faults -------------------------------------------------------------------------------------------------------
 def save_two(tmp_path, name="a"):

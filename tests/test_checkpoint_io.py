@@ -371,4 +371,6 @@ def test_a_load_at_the_saved_layout_reads_its_file_front_to_back(tmp_path, monke
     if direct and opened == [None]:
         pytest.skip(f"{tmp_path} refuses O_DIRECT")
     assert len(reads) > 10 and len(opened) == (1 if direct else 0)
+    if not direct:  # the engine record, read before the pages (does the checkpoint fit the model?), then in order
+        reads = reads[1:]
     assert all(b[0] >= a[0] + a[1] for a, b in zip(reads, reads[1:]))

@@ -41,6 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from angel_ptm.checkpoint.buffers import PageStream
+from angel_ptm.checkpoint.export import read_object
 from angel_ptm.checkpoint.planners import PageLoadPlanner, PageSavePlanner
 from angel_ptm.checkpoint.snapshot import Snapshot
 from angel_ptm.checkpoint.storage import CheckedReader, CheckedWriter, fault, fsync_dir
@@ -288,6 +289,8 @@ def load_checkpoint(engine, path: str | os.PathLike) -> Any:
         raise CheckpointCorruptError(f"checkpoint: {path} is not a complete checkpoint (no .metadata)", str(path))
     reader = CheckedReader(path)
     reader.read_metadata()  # checked here: a corrupt .metadata is a typed error naming it
+    # Another model's checkpoint is refused before a page is written (the pages' shapes: by the planner)
+    _refuse_anywhere(engine, misfit(engine, read_object(reader, ENGINE), steps=False), "load_checkpoint: fits")
     buffers = {f"buffer.{k}": v for k, v in _persistent_buffers(engine.model).items()}
     planner = PageLoadPlanner(engine, [ENGINE, EXTRA, RNG], buffers)
     group = engine.world.side_group() if engine.world is not None else None
@@ -326,8 +329,13 @@ def _at_step_boundary(engine, what: str) -> None:
     elif engine.graphs.alive():  # (its RNG and buffers moved on, its weights not yet: a resume would not continue it)
         refusal = (f"{what}: called between a training forward and its backward (its output is still held); call it "
                    f"between steps, or drop the output (del loss) if that step is abandoned")
+    _refuse_anywhere(engine, refusal, f"{what}: every rank at a step boundary")
+
+
+def _refuse_anywhere(engine, refusal: str | None, what: str) -> None:
+    """A CheckpointError on every rank where any rank refuses (this one's reason, else the first rank's)."""
     if engine.world is not None:
-        refusals = engine.world.all_gather_object(refusal, f"{what}: every rank at a step boundary")
+        refusals = engine.world.all_gather_object(refusal, what)
         first = next(((rank, r) for rank, r in enumerate(refusals) if r is not None), None)
         refusal = None if first is None else (refusal or f"{first[1]} (on rank {first[0]})")
     if refusal is not None:
@@ -435,18 +443,24 @@ def hf_config(model) -> dict | None:
         return None
 
 
-def apply_engine_state(engine, state: dict) -> None:
-    opt = engine.optimizer
+def misfit(engine, state: dict, steps: bool = True) -> str | None:
+    """Why the engine record `state` does not fit this engine's model, or None; the modules' extra states are
+    checked before any page is written (the tensors by the planner, then the step counts here)."""
     extra = _extra_states(engine.model)
     saved_extra = state.get("extra_states")  # (none in a checkpoint from before they were saved)
     if saved_extra is not None and set(saved_extra) != set(extra):
-        raise CheckpointError(f"checkpoint: does not fit this model: extra states {sorted(saved_extra)[:4]} saved, "
-                              f"{sorted(extra)[:4]} in the model")
-    steps = state["slot_steps"]
+        return (f"checkpoint: does not fit this model: extra states {sorted(saved_extra)[:4]} saved, "
+                f"{sorted(extra)[:4]} in the model")
     rename = engine.expert_names  # this rank's experts by their unsplit names
-    unknown = sorted(rename.get(n, n) for n in opt.slot_steps if rename.get(n, n) not in steps)
-    if unknown:
-        raise CheckpointError(f"checkpoint: no optimizer step count for {unknown[:4]} (another model's checkpoint?)")
+    unknown = sorted(rename.get(n, n) for n in engine.optimizer.slot_steps if rename.get(n, n) not in state["slot_steps"])
+    return f"checkpoint: no optimizer step count for {unknown[:4]} (another model's checkpoint?)" \
+        if unknown and steps else None
+
+
+def apply_engine_state(engine, state: dict) -> None:
+    opt, steps, rename = engine.optimizer, state["slot_steps"], engine.expert_names
+    if (refusal := misfit(engine, state)) is not None:
+        raise CheckpointError(refusal)
     for name in opt.slot_steps:
         opt.slot_steps[name] = int(steps[rename.get(name, name)])
     opt.step_count = int(state["step_count"])
@@ -465,9 +479,9 @@ def apply_engine_state(engine, state: dict) -> None:
         else:  # this job does not delay: its parameters are the masters now
             copy_masters_into_params(engine.scheduler, engine.pages, engine.layout, engine.ownership)
     engine.data_parallel.params_updated()  # gathered copies (ZeRO-3) and replicas refreshed from the owners
-    for key, module in extra.items():
-        if saved_extra is not None:
-            module.set_extra_state(saved_extra[key])
+    if state.get("extra_states") is not None:
+        for key, module in _extra_states(engine.model).items():
+            module.set_extra_state(state["extra_states"][key])
 
 
 def rng_state() -> dict:
