@@ -91,11 +91,20 @@ class UnboundParameter(nn.Parameter):
         offender = unbound[0] if unbound else None
         name = offender.__dict__.get("_angel_name", "?") if offender is not None else "?"
         unit = offender.__dict__.get("_angel_unit", "?") if offender is not None else "?"
+        if _name_of(func) in MOVES or setting:  # model.to(...), .cpu(), .half(), .share_memory(), p.data = t
+            raise ParameterAccessError(
+                f"parameter '{name}': a model an engine manages is not moved, cast or given new tensors "
+                f"({_name_of(func)}: model.to/.cpu/.cuda/.half/.float/.double, p.data = ...): its values live in "
+                f"pages on the tiers the config chose; set trainer.device and trainer.dtype before "
+                f"angel_ptm.initialize, or close the engine first (the model then holds ordinary tensors)")
         raise ParameterAccessError(
             f"parameter '{name}' used outside the forward of its paging unit '{unit}' ({_name_of(func) or func}): "
             f"its values live in pages; read it with engine.parameter('{name}') or engine.state_dict(), or make "
             f"the module that uses it part of that unit (initialize(..., units=...))")
 
+
+MOVES = frozenset(("_has_compatible_shallow_copy_type", "_to_copy", "to", "cpu", "cuda", "half", "float",
+                   "double", "bfloat16", "share_memory_", "set_", "_share_memory_", "is_shared"))
 
 NOT_COPIED = ("a model an engine manages is not pickled or deep-copied (torch.save(model), copy.deepcopy(model)): its "
               "values live in the engine's pages and its modules carry the engine's hooks; save engine.state_dict() "

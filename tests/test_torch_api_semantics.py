@@ -537,3 +537,20 @@ def test_a_parameter_added_replaced_or_unfrozen_after_initialize_is_refused_at_t
     finally:
         engine.close()
     assert torch.equal(model[0].weight.detach(), trained) and torch.equal(model[2].weight.detach(), torch.zeros(1, 4))
+
+
+@pytest.mark.parametrize("move", ["to_cpu", "half", "data"])
+def test_moving_or_casting_a_managed_model_says_so(tmp_path, move):
+    """model.to / .half / p.data = ... after initialize: refused naming what it is and what to do (it said
+    'used outside the forward of its paging unit (_has_compatible_shallow_copy_type)')."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4))
+    engine = angel_ptm.initialize(model, config(memory(tmp_path, placement={"page_bytes": "4KiB"})))
+    try:
+        with pytest.raises(ParameterAccessError, match=r"is not moved, cast or given new tensors .*trainer\.device"):
+            {"to_cpu": lambda: model.to("cpu"), "half": model.half,
+             "data": lambda: setattr(model[0].weight, "data", torch.zeros(4, 4))}[move]()
+        engine.backward(engine(torch.randn(2, 4)).sum())
+        engine.step()  # usable
+    finally:
+        engine.close()
