@@ -166,15 +166,17 @@ class Engine(StateAccess, EngineViews):
                 raise
 
     @defers_interrupts
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         """Backward of one micro-batch. In the last one (trainer.grad_accum of them per step), with the planned
         scheduler and no clipping, each page group is updated as soon as all its gradients are in. With fp16 the
-        loss is multiplied by the loss scale first (the update divides the gradients by it)."""
+        loss is multiplied by the loss scale first (the update divides the gradients by it). `retain_graph`: as
+        torch's, for a second loss of the same forward (each backward counts towards trainer.grad_accum)."""
         self._check_alive()
         with self._one_thread("backward"), self.failure.in_step("backward"), \
                 self.failure.step(self.optimizer, self.delayed):  # (all or nothing)
-            self.driver.backward(loss)
-        self.graphs.clear()
+            self.driver.backward(loss, retain_graph)
+        if not retain_graph:
+            self.graphs.clear()
 
     @defers_interrupts
     @exclusive

@@ -161,7 +161,7 @@ class StepDriver:
             data_parallel.before_grad_write(self.delayed.run)  # (a reduction's mean written into a page)
 
     # ------------------------------------------------------------------ backward
-    def backward(self, loss: torch.Tensor) -> None:
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
         if not (isinstance(loss, torch.Tensor) and loss.requires_grad and loss.numel() == 1):
             loss.backward()  # torch's own error (a loss with no graph, or not a scalar), before this backward counts
         self.micro += 1
@@ -197,7 +197,8 @@ class StepDriver:
         self.binder.in_backward = True
         try:
             try:
-                (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward()
+                (loss if self.loss_scaler is None else loss * self.loss_scaler.scale).backward(
+                    retain_graph=retain_graph)
             except RuntimeError as exc:  # (torch.utils.checkpoint.CheckpointError is one)
                 if not replay_failed(exc):
                     raise

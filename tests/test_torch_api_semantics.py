@@ -554,3 +554,37 @@ def test_moving_or_casting_a_managed_model_says_so(tmp_path, move):
         engine.step()  # usable
     finally:
         engine.close()
+
+
+def test_two_losses_of_one_forward_backward_with_retain_graph_as_in_torch(tmp_path):
+    """engine.backward(loss, retain_graph=True) then the second loss's backward (two micro-batches of
+    trainer.grad_accum): the gradients of both, as torch's (it was a TypeError)."""
+    def build():
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 2))
+
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    reference = build()
+    opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    expected = []
+    for _ in range(3):
+        out = reference(x)
+        first, second = out[:, 0].pow(2).mean(), out[:, 1].abs().mean()
+        first.backward(retain_graph=True)
+        second.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(first.item() + second.item())
+    engine = angel_ptm.initialize(build(), config(memory(tmp_path, placement={"page_bytes": "4KiB"}), grad_accum=2))
+    try:
+        got = []
+        for _ in range(3):
+            out = engine(x)
+            first, second = out[:, 0].pow(2).mean(), out[:, 1].abs().mean()
+            engine.backward(first, retain_graph=True)
+            engine.backward(second)
+            engine.step()
+            got.append(first.item() + second.item())
+    finally:
+        engine.close()
+    assert got == pytest.approx(expected, rel=1e-6)
