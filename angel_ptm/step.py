@@ -359,8 +359,9 @@ class StepDriver:
 
     def zero_grad(self) -> None:
         if self.delayed is None and self.optimizer.updated_this_step:
-            raise ConfigValueError("zero_grad: pages were already updated during this step's backward; "
-                                   "call step() to finish it")
+            raise ConfigValueError("zero_grad: pages were already updated during this step's backward "
+                                   "(optimizer.overlap_updates); call step() to finish it, or set "
+                                   "optimizer.overlap_updates: false to be able to drop a step after its backward")
         # staleness 1, a step dropped after its backward: that backward published the pending update on the pages
         # that became final in it, which pages depending on the ranks and micro-batches. The rest now (before the
         # gradients go: the update still reads the previous step's), so the next step computes with the parameters
