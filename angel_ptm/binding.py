@@ -185,9 +185,8 @@ class ParamBinder(OutsideUnits):
             del unit.module.forward  # the class's forward again
         self._recomputed.clear()
         if values is not None:
-            for param in self.model.parameters():
-                if id(param) in self.slots:  # (one set after initialize is the model's own already)
-                    guard.release(param, values(self.slots[id(param)]))
+            for param in (p for p in self.model.parameters() if id(p) in self.slots):  # (not one set since)
+                guard.release(param, values(self.slots[id(param)]))
 
     # ------------------------------------------------------------------ forward
     def _unit_pre_hook(self, unit: PagingUnit):

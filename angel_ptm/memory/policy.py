@@ -83,23 +83,15 @@ class LRUPolicy:
             for pid in candidates.take_joined(token):
                 if pid in candidates:
                     heapq.heappush(heap, (last_use.get(pid, 0), pid))
-        passed, found = [], None
-        while heap:
-            key, pid = heap[0]
+
+        def check(entry):
+            key, pid = entry
             if pid not in candidates:
-                heapq.heappop(heap)  # left (pinned, moved): pushed again when it joins again
-            elif last_use.get(pid, 0) != key:
-                heapq.heapreplace(heap, (last_use.get(pid, 0), pid))  # used since, resting all along
-            elif pid == exclude:
-                passed.append(heapq.heappop(heap))
-            else:
-                found = pid
-                break
-        for entry in passed:
-            heapq.heappush(heap, entry)
-        if found is None:
-            raise AssertionError("every candidate has an entry")  # (pushed above)
-        return found
+                return False  # left (pinned, moved): pushed again when it joins again
+            now = last_use.get(pid, 0)
+            return True if now == key else (now, pid)  # (used since, resting all along: renewed)
+
+        return _first_kept(heap, check, exclude)
 
     def recency(self, page_id: int) -> tuple[int, int]:
         """(when the page was last accessed, its id): smaller is older (never accessed: the oldest)."""
@@ -223,24 +215,40 @@ class BeladyPolicy:
             if nxt != float("inf"):
                 heapq.heappush(expiry, (nxt, stamp, pid))
             known.add(pid)
-        passed, found = [], None  # `exclude`'s entries, put back once the choice is made
-        while heap:
-            _, stamp, pid = heap[0]
+
+        def check(entry):
+            _, stamp, pid = entry
             if stamp != stamps.get(pid, 0):
-                heapq.heappop(heap)  # stale: a fresh entry exists, or will when the page is a candidate again
-            elif pid not in wanted:
-                heapq.heappop(heap)  # no longer a candidate here (moved, pinned): pushed again if it comes back
-                known.discard(pid)
-            elif pid == exclude:
-                passed.append(heapq.heappop(heap))  # kept out of this choice only
-            else:
-                found = pid
-                break
-        for entry in passed:
-            heapq.heappush(heap, entry)
-        if found is None:
-            raise AssertionError("every candidate has an entry")  # (pushed above)
-        return found
+                return False  # stale: a fresh entry exists, or will when the page is a candidate again
+            if pid not in wanted:
+                known.discard(pid)  # no longer a candidate here (moved, pinned): pushed again if it comes back
+                return False
+            return True
+
+        return _first_kept(heap, check, exclude)
+
+
+def _first_kept(heap: list, check, exclude: int | None) -> int:
+    """The page (an entry's last field) of the first entry on top of `heap` that `check` keeps: check(entry) is
+    True to take it, False to drop it, or an entry to put in its place; `exclude`'s entries are passed over and
+    put back once the choice is made."""
+    passed, found = [], None
+    while heap:
+        verdict = check(heap[0])
+        if verdict is False:
+            heapq.heappop(heap)
+        elif verdict is not True:
+            heapq.heapreplace(heap, verdict)
+        elif heap[0][-1] == exclude:
+            passed.append(heapq.heappop(heap))
+        else:
+            found = heap[0][-1]
+            break
+    for entry in passed:
+        heapq.heappush(heap, entry)
+    if found is None:
+        raise AssertionError("every candidate has an entry")  # (each pushed as it joined)
+    return found
 
 
 def count_misses(policy: Policy, sequence: Sequence[int], capacity: int) -> int:
