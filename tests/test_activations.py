@@ -449,14 +449,7 @@ def test_the_estimate_traces_a_gpt_moe_at_its_routing_bound(tmp_path, gate, cf):
         job = {"memory": {"page_bytes": "4KiB", "disk_dir": str(tmp_path / str(i))}, "trainer": {"device": "cpu"},
                "data": {"batch_size": 4}, "activations": {"checkpoint": checkpoint, "offload": offload,
                                                           "offload_min_bytes": 512}}
-        engine = angel_ptm.initialize(model, job)
-        try:
-            for tokens in batches:
-                engine.backward(engine(tokens, tokens))
-                engine.step()
-            measured, estimate = engine.scheduler.last_trace.activation_peak, engine.estimate.activation_bytes
-        finally:
-            engine.close()
+        measured, estimate = _measured_and_estimated(model, job, batches)
         slack = 4096 if offload != "none" else 0  # (under offload only a few KiB stay: one tensor is 30%)
         if cf <= 0:
             assert estimate == pytest.approx(measured, rel=0.02, abs=slack), (checkpoint, offload)
@@ -537,17 +530,22 @@ def test_under_offload_the_estimate_bounds_a_skewed_routings_device_bytes(tmp_pa
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=64, seq_len=64, n_layer=2, n_head=2, dim=64,
                           moe={"experts": 8, "gate": "hash", "capacity_factor": 0.0}))
-    engine = angel_ptm.initialize(model, {
+    measured, estimate = _measured_and_estimated(model, {
         "memory": {"page_bytes": "16KiB", "disk_dir": str(tmp_path)}, "trainer": {"device": "cpu"},
-        "data": {"batch_size": 4}, "activations": {"offload": "host", "offload_min_bytes": "8KiB"}})
+        "data": {"batch_size": 4}, "activations": {"offload": "host", "offload_min_bytes": "8KiB"}}, batches)
+    assert 0 < measured <= estimate, (measured, estimate)
+
+
+def _measured_and_estimated(model, job, batches) -> tuple[int, int]:
+    """A GPT's activation peak as the trace measures it over `batches`, and the estimate's."""
+    engine = angel_ptm.initialize(model, job)
     try:
         for tokens in batches:
             engine.backward(engine(tokens, tokens))
             engine.step()
-        measured, estimate = engine.scheduler.last_trace.activation_peak, engine.estimate.activation_bytes
+        return engine.scheduler.last_trace.activation_peak, engine.estimate.activation_bytes
     finally:
         engine.close()
-    assert 0 < measured <= estimate, (measured, estimate)
 
 
 class _ReadsThenUpdatesABuffer(torch.nn.Module):
