@@ -411,14 +411,23 @@ def test_a_resumed_runs_trace_drops_the_earlier_runs_events_after_the_checkpoint
     assert [e["step"] for e in events if e["event"] == "step"] == [1, 2]
     assert recorder.bytes == path.stat().st_size
 
-    # No compute intervals (a trace past trace.max_bytes): everything after the step's event goes; a step not in
-    # the trace (another run's) leaves the file as it is
+    # No compute intervals (a trace past trace.max_bytes): up to the next step's event (its summary); a step not
+    # in the trace (another run's) leaves the file as it is
     _trace_lines(path, [e for e in first if e["event"] != "interval"])
     recorder = TraceRecorder(path)
     assert recorder.resumed_at(7) == 0
     assert recorder.resumed_at(1) > 0
     recorder.close()
-    assert [e["event"] for e in read_jsonl(path)] == ["mark", "alloc", "step", "mark"]
+    assert [e["event"] for e in read_jsonl(path)] == ["mark", "alloc", "step", "moved", "moved", "mark"]
+
+    # A run that ended at the step resumed from: its evaluation and save after the step's event stay
+    ended = first + [{"t": 0.65, "event": "moved", "page": "p0", "kind": "param", "src": "disk", "dst": "host",
+                      "bytes": 4}]  # (the final evaluation's)
+    _trace_lines(path, ended)
+    recorder = TraceRecorder(path)
+    assert recorder.resumed_at(2) == 0
+    recorder.close()
+    assert read_jsonl(path)[:len(ended)] == ended
 
 
 # --- SIGTERM --------------------------------------------------------------------------------------------------

@@ -53,8 +53,8 @@ class TraceRecorder:
         """This run resumed from a checkpoint of step `step`: the earlier runs' events after that step's (steps a
         run took past its last checkpoint, which this one takes again; metrics.jsonl drops their lines too) leave
         the file, so `angel-ptm viz` counts every step once. Kept: everything up to the start of step `step` + 1
-        (the checkpoint's save and an evaluation at `step` included, where the trace marks that start: the
-        step's compute interval) or else up to step `step`'s event; then this recorder's events so far. Where
+        (the checkpoint's save and an evaluation at `step` included: `superseded_from`); then this recorder's
+        events so far. Where
         no event of step `step` is found (another run's trace, or one cut already) the file is left as it is.
         Returns the bytes dropped."""
         if not self.enabled:
@@ -163,8 +163,9 @@ class StepSummary:
 def superseded_from(path: str | os.PathLike, end: int, step: int) -> int | None:
     """Where, in the first `end` bytes of trace file `path`, the events after step `step` begin (see
     `TraceRecorder.resumed_at`): after the last `step` event of that step, at the first line that starts step
-    `step` + 1 (at or after its compute interval's start, on the same segment's clock) or a later segment; None
-    when no such `step` event is there."""
+    `step` + 1 (at or after its compute interval's start, on the same segment's clock), a later `step` event
+    (a truncated trace's summaries) or a later segment -- else at the segment's end (a run that ended at that
+    step: its evaluation and save stay); None when no such `step` event is there."""
     after = start_next = None
     same_segment = False  # whether the lines read since `after` are on its segment's clock
     with open(path, "rb") as f:
@@ -181,14 +182,14 @@ def superseded_from(path: str | os.PathLike, end: int, step: int) -> int | None:
                     _field(line, "name") == f"step {step + 1}":
                 t = _field(line, "t")
                 start_next = t if isinstance(t, (int, float)) else None
-        if after is None or start_next is None:
-            return after
+        if after is None:
+            return None
         f.seek(after)
         at = after
         for line in f:
-            if at >= end or START_MARK.encode() in line:
+            if at >= end or START_MARK.encode() in line or b'"event":"step"' in line:
                 return at
-            t = _field(line, "t")
+            t = _field(line, "t") if start_next is not None else None
             if isinstance(t, (int, float)) and t >= start_next:
                 return at
             at += len(line)
