@@ -114,3 +114,22 @@ def test_after_a_trace_cut_each_steps_summary_gives_its_bytes_moved_and_in_use(t
     # 1 MiB host->device before the cut and 3 MiB after it; the device's peak is the summary's 2 MiB
     assert "moved in all:</b> host-&gt;device 4.0 MiB, device-&gt;host 1.0 MiB" in page
     assert "peak device:</b> 2.0 MiB" in page
+    # What followed the last step (a final evaluation, a save): the recorder's closing summary, counted too (it
+    # was dropped at close: the report's bytes moved short of metrics.jsonl's)
+    end = {"t": 4.5, "event": "mark", "name": "trace end", "left_out": {"moved": 1},
+           "moved": {"host->device": 2 * MiB}}
+    (tmp_path / "end").mkdir()
+    page = build_report(make_run(tmp_path / "end", trace=SMALL_TRACE[:7] + after + [end])).html_path.read_text()
+    assert "moved in all:</b> host-&gt;device 6.0 MiB, device-&gt;host 1.0 MiB" in page
+
+
+def test_a_truncated_traces_recorder_writes_what_followed_its_last_step_at_close(tmp_path):
+    from angel_ptm.trace import TraceRecorder
+
+    recorder = TraceRecorder(tmp_path / "trace.jsonl", max_bytes=80)
+    recorder.event("moved", page="p", kind="param", src="host", dst="device", nbytes=4)  # past the bound
+    recorder.event("step", step=1)
+    recorder.event("moved", page="p", kind="param", src="host", dst="device", nbytes=8)  # an evaluation's
+    recorder.close()
+    last = json.loads((tmp_path / "trace.jsonl").read_text().splitlines()[-1])
+    assert last["name"] == "trace end" and last["moved"] == {"host->device": 8}

@@ -23,6 +23,7 @@ EVENTS = ("alloc", "free", "move", "moved", "evict", "drop", "io_error", "interv
 KEPT_WHEN_TRUNCATED = frozenset(("step", "mark", "io_error"))
 TRUNCATED_MARK = "trace truncated"
 START_MARK = "trace start"  # the first event of every trace: `unix_s`, the wall-clock time of its t = 0
+END_MARK = "trace end"  # a truncated trace's last summary: what was left out after its last step event
 
 
 class TraceRecorder:
@@ -129,6 +130,10 @@ class TraceRecorder:
             self._lines.clear()
 
     def close(self) -> None:
+        if self.enabled and self.truncated and self._left_out.events:  # (a final evaluation, save or flush)
+            self._append(json.dumps({"t": round(self.now(), 6), "event": "mark", "name": END_MARK,
+                                     **self._left_out.fields()}, separators=(",", ":")))
+            self._left_out = StepSummary()
         self.flush()
         if self._file is not None:
             self._file.close()

@@ -9,7 +9,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from angel_ptm.trace.recorder import START_MARK, TRUNCATED_MARK
+from angel_ptm.trace.recorder import END_MARK, START_MARK, TRUNCATED_MARK
 from angel_ptm.viz.bins import Decimator, LaneActivity, MovedBytes, TierUsage, TimeAxis
 from angel_ptm.viz.chrome import ChromeTraceWriter
 from angel_ptm.viz.metrics import StepTableBuilder
@@ -143,13 +143,7 @@ class TraceDigest:
         number = event.get("step")
         self.steps.add(t)
         if self._cut:  # past trace.max_bytes: the step's summary stands for its page events
-            moved, in_use = event.get("moved"), event.get("in_use")
-            if isinstance(moved, dict):
-                for pair, nbytes in moved.items():
-                    if is_number(nbytes) and nbytes > 0:
-                        self.moved.record(t, str(pair), nbytes)
-            if isinstance(in_use, dict):
-                self.usage.record(t, in_use)
+            self._summary(t, event)
         step_s = event.get("step_s")
         if is_number(step_s) and step_s > 0:
             if self._cut:  # no intervals after the cut: no split of these steps
@@ -161,8 +155,20 @@ class TraceDigest:
         if self.chrome is not None:
             self.chrome.instant(f"step {number}", t, fields)
 
+    def _summary(self, t: float, event: dict[str, Any]) -> None:
+        """A truncated trace's summary (a step's, or the end's) in place of the page events it left out."""
+        moved, in_use = event.get("moved"), event.get("in_use")
+        if isinstance(moved, dict):
+            for pair, nbytes in moved.items():
+                if is_number(nbytes) and nbytes > 0:
+                    self.moved.record(t, str(pair), nbytes)
+        if isinstance(in_use, dict):
+            self.usage.record(t, in_use)
+
     def _mark(self, t: float, event: dict[str, Any]) -> None:
         fields = {k: v for k, v in event.items() if k not in ("t", "event")}
+        if fields.get("name") == END_MARK and self._cut:  # what followed the last step (an evaluation, a save)
+            self._summary(t, event)
         if fields.get("name") == TRUNCATED_MARK:
             self._cut = True
             if self.truncated_at is None:
