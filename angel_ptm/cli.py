@@ -190,6 +190,9 @@ def resume_config(args: argparse.Namespace):
         raise ConfigValueError(f"--resume {args.resume}: the resumed run continues in its own directory; "
                                f"{moved[0]!r} would start another (train without --resume, or drop it)")
     config = load_config(source, args.overrides)
+    recorded = config.run.dir  # a run directory copied or moved: the page files go to its own, not the source's
+    if recorded and Path(recorded) != run_dir and config.memory.disk_dir == str(Path(recorded) / "pages"):
+        config = dataclasses.replace(config, memory=dataclasses.replace(config.memory, disk_dir=None))
     checkpoints = config.checkpoint.dir or str(run_dir / "checkpoints")
     return dataclasses.replace(config, run=dataclasses.replace(config.run, dir=str(run_dir), resume=checkpoints))
 

@@ -167,6 +167,15 @@ def test_a_run_started_with_relative_paths_resumes_from_any_directory(capsys, ca
     assert any("nothing to train" in r.getMessage() for r in caplog.records)
     run_error(capsys, ["train", "--resume", str(run_dir), *set_args("run.dir=other")], "--resume", "'run.dir=other'")
     run_error(capsys, ["train", *set_args("trainer.seed=18446744073709551616")], "trainer.seed: must be >= 0 and < 2**64")
+    # A copy of the run directory resumes with its page files in its own directory, not in the source's
+    import shutil
+
+    shutil.copytree(run_dir, project / "runs" / "b")
+    shutil.rmtree(run_dir / "pages", ignore_errors=True)
+    assert cli.main(["train", "--no-progress", "--resume", str(project / "runs" / "b"),
+                     *set_args("trainer.steps=4")]) == 0
+    assert load_config(project / "runs" / "b" / "config.yaml").memory.disk_dir == str(project / "runs" / "b" / "pages")
+    assert not (run_dir / "pages").exists()
 
 
 @pytest.mark.parametrize("world, setting, message", [
