@@ -20,6 +20,7 @@ from angel_ptm.viz import build_report
 from angel_ptm.viz.residency import CATEGORIES
 
 from conformance_cases import MODELS, PAGE_BYTES, one_compute_thread, place  # noqa: F401 (an autouse fixture)
+from test_activation_estimate import measured_and_estimated
 from test_any_model import Encoder
 from test_engine_equivalence import engine_config, run_steps
 from test_viz import decode_cells, report_data
@@ -449,7 +450,7 @@ def test_the_estimate_traces_a_gpt_moe_at_its_routing_bound(tmp_path, gate, cf):
         job = {"memory": {"page_bytes": "4KiB", "disk_dir": str(tmp_path / str(i))}, "trainer": {"device": "cpu"},
                "data": {"batch_size": 4}, "activations": {"checkpoint": checkpoint, "offload": offload,
                                                           "offload_min_bytes": 512}}
-        measured, estimate = _measured_and_estimated(model, job, batches)
+        measured, estimate = measured_and_estimated(model, job, batches)
         slack = 4096 if offload != "none" else 0  # (under offload only a few KiB stay: one tensor is 30%)
         if cf <= 0:
             assert estimate == pytest.approx(measured, rel=0.02, abs=slack), (checkpoint, offload)
@@ -471,131 +472,3 @@ def test_a_unit_inside_a_recomputed_one_is_recomputed_with_it():
     assert checkpoint_modes(units, "full") == ["none", "full", "none", "none"]
     assert checkpoint_modes(units, "none", unit_modes={"FeedForward": "full"}) == ["none", "none", "full", "full"]
     assert checkpoint_modes(units, "full", types=("FeedForward",)) == ["none", "none", "full", "full"]
-
-
-class _WritesItsProducts(torch.nn.Module):
-    """Units whose matrix products' outputs are then written in place: nn.ReLU(inplace=True) after a Linear, and
-    a CPU GRU, whose cells write the views unsafe_split makes of their matmuls' outputs (no version counter
-    sees those writes)."""
-
-    def __init__(self):
-        super().__init__()
-        self.mlps = torch.nn.ModuleList(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(inplace=True),
-                                                            torch.nn.Linear(16, 8)) for _ in range(2))
-        self.grus = torch.nn.ModuleList(torch.nn.GRU(8, 8, batch_first=True) for _ in range(2))
-        self.head = torch.nn.Linear(8, 1)
-
-    def forward(self, x):
-        for mlp, gru in zip(self.mlps, self.grus):
-            x = x + mlp(x)
-            x = x + gru(x)[0]
-        return self.head(x[:, -1]).squeeze(-1)
-
-
-def test_selective_gives_back_the_products_as_computed_when_the_forward_then_writes_them(tmp_path):
-    """selective keeps the matrix products' outputs for backward: one the forward then writes in place is copied
-    first, so the recomputation gets it as computed (torch's selective checkpoint keeps the very tensor: the GRU's
-    gradients came out wrong, silently, and the in-place ReLU ended backward with torch's 'mutated' error)."""
-    g = torch.Generator().manual_seed(1)
-    batches = [torch.randn(4, 5, 8, generator=g) for _ in range(4)]
-    runs = {}
-    for mode in ("none", "selective"):
-        torch.manual_seed(0)
-        engine = angel_ptm.initialize(_WritesItsProducts(), {
-            "memory": {"page_bytes": "4KiB", "scheduler": "on_demand"}, "trainer": {"device": "cpu"},
-            "activations": {"checkpoint": mode}})
-        try:
-            losses = []
-            for x in batches:
-                loss = (engine(x) - x[:, -1].sum(-1).sin()).pow(2).mean()
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            runs[mode] = losses
-        finally:
-            engine.close()
-    assert runs["selective"] == runs["none"]
-
-
-def test_under_offload_the_estimate_bounds_a_skewed_routings_device_bytes(tmp_path):
-    """Under activations.offload the tensors an expert saves stay on the device when under offload_min_bytes; a
-    skewed routing leaves many experts' that small, which the trace's even deal of the rows pages: the estimate
-    bounds each layer's by min(their sum, their count x the threshold), so the measured peak stays within it (it
-    was 3.8-17.7x the estimate)."""
-    from angel_ptm.models import GPT, GPTConfig
-
-    g = torch.Generator().manual_seed(2)
-    weights = torch.tensor([0.8 ** i for i in range(64)])  # skewed token ids: skewed routing (hash of the token)
-    batches = [torch.multinomial(weights, 4 * 64, True, generator=g).view(4, 64) for _ in range(2)]
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(vocab_size=64, seq_len=64, n_layer=2, n_head=2, dim=64,
-                          moe={"experts": 8, "gate": "hash", "capacity_factor": 0.0}))
-    measured, estimate = _measured_and_estimated(model, {
-        "memory": {"page_bytes": "16KiB", "disk_dir": str(tmp_path)}, "trainer": {"device": "cpu"},
-        "data": {"batch_size": 4}, "activations": {"offload": "host", "offload_min_bytes": "8KiB"}}, batches)
-    assert 0 < measured <= estimate, (measured, estimate)
-
-
-def _measured_and_estimated(model, job, batches) -> tuple[int, int]:
-    """A GPT's activation peak as the trace measures it over `batches`, and the estimate's."""
-    engine = angel_ptm.initialize(model, job)
-    try:
-        for tokens in batches:
-            engine.backward(engine(tokens, tokens))
-            engine.step()
-        return engine.scheduler.last_trace.activation_peak, engine.estimate.activation_bytes
-    finally:
-        engine.close()
-
-
-class _ReadsThenUpdatesABuffer(torch.nn.Module):
-    """A unit whose forward reads a buffer, then updates it (a decay kept in a buffer, a step counter)."""
-
-    def __init__(self):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(_Decaying() for _ in range(2))
-
-    def forward(self, x):
-        for block in self.blocks:
-            x = block(x)
-        return x.pow(2).mean()
-
-
-class _Decaying(torch.nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.linear = torch.nn.Linear(8, 8)
-        self.register_buffer("scale", torch.ones(()))
-        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
-
-    def forward(self, x):
-        y = x + torch.tanh(self.linear(x)) * self.scale.clone() * (1 + self.calls)
-        with torch.no_grad():
-            self.scale.mul_(0.5)
-            self.calls += 1
-        return y
-
-
-@pytest.mark.parametrize("mode", ["full", "selective"])
-def test_the_recomputation_reads_the_buffers_as_the_forward_read_them(tmp_path, mode):
-    """A checkpointed unit's forward that reads a buffer and then updates it: the recomputation reads the value
-    the forward read (it read the updated one: losses off from the second step, silently), and the update is made
-    once."""
-    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(3))
-    runs = {}
-    for setting in ("none", mode):
-        torch.manual_seed(0)
-        model = _ReadsThenUpdatesABuffer()
-        engine = angel_ptm.initialize(model, {"memory": {"page_bytes": "4KiB"}, "trainer": {"device": "cpu"},
-                                              "activations": {"checkpoint": setting}})
-        try:
-            losses = []
-            for _ in range(3):
-                loss = engine(x)
-                engine.backward(loss)
-                engine.step()
-                losses.append(loss.item())
-            runs[setting] = losses, [(b.scale.item(), b.calls.item()) for b in model.blocks]
-        finally:
-            engine.close()
-    assert runs[mode] == runs["none"]
