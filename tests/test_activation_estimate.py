@@ -102,3 +102,35 @@ def measured_and_estimated(model, job, batches) -> tuple[int, int]:
         return engine.scheduler.last_trace.activation_peak, engine.estimate.activation_bytes
     finally:
         engine.close()
+
+
+def test_with_offload_host_and_no_disk_the_activation_pages_the_host_cannot_hold_count_on_the_device(tmp_path):
+    """activations.offload host without a disk tier: what the host cannot hold beside the states goes up to the
+    device (the manager's rule), so the device's expected peak counts it (it counted only the states: 70 pages
+    against 120 measured)."""
+    import json
+
+    from angel_ptm.models import GPT, GPTConfig
+    from angel_ptm.trace import TraceRecorder
+
+    page = 4096
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, dim=32))
+    trace = TraceRecorder(tmp_path / "trace.jsonl")
+    engine = angel_ptm.initialize(model, {"memory": {"page_bytes": page, "device_budget": 120 * page,
+                                                     "host_budget": 167 * page},
+                                          "trainer": {"device": "cpu"}, "activations": {"offload": "host"}},
+                                  trace=trace)
+    g = torch.Generator().manual_seed(1)
+    try:
+        for _ in range(3):
+            x = torch.randint(0, 64, (8, 16), generator=g)
+            engine.backward(engine(x, x))
+            engine.step()
+        expected = engine.estimate.peaks()["device"]
+    finally:
+        engine.close()
+        trace.close()
+    measured = max(json.loads(line).get("in_use", {}).get("device", 0)
+                   for line in (tmp_path / "trace.jsonl").read_text().splitlines())
+    assert expected == pytest.approx(measured, rel=0.10), (expected, measured)

@@ -194,4 +194,8 @@ def with_offload_peaks(peaks: dict[str, int], slots: dict[str, int], offload: st
     pages = lambda nbytes: -(-nbytes // page_bytes)  # noqa: E731
     host = peaks["host"] + (pages(paged - on_disk) if offload == "host" else 0)
     disk = peaks["disk"] + pages(on_disk)
-    return {**peaks, "host": min(host, slots["host"]), "disk": min(disk, slots["disk"]) if slots["disk"] else 0}
+    device = peaks["device"]
+    if not slots.get("disk") and host > slots["host"]:  # no disk: what the host cannot hold goes up to the device
+        device = min(device + host - slots["host"], slots.get("device", device + host - slots["host"]))
+    return {**peaks, "device": device, "host": min(host, slots["host"]),
+            "disk": min(disk, slots["disk"]) if slots["disk"] else 0}
