@@ -205,8 +205,36 @@ def dropout_streams(rank: int, world: int, spec: dict, tmp: str) -> dict:
     return out
 
 
+class _ResidualInside(nn.Module):
+    """An attention-like block (BERT's BertAttention) whose residual is added inside it, after the output
+    projection: as an `enter` module its input is used again after the row-parallel exit."""
+
+    def __init__(self):
+        super().__init__()
+        self.up, self.down, self.norm = nn.Linear(8, 16), nn.Linear(16, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.norm(self.down(torch.tanh(self.up(x))) + x)
+
+
+def residual_inside(rank: int, world: int, spec: dict, tmp: str) -> str:
+    from angel_ptm.config import load_config
+    from angel_ptm.errors import TensorParallelError
+    from angel_ptm.parallel.mesh import init_mesh
+
+    mesh = init_mesh(load_config({"parallel": {"tp": world}}).parallel)
+    torch.manual_seed(0)
+    model = nn.Sequential(_ResidualInside())
+    parallelize(model, TPComm(mesh), Plan(styles={"0": ("enter",), "0.up": ("colwise",), "0.down": ("rowwise",)}))
+    try:
+        model(torch.randn(2, 8)).sum().backward()
+    except TensorParallelError as err:
+        return str(err)
+    return "no error"
+
+
 SPECIAL = {"layers": layer_grads, "activations": activation_peaks, "state_dicts": whole_state_dicts,
-           "dropout": dropout_streams}
+           "dropout": dropout_streams, "residual_inside": residual_inside}
 
 
 def run_all(rank: int, world: int, specs: list, tmp: str) -> dict:
@@ -229,7 +257,8 @@ DROPOUT_JOBS = [dict(name=f"dropout-{'sp' if sp else 'tp'}", kind="dropout", sp=
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("tp2")
-    jobs = list(TP_JOBS) + LAYER_JOBS + ACTIVATION_JOBS + [STATE_DICT_JOB] + DROPOUT_JOBS
+    jobs = list(TP_JOBS) + LAYER_JOBS + ACTIVATION_JOBS + [STATE_DICT_JOB] + DROPOUT_JOBS + [
+        dict(name="residual-inside", kind="residual_inside")]
     return values(spawn(2, run_all, (jobs, str(tmp)), tmp))
 
 
@@ -289,6 +318,14 @@ def test_tp2_gives_the_one_rank_losses_within_1e_5(two_ranks, name, tmp_path):
     assert two_ranks[1][name]["losses"] == got["losses"]  # the loss is whole on every tp rank
     # bf16: each rank's partial products are rounded to bf16 before the sum over tp (one rank rounds the sum)
     assert_close(got["losses"], one_rank(spec, tmp_path)["losses"], rel=1e-5 if spec["dtype"] == "float32" else 1e-2)
+
+
+def test_an_enter_module_using_its_input_after_its_row_parallel_exit_is_refused(two_ranks):
+    """A residual added inside the `enter` module, after the exit (a plan putting 'enter' on BERT's attention): the
+    input's gradient, all-reduced at the entry, would be summed over the tp ranks (losses 1e-3 off, silently):
+    refused at the first forward, on every rank."""
+    for rank in range(2):
+        assert "('enter') uses its input again after its row-parallel exit" in two_ranks[rank]["residual-inside"]
 
 
 def test_sequence_parallelism_adds_its_collectives(two_ranks):

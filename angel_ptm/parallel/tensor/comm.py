@@ -36,6 +36,7 @@ class TPComm:
         self.collectives = Collectives(mesh, group=mesh.tp_ranks) if mesh.tp > 1 else None
         self.random = ShardedRandom(self.rank, self.size)  # dropout's streams (rng.py)
         self.stashes: list = []  # the `enter` modules running now: their WeightGradStash (layers.py), or None
+        self.regions: list = []  # per `enter` module running now: whether its row-parallel exit has not run yet
         self.overlapped = 0  # region entries whose backward collective ran beside weight gradients, cumulative
 
     @classmethod
@@ -46,7 +47,7 @@ class TPComm:
         comm.mesh, comm.rank, comm.size = None, 0, tp
         comm.sequence_parallel, comm.collectives = sequence_parallel and tp > 1, None
         comm.random = ShardedRandom(0, tp)
-        comm.stashes, comm.overlapped = [], 0
+        comm.stashes, comm.regions, comm.overlapped = [], [], 0
         return comm
 
     def set_trace(self, trace) -> None:

@@ -43,7 +43,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
 from angel_ptm.errors import TensorParallelError
+from angel_ptm.parallel.collectives import FAKE_TRACE
 from angel_ptm.parallel.tensor.comm import TPComm, copy_to, scatter_seq
 from angel_ptm.parallel.tensor.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                               anchored_entry)
@@ -191,7 +196,7 @@ def _apply(model: nn.Module, name: str, style: str, comm: TPComm, shared: dict, 
         replace = VocabParallelEmbedding.from_embedding(module, comm, shared, name,
                                                         whole=style == "vocab_embed_whole")
     elif style == "enter":
-        _anchor_entry(module, comm)
+        _anchor_entry(module, comm, name)
         if random:
             comm.random.scope(module)
     elif style == "seq_sharded":
@@ -253,7 +258,7 @@ def _first_input(transform):
     return hook
 
 
-def _anchor_entry(module: nn.Module, comm: TPComm) -> None:
+def _anchor_entry(module: nn.Module, comm: TPComm, name: str = "") -> None:
     """`module`'s input enters the region (enter_region) through an anchor for the column-parallel linears in it,
     whose weight gradients are then computed while the input gradient's collective runs (layers.WeightGradStash)."""
     weights: list = []  # found at the first forward: a later style may still replace the module (vocab_output)
@@ -264,20 +269,43 @@ def _anchor_entry(module: nn.Module, comm: TPComm) -> None:
             found.append(True)
             weights.extend(m.weight for m in mod.modules() if isinstance(m, ColumnParallelLinear))
             for inner in mod.modules():  # a whole parameter used inside on this rank's share (Qwen3's per-head
-                # q/k norms): its gradient is a partial sum, all-reduced over tp
-                if not isinstance(inner, PARALLEL) and any(p.requires_grad for p in inner._parameters.values()
-                                                           if p is not None):
-                    _reduce_param_grads(inner, comm)
+                # q/k norms): its gradient is a partial sum, all-reduced over tp -- up to the row-parallel exit,
+                # after which the activations are whole again (BERT's output LayerNorm): its gradient too
+                if isinstance(inner, RowParallelLinear):
+                    inner.register_forward_hook(_exit_region(comm))
+                elif not isinstance(inner, PARALLEL) and any(p.requires_grad for p in inner._parameters.values()
+                                                             if p is not None):
+                    _reduce_param_grads(inner, comm, in_region=True)
         comm.stashes.append(None)  # (first: the forward hook pops one whatever happens next)
+        comm.regions.append(True)
+        entered = []
 
         def anchored(x):
             x, comm.stashes[-1] = anchored_entry(x, comm, weights)
+            entered.append(x)
             return x
-        return _first_input(anchored)(mod, args, kwargs)
+        out = _first_input(anchored)(mod, args, kwargs)
+        if not watched and comm.size > 1 and not getattr(FAKE_TRACE, "on", False) and entered:
+            watched.append(_InputAfterExit(comm, entered[0]))  # the first real forward: checked once
+            watched[-1].__enter__()
+        return out
 
     def leave(*_):
         if comm.stashes:
             comm.stashes.pop()
+        if comm.regions:
+            comm.regions.pop()
+        if watched and watched[-1].active:
+            watched[-1].__exit__(None, None, None)
+            watched[-1].active = False
+            if watched[-1].used:
+                raise TensorParallelError(
+                    f"tensor-parallel plan: {name or type(module).__name__} ('enter') uses its input again after its "
+                    f"row-parallel exit (a residual inside it): that input's gradient would be summed over the tp "
+                    f"ranks; put 'enter' on the module holding only the split part (BERT's attention.self, not "
+                    f"attention)")
+
+    watched: list = []
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
     module.register_forward_hook(leave, always_call=True)
@@ -286,15 +314,42 @@ def _anchor_entry(module: nn.Module, comm: TPComm) -> None:
 PARALLEL = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
 
 
-def _reduce_param_grads(module: nn.Module, comm: TPComm) -> None:
+class _InputAfterExit(TorchDispatchMode):
+    """Watches an `enter` module's first forward for an op that reads its entered input after the row-parallel
+    exit (the split part is over: the input is used on whole activations, whose gradient the entry all-reduces)."""
+
+    def __init__(self, comm: TPComm, entered: torch.Tensor):
+        super().__init__()
+        self.comm, self.key = comm, StorageWeakRef(entered.untyped_storage()).cdata
+        self.used, self.active = False, True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not self.used and self.comm.regions and not self.comm.regions[-1]:
+            self.used = any(isinstance(t, torch.Tensor) and StorageWeakRef(t.untyped_storage()).cdata == self.key
+                            for t in tree_leaves((args, kwargs)))
+        return func(*args, **(kwargs or {}))
+
+
+def _exit_region(comm: TPComm):
+    """A row-parallel linear's forward hook: the `enter` module it runs in has left its split part."""
+    def hook(*_):
+        if comm.regions:
+            comm.regions[-1] = False
+    return hook
+
+
+def _reduce_param_grads(module: nn.Module, comm: TPComm, in_region: bool = False) -> None:
     """While `module` runs, its own parameters pass through copy_to: identity forward, gradient all-reduced over tp
-    (each rank saw only its sequence shard, or its share of the heads). Once per module."""
+    (each rank saw only its sequence shard, or its share of the heads). Once per module. `in_region`: only where
+    it runs in an `enter` module before that module's row-parallel exit."""
     if getattr(module, "_angel_tp_reduced", False):
         return
     module._angel_tp_reduced = True
     forward = module.forward
 
     def sequence_parallel_forward(*args, **kwargs):
+        if in_region and not (comm.regions and comm.regions[-1]):  # on whole activations: a whole gradient
+            return forward(*args, **kwargs)
         own = {k: p for k, p in module._parameters.items() if p is not None and p.requires_grad}
         try:
             for key, param in own.items():
