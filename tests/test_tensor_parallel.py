@@ -426,6 +426,10 @@ def test_a_plan_naming_a_module_the_model_lacks_is_a_typed_error():
         plan_for(model)
     with pytest.raises(TensorParallelError, match="1 is a ReLU; style 'colwise' takes an nn.Linear"):
         parallelize(model, fake_comm(), Plan(styles={"1": ("colwise",)}))
+    # nn.MultiheadAttention reads its out_proj's weight itself: the split would fail at the first forward
+    encoder = nn.Sequential(nn.TransformerEncoderLayer(8, 2, 16, batch_first=True))
+    with pytest.raises(TensorParallelError, match="0.self_attn.out_proj is an nn.MultiheadAttention's projection"):
+        parallelize(encoder, fake_comm(), Plan(styles={"0.self_attn.out_proj": ("rowwise",)}))
 
 
 def test_ops_on_vocabulary_sharded_logits_other_than_the_loss_are_refused():

@@ -185,6 +185,11 @@ def _apply(model: nn.Module, name: str, style: str, comm: TPComm, shared: dict, 
     module = model.get_submodule(name)
     parent_name, _, leaf = name.rpartition(".")
     replace = None
+    if style in ("colwise", "rowwise", "vocab_output") and \
+            isinstance(model.get_submodule(parent_name) if parent_name else model, nn.MultiheadAttention):
+        raise TensorParallelError(f"tensor-parallel plan: {name} is an nn.MultiheadAttention's projection, whose "
+                                  f"weight the attention reads itself (F.multi_head_attention_forward), never "
+                                  f"calling it: style '{style}' cannot split it; leave it out of the plan")
     if style in ("colwise", "vocab_output"):
         _expect(module, nn.Linear, name, style)
         replace = ColumnParallelLinear.from_linear(module, comm, shared, name, vocab_output=style == "vocab_output")
