@@ -29,6 +29,18 @@ def test_auto_budgets_count_the_whole_pages_a_budget_holds():
     assert estimate_job({"memory": {"page_bytes": "16KiB", "device_budget": "100KiB"}}, model).fits
 
 
+def test_offload_hosts_pages_the_host_cannot_hold_keep_an_auto_disk_tier_whatever_holds_the_states():
+    """activations.offload host: a host budget that holds the states but not the activation pages beside them
+    keeps the auto disk tier for them to spill to (it dropped it: refused at 500-896 pages where 400 and 897
+    were accepted)."""
+    cpu, page, states, acts = torch.device("cpu"), 4 * KiB, 400 * KiB, 200 * KiB
+    spare = {host: plan_budgets(40 * KiB, host, "auto", states, cpu, page, activation_bytes=acts,
+                                activation_tier="host").disk for host in (300 * KiB, 400 * KiB, 700 * KiB)}
+    assert spare[300 * KiB] > 0 and spare[400 * KiB] > 0  # (the states need the disk at 300 KiB already)
+    assert spare[700 * KiB] == 0  # the host holds both: no disk tier
+    assert plan_budgets(40 * KiB, 400 * KiB, "auto", states, cpu, page).disk == 0  # (no activation pages)
+
+
 @pytest.mark.parametrize("budgets", [("auto", "auto", "auto"), (256 * KiB, "auto", "auto"),
                                      (64 * KiB, 128 * KiB, "auto"), (64 * KiB, 64 * KiB, 8 * MiB)])
 def test_auto_host_budget_leaves_room_to_rotate_the_largest_layer(budgets, tmp_path):

@@ -56,9 +56,12 @@ def plan_budgets(device_budget, host_budget, disk_budget, states_bytes: int, dev
         room = whole(device_budget) - gathered_bytes
         if 0 < room < states_bytes and not needed_on_disk:
             needed_on_disk = max(0, states_bytes - max(0, room - slack_bytes) - whole(host_budget))
-        # With activation pages on disk there is a disk tier, so any page may get its home slot there too.
-        # Activation pages may spill to a disk tier too, and with them on disk any page may get its home slot there.
-        on_disk = bool(needed_on_disk) or activation_tier == "disk"
+        # With activation pages on disk there is a disk tier, so any page may get its home slot there too,
+        # and so may offload host's, where the host cannot hold them beside the states it keeps (a larger host
+        # budget that let the states off the disk otherwise left them nowhere: refused, where a smaller one ran)
+        host_spare = whole(host_budget) - max(0, states_bytes - whole(device_budget))
+        spill = activation_tier == "host" and activation_bytes > max(0, host_spare)
+        on_disk = bool(needed_on_disk) or activation_tier == "disk" or spill
         disk_budget = states_bytes + activation_bytes if on_disk else 0
     return Budgets(device_budget, host_budget, int(disk_budget))
 
